@@ -1,0 +1,34 @@
+"""The `beamrl` command line: a thin dispatcher over `beamrl.commands`."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from beamrl.commands import COMMANDS
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="beamrl", description="RL post-training for the Beam MoE.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for module_name in COMMANDS:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            if e.name == module_name:  # command not written yet
+                continue
+            raise
+        p = sub.add_parser(module.NAME, help=module.HELP, description=module.HELP)
+        module.add_arguments(p)
+        p.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args._run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

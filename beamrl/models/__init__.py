@@ -1,0 +1,1 @@
+"""Model definitions owned by beamrl (the Beam reference model and its checkpoint format)."""

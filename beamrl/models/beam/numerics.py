@@ -1,0 +1,155 @@
+"""Beam's numeric rules as small eager functions, with SGLang's GPU rounding points (beam-numerics.md §3).
+
+Every Beam implementation in beamrl (reference model, Megatron modules on CPU, the eager references of the
+Triton kernels) calls these, so a rule lives in exactly one place. Each function rounds to the dtype of its
+activation input where the contract rounds; in float32 every rounding is the identity.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+SSMAX_BASE = 2048.0
+SSMAX_EXPONENT = 0.1
+RENORM_EPS = 1e-20
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`bf16(fp32(x) * rsqrt(mean(fp32(x)^2) + eps) * fp32(w))`: one rounding, weight used as stored (§3.2)."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return (y * weight.float()).to(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, device=None) -> torch.Tensor:
+    """FP32 inverse frequencies `1 / theta^(2j/d)` of NeoX split-half RoPE (rotary_dim = head_dim)."""
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim
+    return 1.0 / (theta ** exponent)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP32 cos/sin of shape [..., head_dim/2] for integer positions (§3.4; SGLang keeps the cache in FP32)."""
+    freqs = positions.to(torch.float32).unsqueeze(-1) * rope_inv_freq(head_dim, theta, positions.device)
+    return freqs.cos(), freqs.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [..., heads, head_dim] in FP32 (NeoX split-half) and round once. cos/sin: [..., head_dim/2]."""
+    xf = x.float()
+    half = xf.shape[-1] // 2
+    x1, x2 = xf[..., :half], xf[..., half:]
+    c, s = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+
+
+def ssmax_scale(positions: torch.Tensor) -> torch.Tensor:
+    """`exp(0.1 * log1p((p + 1) / 2048))` in FP32 from 0-based positions within each sequence (§3.5)."""
+    return torch.exp(SSMAX_EXPONENT * torch.log1p((positions.float() + 1) / SSMAX_BASE))
+
+
+def apply_ssmax(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`bf16(fp32(q) * s(p))` for q [..., heads, head_dim] and scale [...] (one rounding; q only)."""
+    return (q.float() * scale.unsqueeze(-1).unsqueeze(-1)).to(q.dtype)
+
+
+def output_gate(o: torch.Tensor, g: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """`bf16(o * bf16(sigmoid(bf16(g + b_h))))` per head (§3.7): three roundings.
+
+    o, g: [..., heads, head_dim]; bias: [heads]. Each op runs on tensors of o's dtype, so PyTorch computes it
+    in FP32 and rounds once per op, which is exactly the contract's three roundings."""
+    b = bias.to(g.dtype).unsqueeze(-1)
+    return o * torch.sigmoid(g + b)
+
+
+def depth_scaled_residual(branch: torch.Tensor, residual: torch.Tensor, scales: tuple[float, float]) -> torch.Tensor:
+    """`bf16(bf16(x * s_b) + bf16(h * s_r))` (§3.8): both scaled operands rounded, then the add rounded.
+
+    `scales` are Python floats from `BeamConfig.residual_scales` (SGLang's `math.sqrt` values)."""
+    branch_scale, residual_scale = scales
+    residual = residual.to(branch.dtype)
+    return branch * branch_scale + residual * residual_scale
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """`bf16(silu(fp32 gate) * fp32 up)`: the GPU path's single rounding (§3.9; the CPU engine rounds twice)."""
+    return (F.silu(gate.float()) * up.float()).to(gate.dtype)
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """FP32 router logits `fp32(x) @ W^T` with the FP32 router weight (§3.10.1)."""
+    return torch.matmul(x.float(), weight.float().t())
+
+
+def grouped_topk(logits: torch.Tensor, correction_bias: torch.Tensor, top_k: int, n_group: int,
+                 topk_group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 grouped sigmoid routing as SGLang's `biased_grouped_topk_impl` (topk.py:1780-1862).
+
+    Select on `sigmoid(z) + bias`: group score = sum of the top-2 biased scores per group, keep `topk_group`
+    groups, take the top-k experts among them. Weights are the *unbiased* sigmoid scores renormalised as
+    `w / (sum w + 1e-20)` in FP32. Returns (weights fp32 [T, k], ids int64 [T, k]); the 2.5 scale is not here.
+    """
+    scores = torch.sigmoid(logits.float())
+    t, e = scores.shape
+    choice = scores + correction_bias.float().view(1, e)
+    group_scores = choice.view(t, n_group, -1).topk(2, dim=-1)[0].sum(dim=-1)
+    group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0)
+    expert_mask = group_mask.unsqueeze(-1).expand(t, n_group, e // n_group).reshape(t, e)
+    masked = choice.masked_fill(~expert_mask.bool(), float("-inf"))
+    ids = torch.topk(masked, k=top_k, dim=-1, sorted=False)[1]
+    return routing_weights(scores, ids), ids
+
+
+def routing_weights(scores: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Renormalised FP32 weights of the chosen experts from the live sigmoid scores (also used for replay)."""
+    w = scores.gather(1, ids)
+    return w / (w.sum(dim=-1, keepdim=True, dtype=torch.float32) + RENORM_EPS)
+
+
+def expert_output(x: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor, down_w: torch.Tensor,
+                  weight: torch.Tensor) -> torch.Tensor:
+    """One expert for its tokens: `bf16(w * acc_fp32(down(bf16(silu(g) * u))))` (§3.10.7).
+
+    The routing weight multiplies the FP32 accumulator of the down GEMM before its single rounding, as the
+    fused MoE kernel's epilogue does. weight: FP32 [tokens]."""
+    act = swiglu(F.linear(x, gate_w), F.linear(x, up_w))
+    acc = torch.matmul(act.float(), down_w.float().t())
+    return (acc * weight.float().unsqueeze(-1)).to(x.dtype)
+
+
+def moe_combine(per_expert: torch.Tensor, scaling: float) -> torch.Tensor:
+    """`bf16(scaling * sum_k fp32(y_k))` over per_expert [T, k, H] (§3.10.8): the 2.5 scale, applied once."""
+    return (per_expert.float().sum(dim=1) * scaling).to(per_expert.dtype)
+
+
+def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """`cap * tanh(fp32(logits) / cap)` in FP32 (§3.11); None disables the cap (still FP32)."""
+    lf = logits.float()
+    return lf if cap is None else torch.tanh(lf / cap) * cap
+
+
+def sliding_window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Boolean [q, k] visibility: causal, and with a window key j is visible iff i - (window-1) <= j <= i (§3.6)."""
+    diff = q_pos.unsqueeze(-1) - k_pos.unsqueeze(0)
+    visible = diff >= 0
+    if window is not None:
+        visible &= diff < window
+    return visible
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Eager GQA attention, scale head_dim^-0.5, no logit cap. q [Tq, Hq, D], k/v [Tk, Hkv, D], mask [Tq, Tk].
+
+    Scores and softmax in FP32, output rounded to q's dtype (the contract for what the GPU kernels compute;
+    their tiling cannot be matched bit for bit, beam-numerics.md §6)."""
+    hq, hkv, d = q.shape[1], k.shape[1], q.shape[2]
+    rep = hq // hkv
+    kf = k.float().repeat_interleave(rep, dim=1)
+    vf = v.float().repeat_interleave(rep, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), kf) * (1.0 / math.sqrt(d))
+    scores = scores.masked_fill(~mask.unsqueeze(0), float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, vf).to(q.dtype)

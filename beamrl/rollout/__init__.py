@@ -1,0 +1,1 @@
+"""Rollout engines: the protocol, SGLang engines and the embedded `native` engine."""
