@@ -26,7 +26,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # argparse cannot put positionals after an option ("train R --dry-run a=b"): trailing key=value
+    # words go to a command's `overrides` positional; anything else is still an error.
+    if extra:
+        if hasattr(args, "overrides") and all("=" in x and not x.startswith("-") for x in extra):
+            args.overrides = [*args.overrides, *extra]
+        else:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
     return int(args._run(args) or 0)
 
 

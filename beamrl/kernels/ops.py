@@ -88,7 +88,7 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_wei
         kn = numerics.apply_rope(numerics.rms_norm(k, k_weight, eps), cos, sin)
         return qn, kn
     _check_triton_device("qk_norm_rope", q, k)
-    from beamrl.kernels.qk_norm_rope import fused_qk_norm_rope
+    from beamrl.kernels.qk_norm import fused_qk_norm_rope
 
     return fused_qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps)
 
@@ -102,7 +102,7 @@ def qk_norm_ssmax(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_we
         qn = numerics.apply_ssmax(numerics.rms_norm(q, q_weight, eps), scale)
         return qn, numerics.rms_norm(k, k_weight, eps)
     _check_triton_device("qk_norm_ssmax", q, k)
-    from beamrl.kernels.qk_norm_ssmax import fused_qk_norm_ssmax
+    from beamrl.kernels.qk_norm import fused_qk_norm_ssmax
 
     return fused_qk_norm_ssmax(q, k, q_weight, k_weight, scale, eps)
 
@@ -160,13 +160,22 @@ def route(x: torch.Tensor, router_weight_fp32: torch.Tensor, correction_bias: to
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, window: Optional[int],
-              backend: AttentionBackend = "eager") -> torch.Tensor:
+              backend: AttentionBackend = "eager", block_mask=None) -> torch.Tensor:
     """Packed (THD) causal GQA attention, scale head_dim^-0.5, with an optional sliding window.
 
     q [T, Hq, D], k/v [T, Hkv, D]; cu_seqlens int [B+1] with cu_seqlens[0] = 0 and cu_seqlens[-1] = T. Key j is
     visible to query i iff both are in the same sequence and i - (window-1) <= j <= i (window=None: full
-    causal). Returns [T, Hq, D] in q's dtype."""
+    causal). Returns [T, Hq, D] in q's dtype.
+
+    block_mask: optional prebuilt `flex_attention.packed_block_mask(cu_seqlens, T, window, device)` for the
+    flex backend (the trainer builds it once per micro-batch; it also keeps host syncs out of compiled code)."""
     _check_backend("attention", backend, _ATTENTION_BACKENDS)
+    if block_mask is not None:
+        if backend == "eager":
+            raise KernelBackendError("attention: block_mask is only used by the flex/triton backend")
+        from beamrl.kernels.flex_attention import packed_flex_attention
+
+        return packed_flex_attention(q, k, v, cu_seqlens, window, block_mask=block_mask)
     _check_cu_seqlens(cu_seqlens, q.shape[0])
     if backend == "eager":
         out = torch.empty_like(q)

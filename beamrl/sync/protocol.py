@@ -72,6 +72,11 @@ class WeightReceiver(abc.ABC):
     Every method raises `WeightSyncError` (with the engine's message) on `success=False` or timeout."""
 
     @property
+    def name(self) -> str:
+        """Engine name used in error messages (override with e.g. 'sglang-0@host:port')."""
+        return type(self).__name__
+
+    @property
     @abc.abstractmethod
     def tp_size(self) -> int:
         """Number of engine TP ranks (one colocated payload per rank)."""
@@ -101,6 +106,13 @@ class WeightReceiver(abc.ABC):
 
     @abc.abstractmethod
     def update_weights_from_disk(self, path: str, timeout: float) -> None: ...
+
+    def update_weight_version(self, new_version: int, timeout: float) -> None:
+        """Set the served weight version outside a session (after `update_weights_from_disk`; SGLang:
+        `POST /update_weight_version`). Added by the weight-sync work; receivers that support the disk
+        transport override it."""
+        raise WeightSyncError(f"{self.name}: update_weight_version is not implemented, so the disk transport "
+                              f"cannot version this engine")
 
     @abc.abstractmethod
     def end_weight_update(self, new_version: int, timeout: float) -> None:

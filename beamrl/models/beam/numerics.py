@@ -132,8 +132,10 @@ def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
 
 
 def sliding_window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
-    """Boolean [q, k] visibility: causal, and with a window key j is visible iff i - (window-1) <= j <= i (§3.6)."""
-    diff = q_pos.unsqueeze(-1) - k_pos.unsqueeze(0)
+    """Boolean [..., q, k] visibility: causal, and with a window key j is visible iff i - (window-1) <= j <= i (§3.6).
+
+    q_pos [..., q] and k_pos [..., k] are absolute positions (optional shared leading batch dims)."""
+    diff = q_pos.unsqueeze(-1) - k_pos.unsqueeze(-2)
     visible = diff >= 0
     if window is not None:
         visible &= diff < window
@@ -141,15 +143,17 @@ def sliding_window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | 
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Eager GQA attention, scale head_dim^-0.5, no logit cap. q [Tq, Hq, D], k/v [Tk, Hkv, D], mask [Tq, Tk].
+    """Eager GQA attention, scale head_dim^-0.5, no logit cap. q [..., Tq, Hq, D], k/v [..., Tk, Hkv, D],
+    mask [..., Tq, Tk] (optional leading batch dims, shared by q, k, v and mask).
 
     Scores and softmax in FP32, output rounded to q's dtype (the contract for what the GPU kernels compute;
-    their tiling cannot be matched bit for bit, beam-numerics.md §6)."""
-    hq, hkv, d = q.shape[1], k.shape[1], q.shape[2]
+    their tiling cannot be matched bit for bit, beam-numerics.md §6). A query row with no visible key yields NaN:
+    callers must give every real query at least itself."""
+    hq, hkv, d = q.shape[-2], k.shape[-2], q.shape[-1]
     rep = hq // hkv
-    kf = k.float().repeat_interleave(rep, dim=1)
-    vf = v.float().repeat_interleave(rep, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q.float(), kf) * (1.0 / math.sqrt(d))
-    scores = scores.masked_fill(~mask.unsqueeze(0), float("-inf"))
+    kf = k.float().repeat_interleave(rep, dim=-2)
+    vf = v.float().repeat_interleave(rep, dim=-2)
+    scores = torch.einsum("...qhd,...khd->...hqk", q.float(), kf) * (1.0 / math.sqrt(d))
+    scores = scores.masked_fill(~mask.unsqueeze(-3), float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    return torch.einsum("hqk,khd->qhd", probs, vf).to(q.dtype)
+    return torch.einsum("...hqk,...khd->...qhd", probs, vf).to(q.dtype)

@@ -8,6 +8,7 @@ weight sync. The canonical expert layout is per-expert (`mlp.experts.{e}.{gate,u
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
@@ -81,8 +82,12 @@ def random_state_dict(config: BeamConfig, seed: int, dtype: torch.dtype = torch.
     gate bias ~ N(0, 0.5); router ~ N(0, 4/H) in FP32 and correction bias ~ N(0, 0.01^2) in FP32, so that
     routing depends on the input and on the bias. Generated in FP32 on CPU, then cast.
     """
+    return dict(random_tensors(config, seed, dtype))
+
+
+def random_tensors(config: BeamConfig, seed: int, dtype: torch.dtype = torch.bfloat16) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of `random_state_dict`, generated one at a time in table order (streams a huge checkpoint)."""
     g = torch.Generator().manual_seed(seed)
-    out: dict[str, torch.Tensor] = {}
     for name, spec in expected_tensors(config).items():
         if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
             t = 1.0 + 0.1 * torch.randn(spec.shape, generator=g)
@@ -96,5 +101,4 @@ def random_state_dict(config: BeamConfig, seed: int, dtype: torch.dtype = torch.
             t = torch.randn(spec.shape, generator=g)
         else:
             t = torch.randn(spec.shape, generator=g) / spec.shape[-1] ** 0.5
-        out[name] = t.to(spec.dtype(dtype)).contiguous()
-    return out
+        yield name, t.to(spec.dtype(dtype)).contiguous()

@@ -1,0 +1,167 @@
+"""Policy losses, chosen by name from `POLICY_LOSSES`: `fn(LossInputs, PolicyLossConfig) -> LossOutputs`.
+
+"ppo_clip" (PPO with DAPO clip-higher), per loss token t with ratio_t = exp(logprob_t - old_logprob_t):
+
+    l_t = max(-A_t * ratio_t, -A_t * clip(ratio_t, 1 - eps_low, 1 + eps_high)) * w_t + kl_coef * kl_t
+
+w_t is the off-policy correction weight against the rollout policy (`importance`, 1 when off), kl_t the
+KL(policy || reference) estimate (`kl`, 0 when off). The token losses are reduced by `aggregation`
+with the step-wide normaliser from `loss_normalizer` (see `beamrl.algorithms.aggregation`).
+
+Example (one micro-batch that is the whole step):
+    >>> import torch
+    >>> from beamrl.algorithms import POLICY_LOSSES, LossInputs, PolicyLossConfig
+    >>> lp = torch.tensor([-1.0, -2.0], requires_grad=True)
+    >>> out = POLICY_LOSSES.get("ppo_clip")(
+    ...     LossInputs(logprobs=lp, old_logprobs=lp.detach(), advantages=torch.tensor([1.0, -1.0]),
+    ...                loss_mask=torch.tensor([True, True]), seq_ids=torch.tensor([0, 0])),
+    ...     PolicyLossConfig(eps_low=0.2, eps_high=0.28))
+    >>> out.loss.backward(); lp.grad.tolist()
+    [-0.5, 0.5]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from beamrl.algorithms.aggregation import AGGREGATIONS, aggregate, check_aggregation, masked_mean
+from beamrl.algorithms.importance import ImportanceConfig, importance_weights
+from beamrl.algorithms.kl import KLConfig, token_kl
+from beamrl.registry import Registry
+
+POLICY_LOSSES: Registry = Registry("policy loss")
+
+
+@dataclass
+class LossInputs:
+    """One micro-batch, flattened to its T response tokens.
+
+    logprobs: current policy (carries the graph). old_logprobs: the policy that the PPO ratio is taken
+    against (pi_old, recomputed by the trainer; pass logprobs.detach() for a single on-policy update).
+    rollout_logprobs: the engine's logprobs (needed when `PolicyLossConfig.importance` is set).
+    ref_logprobs: reference policy (needed when `PolicyLossConfig.kl.coef > 0`).
+    advantages: per token (see `advantages.per_token`). loss_mask: bool, True on trained tokens.
+    seq_ids: the sequence (0..n_seqs-1 within this micro-batch) of each token.
+    normalizer: this step's denominator, summed over all its micro-batches (`loss_normalizer`);
+    None treats this micro-batch as the whole step.
+    """
+
+    logprobs: torch.Tensor
+    old_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    loss_mask: torch.Tensor
+    seq_ids: torch.Tensor
+    rollout_logprobs: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
+    normalizer: float | None = None
+
+    def __post_init__(self) -> None:
+        shape = self.logprobs.shape
+        if self.logprobs.dim() != 1:
+            raise ValueError(f"LossInputs.logprobs must be 1-D [T], got shape {tuple(shape)}")
+        for name in ("old_logprobs", "advantages", "loss_mask", "seq_ids", "rollout_logprobs", "ref_logprobs"):
+            t = getattr(self, name)
+            if t is not None and t.shape != shape:
+                raise ValueError(f"LossInputs.{name} has shape {tuple(t.shape)}, logprobs has {tuple(shape)}")
+        if self.seq_ids.dtype.is_floating_point:
+            raise ValueError(f"LossInputs.seq_ids must be integer, got {self.seq_ids.dtype}")
+
+
+@dataclass
+class LossOutputs:
+    """loss: scalar to backward. metrics: detached 0-dim tensors (means over this micro-batch's loss tokens;
+    no host sync until the logger reads them)."""
+
+    loss: torch.Tensor
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PolicyLossConfig:
+    """eps_low/eps_high: clip range [1 - eps_low, 1 + eps_high] (DAPO clip-higher: 0.2 / 0.28).
+    aggregation: one of AGGREGATIONS. importance: off-policy correction vs rollout logprobs (None = off).
+    kl: KL(policy || reference) loss term (coef 0 = off)."""
+
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    aggregation: str = "token-mean"
+    importance: ImportanceConfig | None = None
+    kl: KLConfig = field(default_factory=KLConfig)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.eps_low < 1:
+            raise ValueError(f"PolicyLossConfig.eps_low={self.eps_low} must be in [0, 1)")
+        if not self.eps_high >= 0:
+            raise ValueError(f"PolicyLossConfig.eps_high={self.eps_high} must be >= 0")
+        check_aggregation(self.aggregation)
+
+
+def _masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return torch.where(mask, x, torch.zeros_like(x))
+
+
+@POLICY_LOSSES.register("ppo_clip")
+def ppo_clip_loss(inputs: LossInputs, cfg: PolicyLossConfig) -> LossOutputs:
+    """PPO-clip with separate low/high clip (see module doc)."""
+    mask = inputs.loss_mask.to(torch.bool)
+    # Masked positions may hold padding garbage (NaN, -inf). Replace them by constants up front: where()
+    # sends no gradient to the unselected input, and nothing downstream can form inf*0 = NaN gradients.
+    logprobs = _masked(inputs.logprobs, mask)
+    old_logprobs = _masked(inputs.old_logprobs.detach(), mask)
+    adv = _masked(inputs.advantages.to(logprobs.dtype), mask)
+    log_ratio = logprobs - old_logprobs
+    ratio = log_ratio.exp()
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
+    tok_loss = torch.maximum(unclipped, clipped)
+
+    metrics: dict[str, torch.Tensor] = {}
+    if cfg.importance is not None:
+        if inputs.rollout_logprobs is None:
+            raise ValueError("PolicyLossConfig.importance is set but LossInputs.rollout_logprobs is None")
+        rollout = _masked(inputs.rollout_logprobs, mask)
+        imp = importance_weights(old_logprobs, rollout, mask, inputs.seq_ids, cfg.importance)
+        tok_loss = tok_loss * imp.weights.to(tok_loss.dtype)
+        metrics.update({f"is/{k}": v for k, v in imp.metrics.items()})
+    elif inputs.rollout_logprobs is not None:  # still worth watching without a correction
+        diff = (old_logprobs - _masked(inputs.rollout_logprobs, mask)).detach().abs()
+        metrics["is/train_rollout_logprob_abs_diff"] = masked_mean(diff, mask)
+
+    if cfg.kl.coef > 0:
+        if inputs.ref_logprobs is None:
+            raise ValueError(f"PolicyLossConfig.kl.coef={cfg.kl.coef} but LossInputs.ref_logprobs is None")
+        kl = token_kl(logprobs, _masked(inputs.ref_logprobs.detach(), mask), cfg.kl)
+        kl = torch.where(mask, kl, torch.zeros_like(kl))
+        tok_loss = tok_loss + cfg.kl.coef * kl
+        metrics["kl_loss"] = masked_mean(kl.detach(), mask)
+
+    loss = aggregate(tok_loss, mask, inputs.seq_ids, cfg.aggregation, inputs.normalizer)
+
+    with torch.no_grad():
+        pos, neg = adv > 0, adv < 0
+        clip_high = mask & pos & (ratio > 1.0 + cfg.eps_high)  # gradient stopped by the upper clip
+        clip_low = mask & neg & (ratio < 1.0 - cfg.eps_low)  # gradient stopped by the lower clip
+        lr = log_ratio.detach()
+        r = ratio.detach()
+        big = torch.finfo(r.dtype).max
+        any_tok = mask.any()  # stays on device: no host sync
+        metrics.update(
+            {
+                "pg_loss": aggregate(torch.maximum(unclipped, clipped).detach(), mask, inputs.seq_ids, cfg.aggregation),
+                "clip_fraction": masked_mean((clip_high | clip_low).float(), mask),
+                "clip_fraction_high": masked_mean(clip_high.float(), mask),
+                "clip_fraction_low": masked_mean(clip_low.float(), mask),
+                "ppo_kl": masked_mean(-lr, mask),  # k1(old || new), as miles/verl log it
+                "approx_kl": masked_mean(torch.expm1(-lr) + lr, mask),  # k3, >= 0
+                "ratio_mean": masked_mean(r, mask),
+                "ratio_max": torch.where(any_tok, torch.where(mask, r, torch.full_like(r, -big)).max(), 0.0),
+                "ratio_min": torch.where(any_tok, torch.where(mask, r, torch.full_like(r, big)).min(), 0.0),
+                "num_tokens": mask.sum().to(r.dtype),
+            }
+        )
+    return LossOutputs(loss=loss, metrics=metrics)
+
+
+__all__ = ["AGGREGATIONS", "POLICY_LOSSES", "LossInputs", "LossOutputs", "PolicyLossConfig", "ppo_clip_loss"]

@@ -1,0 +1,1 @@
+"""Compatibility layers for running third-party engines where they do not natively run (CPU-only CI)."""

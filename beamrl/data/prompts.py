@@ -1,0 +1,36 @@
+"""Prompt text and token ids: a `{prompt}` template over the user messages, or the tokenizer's chat template."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from beamrl.data.digit_tokenizer import DigitTokenizer
+
+
+def load_tokenizer(name: str | None, model_checkpoint: str | None) -> Any:
+    """'digit' -> DigitTokenizer; otherwise an HF tokenizer from `name` or the model checkpoint directory."""
+    if name == "digit":
+        return DigitTokenizer()
+    source = name or model_checkpoint
+    if source is None:
+        raise ValueError("data.tokenizer is null and model.checkpoint is not set: name a tokenizer ('digit' or an "
+                         "HF tokenizer directory / hub id)")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(source)
+
+
+def format_prompt(messages: list[dict[str, str]], tokenizer: Any, template: str | None, chat_template: bool) -> str:
+    """The text to tokenize. Without a chat template, the user messages are joined by blank lines and put
+    into `template` (default: as is)."""
+    if chat_template:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    text = "\n\n".join(m["content"] for m in messages if m["role"] == "user")
+    return template.format(prompt=text) if template else text
+
+
+def encode_prompt(text: str, tokenizer: Any, chat_template: bool) -> list[int]:
+    """Token ids of a formatted prompt. A chat template already contains the special tokens it wants."""
+    if isinstance(tokenizer, DigitTokenizer):
+        return tokenizer.encode(text)
+    return list(tokenizer(text, add_special_tokens=not chat_template)["input_ids"])

@@ -1,0 +1,73 @@
+"""Shared Triton helpers: exact BF16 rounding, an IEEE sigmoid, launch options (triton 3.6 and 3.8).
+
+Why explicit rounding: the kernels must reproduce the eager reference's BF16 rounding points bit for bit.
+`rne_bf16` rounds an FP32 value to the nearest BF16 (ties to even) and returns it as FP32, so every
+intermediate rounding is explicit and the final `.to(bfloat16)` is exact. It also makes the kernels exact
+under TRITON_INTERPRET=1, whose FP32->BF16 cast truncates instead of rounding.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+try:  # triton >= 3.0 keeps libdevice here on every backend
+    from triton.language.extra import libdevice
+except ImportError as err:  # pragma: no cover - the pinned tritons (3.6 GPU, 3.8 CI) both have it
+    raise ImportError("beamrl.kernels needs triton >= 3.0 (triton.language.extra.libdevice)") from err
+
+
+def triton_interpret_enabled() -> bool:
+    """True when Triton runs kernels on the CPU interpreter (TRITON_INTERPRET=1 is Triton's own switch)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# No FMA contraction: the eager reference runs each multiply and add as a separately rounded FP32 op.
+LAUNCH_OPTIONS = {"enable_fp_fusion": False}
+
+
+def kernel_flags(dtype: torch.dtype) -> dict:
+    """constexpr flags shared by every kernel: round to BF16 where the contract rounds, interpreter mode."""
+    if dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"beamrl.kernels supports bfloat16 and float32 activations, got {dtype}")
+    return {"ROUND_BF16": dtype == torch.bfloat16, "INTERPRET": triton_interpret_enabled()}
+
+
+def num_programs_for_reduction(device: torch.device, rows: int) -> int:
+    """Programs of a backward kernel that accumulates per-program weight-gradient partials."""
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        return max(1, min(rows, 4 * sms))
+    return max(1, min(rows, 4))
+
+
+@triton.jit
+def rne_bf16(x, ROUND_BF16: tl.constexpr):
+    """Round FP32 x to the nearest BF16 value (ties to even), kept in FP32. Identity when ROUND_BF16 is False.
+
+    NaN payloads may change; infinities and finite values round like `tensor.to(torch.bfloat16)`."""
+    if ROUND_BF16:
+        bits = x.to(tl.uint32, bitcast=True)
+        rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
+        out = rounded.to(tl.float32, bitcast=True)
+        return tl.where(x != x, x, out)
+    else:
+        return x
+
+
+@triton.jit
+def exp_f32(x, INTERPRET: tl.constexpr):
+    """Accurate expf (libdevice, as PyTorch's `std::exp`), not Triton's ex2.approx; numpy under the interpreter."""
+    if INTERPRET:
+        return tl.exp(x)
+    else:
+        return libdevice.exp(x)
+
+
+@triton.jit
+def sigmoid_f32(x, INTERPRET: tl.constexpr):
+    """PyTorch's CUDA sigmoid `1 / (1 + exp(-x))` with an IEEE division."""
+    return tl.math.div_rn(1.0, 1.0 + exp_f32(-x, INTERPRET))

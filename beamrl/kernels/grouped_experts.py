@@ -1,0 +1,86 @@
+"""Beam's routed experts (beam-numerics §3.10.7-8): eager per-expert loop and `torch._grouped_mm`.
+
+Both sort the (token, slot) pairs by expert id (stable), run the experts, un-sort, and combine with
+`numerics.moe_combine`, so the combine's FP32 sum over slots runs in slot order in both.
+
+Deviation of the grouped path: `torch._grouped_mm` returns BF16 for BF16 inputs (out_dtype must match,
+torch 2.11 and 2.13), so the down GEMM's FP32 accumulator is rounded to BF16 once before the routing weight is
+applied: `bf16(w * bf16(acc))` instead of the contract's `bf16(w * acc)` (at most one extra BF16 rounding per
+(token, expert) output, measured in tests/kernels). SGLang's fused MoE kernel applies w in the FP32 epilogue.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from beamrl.models.beam import numerics
+
+
+def _check(x, ids, weights, w_gate_up, w_down):
+    if x.dim() != 2 or ids.dim() != 2 or weights.shape != ids.shape or ids.shape[0] != x.shape[0]:
+        raise ValueError(f"grouped_experts: need x [T, H], ids/weights [T, k], got x {tuple(x.shape)}, "
+                         f"ids {tuple(ids.shape)}, weights {tuple(weights.shape)}")
+    e, two_i, h = w_gate_up.shape
+    if h != x.shape[1] or two_i % 2 or w_down.shape != (e, h, two_i // 2):
+        raise ValueError(f"grouped_experts: need w_gate_up [E, 2I, H] and w_down [E, H, I] with H={x.shape[1]}, "
+                         f"got {tuple(w_gate_up.shape)} and {tuple(w_down.shape)}")
+
+
+def sort_by_expert(ids: torch.Tensor, num_experts: int):
+    """Stable order of the flattened (token, slot) pairs by expert, their tokens, per-expert counts, inverse."""
+    flat = ids.reshape(-1).to(torch.int64)
+    order = torch.argsort(flat, stable=True)
+    # scatter_add, not bincount: a static output shape keeps torch.compile graphs whole
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_add_(
+        0, flat, torch.ones_like(flat))
+    tokens = order // ids.shape[1]
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    return order, tokens, counts, inverse
+
+
+def eager_grouped_experts(x, ids, weights, w_gate_up, w_down, scaling):
+    """Reference: loop over experts with `numerics.expert_output`, then `numerics.moe_combine`."""
+    _check(x, ids, weights, w_gate_up, w_down)
+    t, k = ids.shape
+    num_experts, two_i, hidden = w_gate_up.shape
+    inter = two_i // 2
+    order, tokens, counts, inverse = sort_by_expert(ids, num_experts)
+    w_sorted = weights.reshape(-1)[order]
+    outs, start = [], 0
+    for e, n in enumerate(counts.tolist()):
+        if n == 0:
+            continue
+        sl = slice(start, start + n)
+        outs.append(numerics.expert_output(x[tokens[sl]], w_gate_up[e, :inter], w_gate_up[e, inter:], w_down[e],
+                                           w_sorted[sl]))
+        start += n
+    y = torch.cat(outs) if outs else x.new_zeros(0, hidden)
+    return numerics.moe_combine(y[inverse].view(t, k, hidden), scaling)
+
+
+def grouped_mm_available() -> bool:
+    return hasattr(torch, "_grouped_mm")
+
+
+def grouped_mm_experts(x, ids, weights, w_gate_up, w_down, scaling):
+    """Two `torch._grouped_mm` GEMMs over expert-sorted tokens (see the module docstring for the deviation)."""
+    _check(x, ids, weights, w_gate_up, w_down)
+    if not grouped_mm_available():
+        raise RuntimeError(f"grouped_experts(backend='triton') needs torch._grouped_mm, missing in torch "
+                           f"{torch.__version__}; use backend='eager'")
+    if x.dtype != torch.bfloat16 or w_gate_up.dtype != torch.bfloat16 or w_down.dtype != torch.bfloat16:
+        raise TypeError(f"grouped_experts(backend='triton'): torch._grouped_mm needs BF16 x and expert weights, "
+                        f"got {x.dtype}, {w_gate_up.dtype}, {w_down.dtype}")
+    t, k = ids.shape
+    num_experts, two_i, hidden = w_gate_up.shape
+    inter = two_i // 2
+    order, tokens, counts, inverse = sort_by_expert(ids, num_experts)
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    xs = x[tokens]
+    # mat_b as [E, K, N] column-major views of the stored [E, N, K] weights (no copy).
+    gate_up = torch._grouped_mm(xs, w_gate_up.transpose(-2, -1), offs=offs)
+    act = numerics.swiglu(gate_up[:, :inter], gate_up[:, inter:])
+    down = torch._grouped_mm(act, w_down.transpose(-2, -1), offs=offs)
+    y = (down.float() * weights.reshape(-1)[order].float().unsqueeze(-1)).to(x.dtype)
+    return numerics.moe_combine(y[inverse].view(t, k, hidden), scaling)

@@ -1,0 +1,184 @@
+"""Fused sandwich post-norm -> depth-scaled residual -> next pre-norm (beam-numerics §3.2, §3.8).
+
+One pass per token row reads the sublayer output and the residual and writes the new residual and the next
+sublayer's normed input:
+
+    n  = bf16(fp32(branch) * rstd(branch) * fp32(w_post))
+    h' = bf16(bf16(n * s_b) + bf16(h * s_r))          # s_b, s_r FP32 scalars
+    p  = bf16(fp32(h') * rstd(h') * fp32(w_pre))
+
+The backward pass (one pass per row, weight gradients as per-program FP32 partials summed by torch) treats
+the roundings as identity, as autograd through the eager reference does. `backward_reference` is the same
+math in plain torch, tested against autograd in float64.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from beamrl.kernels._triton_utils import LAUNCH_OPTIONS, kernel_flags, num_programs_for_reduction, rne_bf16
+
+
+@triton.jit
+def _fwd_kernel(branch_ptr, residual_ptr, post_w_ptr, pre_w_ptr, out_res_ptr, out_pre_ptr, rstd_post_ptr,
+                rstd_pre_ptr, stride_b, stride_r, stride_o, stride_p, H, inv_h, eps, s_branch, s_res,
+                HAS_PRE: tl.constexpr, BLOCK: tl.constexpr, ROUND_BF16: tl.constexpr, INTERPRET: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    m = cols < H
+    b = tl.load(branch_ptr + row * stride_b + cols, mask=m, other=0.0).to(tl.float32)
+    r = tl.load(residual_ptr + row * stride_r + cols, mask=m, other=0.0).to(tl.float32)
+    wp = tl.load(post_w_ptr + cols, mask=m, other=0.0).to(tl.float32)
+    rstd = tl.math.rsqrt(tl.sum(b * b, axis=0) * inv_h + eps)
+    n = rne_bf16(b * rstd * wp, ROUND_BF16)
+    h = rne_bf16(rne_bf16(n * s_branch, ROUND_BF16) + rne_bf16(r * s_res, ROUND_BF16), ROUND_BF16)
+    tl.store(out_res_ptr + row * stride_o + cols, h.to(out_res_ptr.dtype.element_ty), mask=m)
+    tl.store(rstd_post_ptr + row, rstd)
+    if HAS_PRE:
+        wq = tl.load(pre_w_ptr + cols, mask=m, other=0.0).to(tl.float32)
+        rstd2 = tl.math.rsqrt(tl.sum(h * h, axis=0) * inv_h + eps)
+        p = rne_bf16(h * rstd2 * wq, ROUND_BF16)
+        tl.store(out_pre_ptr + row * stride_p + cols, p.to(out_pre_ptr.dtype.element_ty), mask=m)
+        tl.store(rstd_pre_ptr + row, rstd2)
+
+
+@triton.jit
+def _bwd_kernel(branch_ptr, h_ptr, g_res_ptr, g_pre_ptr, post_w_ptr, pre_w_ptr, rstd_post_ptr, rstd_pre_ptr,
+                d_branch_ptr, d_res_ptr, dw_post_ptr, dw_pre_ptr, T, H, inv_h, s_branch, s_res, rows_per_prog,
+                HAS_PRE_GRAD: tl.constexpr, HAS_RES_GRAD: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    m = cols < H
+    wp = tl.load(post_w_ptr + cols, mask=m, other=0.0).to(tl.float32)
+    acc_wp = tl.zeros([BLOCK], dtype=tl.float32)
+    if HAS_PRE_GRAD:
+        wq = tl.load(pre_w_ptr + cols, mask=m, other=0.0).to(tl.float32)
+        acc_wq = tl.zeros([BLOCK], dtype=tl.float32)
+    for i in range(rows_per_prog):
+        row = pid.to(tl.int64) * rows_per_prog + i
+        rm = m & (row < T)
+        off = row * H + cols
+        if HAS_RES_GRAD:
+            gh = tl.load(g_res_ptr + off, mask=rm, other=0.0).to(tl.float32)
+        else:
+            gh = tl.zeros([BLOCK], dtype=tl.float32)
+        if HAS_PRE_GRAD:
+            h = tl.load(h_ptr + off, mask=rm, other=0.0).to(tl.float32)
+            rstd2 = tl.load(rstd_pre_ptr + row, mask=row < T, other=0.0)
+            gp = tl.load(g_pre_ptr + off, mask=rm, other=0.0).to(tl.float32)
+            hh = h * rstd2
+            gpw = gp * wq
+            gh += rstd2 * (gpw - hh * (tl.sum(gpw * hh, axis=0) * inv_h))
+            acc_wq += gp * hh
+        b = tl.load(branch_ptr + off, mask=rm, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_post_ptr + row, mask=row < T, other=0.0)
+        bh = b * rstd
+        gn = gh * s_branch
+        gnw = gn * wp
+        db = rstd * (gnw - bh * (tl.sum(gnw * bh, axis=0) * inv_h))
+        acc_wp += gn * bh
+        tl.store(d_branch_ptr + off, db.to(d_branch_ptr.dtype.element_ty), mask=rm)
+        tl.store(d_res_ptr + off, (gh * s_res).to(d_res_ptr.dtype.element_ty), mask=rm)
+    tl.store(dw_post_ptr + pid * H + cols, acc_wp, mask=m)
+    if HAS_PRE_GRAD:
+        tl.store(dw_pre_ptr + pid * H + cols, acc_wq, mask=m)
+
+
+def _block(h: int) -> tuple[int, int]:
+    block = triton.next_power_of_2(h)
+    return block, (16 if block >= 8192 else 8 if block >= 2048 else 4)
+
+
+class _SandwichResidual(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, branch, residual, post_w, pre_w, s_branch, s_res, eps):
+        t, h = branch.shape
+        has_pre = pre_w is not None
+        out_res = torch.empty_like(branch)
+        out_pre = torch.empty_like(branch) if has_pre else branch.new_empty(0)
+        rstd_post = torch.empty(t, device=branch.device, dtype=torch.float32)
+        rstd_pre = torch.empty(t if has_pre else 0, device=branch.device, dtype=torch.float32)
+        block, warps = _block(h)
+        _fwd_kernel[(t,)](branch, residual, post_w, pre_w if has_pre else post_w, out_res, out_pre, rstd_post,
+                          rstd_pre, branch.stride(0), residual.stride(0), out_res.stride(0),
+                          out_pre.stride(0) if has_pre else 0, h, 1.0 / h, eps, s_branch, s_res,
+                          HAS_PRE=has_pre, BLOCK=block, num_warps=warps, **kernel_flags(branch.dtype),
+                          **LAUNCH_OPTIONS)
+        ctx.save_for_backward(branch, out_res, post_w, pre_w if has_pre else None, rstd_post, rstd_pre)
+        ctx.scalars = (s_branch, s_res)
+        ctx.has_pre = has_pre
+        if not has_pre:
+            ctx.mark_non_differentiable(out_pre)
+        return out_res, out_pre
+
+    @staticmethod
+    def backward(ctx, g_res, g_pre):
+        branch, out_res, post_w, pre_w, rstd_post, rstd_pre = ctx.saved_tensors
+        s_branch, s_res = ctx.scalars
+        t, h = branch.shape
+        has_pre_grad = ctx.has_pre and g_pre is not None
+        progs = num_programs_for_reduction(branch.device, t)
+        rows_per_prog = triton.cdiv(t, progs)
+        d_branch = torch.empty_like(branch)
+        d_res = torch.empty_like(branch)
+        dw_post = torch.empty(progs, h, device=branch.device, dtype=torch.float32)
+        dw_pre = torch.empty(progs if has_pre_grad else 0, h, device=branch.device, dtype=torch.float32)
+        g_res_c = g_res.contiguous() if g_res is not None else branch
+        g_pre_c = g_pre.contiguous() if has_pre_grad else branch
+        block, warps = _block(h)
+        _bwd_kernel[(progs,)](branch, out_res, g_res_c, g_pre_c, post_w, pre_w if has_pre_grad else post_w,
+                              rstd_post, rstd_pre if has_pre_grad else rstd_post, d_branch, d_res, dw_post,
+                              dw_pre if has_pre_grad else dw_post, t, h, 1.0 / h, s_branch, s_res,
+                              rows_per_prog, HAS_PRE_GRAD=has_pre_grad, HAS_RES_GRAD=g_res is not None,
+                              BLOCK=block, num_warps=warps)
+        d_post_w = dw_post.sum(0).to(post_w.dtype)
+        d_pre_w = None
+        if ctx.has_pre:
+            d_pre_w = dw_pre.sum(0).to(pre_w.dtype) if has_pre_grad else torch.zeros_like(pre_w)
+        return d_branch, d_res, d_post_w, d_pre_w, None, None, None
+
+
+def fused_post_norm_residual_pre_norm(branch: torch.Tensor, residual: torch.Tensor, post_weight: torch.Tensor,
+                                      pre_weight: Optional[torch.Tensor], scales: tuple[float, float],
+                                      eps: float) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Triton implementation of `ops.post_norm_residual_pre_norm` (same contract, custom backward)."""
+    if branch.shape != residual.shape or branch.dtype != residual.dtype:
+        raise ValueError(f"post_norm_residual_pre_norm: branch {tuple(branch.shape)} {branch.dtype} and residual "
+                         f"{tuple(residual.shape)} {residual.dtype} must match (the residual stream is BF16)")
+    shape = branch.shape
+    hidden = shape[-1]
+    b2 = branch.reshape(-1, hidden).contiguous()
+    r2 = residual.reshape(-1, hidden).contiguous()
+    new_res, pre = _SandwichResidual.apply(b2, r2, post_weight.contiguous(),
+                                           pre_weight.contiguous() if pre_weight is not None else None,
+                                           float(scales[0]), float(scales[1]), float(eps))
+    return new_res.view(shape), (pre.view(shape) if pre_weight is not None else None)
+
+
+def _rms_norm_backward(x, rstd, grad_y, weight):
+    """d/dx and d/dw of `x * rstd * w` (rstd = rsqrt(mean(x^2)+eps)), rows on the last dim."""
+    xh = x * rstd
+    gw = grad_y * weight
+    dx = rstd * (gw - xh * (gw * xh).mean(dim=-1, keepdim=True))
+    return dx, (grad_y * xh).reshape(-1, x.shape[-1]).sum(0)
+
+
+def backward_reference(branch, residual, post_w, pre_w, scales, eps, g_res, g_pre):
+    """The kernel's backward math in plain torch (any dtype; float64 in tests). Returns (d_branch, d_residual,
+    d_post_w, d_pre_w). Roundings are identity, as in autograd."""
+    s_b, s_r = scales
+    rstd = torch.rsqrt(branch.pow(2).mean(-1, keepdim=True) + eps)
+    n = branch * rstd * post_w
+    h = n * s_b + residual * s_r
+    gh = g_res if g_res is not None else torch.zeros_like(h)
+    d_pre_w = None
+    if pre_w is not None and g_pre is not None:
+        rstd2 = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        dh, d_pre_w = _rms_norm_backward(h, rstd2, g_pre, pre_w)
+        gh = gh + dh
+    d_branch, d_post_w = _rms_norm_backward(branch, rstd, gh * s_b, post_w)
+    return d_branch, gh * s_r, d_post_w, d_pre_w

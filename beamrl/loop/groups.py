@@ -1,0 +1,114 @@
+"""The driver's handles on actor groups: the SPMD trainer ranks and the rollout engines."""
+
+from __future__ import annotations
+
+import itertools
+
+import ray
+
+from beamrl.loop.actors import EngineActor, TrainerActor, TrainerRankSpec
+from beamrl.loop.ray_utils import ray_get
+from beamrl.rollout.protocol import EngineError, GenerateRequest, GenerateResult
+
+
+class TrainerGroup:
+    """All Megatron ranks of the policy. Every call goes to every rank (SPMD); rank 0's answer is returned."""
+
+    def __init__(self, trainer_config, hf_checkpoint: str, world_size: int, master_port: int, timeout: float,
+                 actor_options: list[dict], num_threads: int = 1):
+        self.timeout = timeout
+        self.actors = [
+            TrainerActor.options(**actor_options[r]).remote(
+                TrainerRankSpec(r, world_size, "127.0.0.1", master_port, num_threads), trainer_config, hf_checkpoint)
+            for r in range(world_size)]
+        ray_get([a.ready.remote() for a in self.actors], timeout, "trainer start-up (building Megatron ranks)")
+
+    def _all(self, what: str, timeout: float | None, fn):
+        return ray_get([fn(a) for a in self.actors], timeout or self.timeout, f"trainer.{what}")
+
+    def compute_logprobs(self, batch, temperature: float, replay: bool, return_entropy: bool = False):
+        return self._all("compute_logprobs", None,
+                         lambda a: a.compute_logprobs.remote(batch, temperature, return_entropy, replay))[0]
+
+    def train_step(self, micro_batches, loss_fn, replay: bool):
+        return self._all("train_step", None, lambda a: a.train_step.remote(micro_batches, loss_fn, replay))[0]
+
+    def save_checkpoint(self, directory: str) -> None:
+        self._all("save_checkpoint", None, lambda a: a.save_checkpoint.remote(directory))
+
+    def load_checkpoint(self, directory: str) -> None:
+        self._all("load_checkpoint", None, lambda a: a.load_checkpoint.remote(directory))
+
+    def sync_weights(self, engines: "EngineGroup", version: int, transport: str, bucket_bytes: int, timeout: float,
+                     progress: bool) -> dict:
+        out = self._all("sync_weights", timeout * 4, lambda a: a.sync_weights.remote(
+            engines.actors, engines.names, version, transport, bucket_bytes, timeout, progress))
+        return out[0]
+
+    def export_hf_checkpoint(self, out_dir: str, bucket_bytes: int) -> str:
+        return self._all("export_hf_checkpoint", None,
+                         lambda a: a.export_hf_checkpoint.remote(out_dir, bucket_bytes))[0]
+
+    def shutdown(self) -> None:
+        for a in self.actors:
+            try:
+                ray_get(a.shutdown.remote(), 30, "trainer.shutdown")
+            except Exception:  # noqa: BLE001 - best effort at teardown, the actor is killed next
+                pass
+            ray.kill(a)
+        self.actors = []
+
+
+class EngineGroup:
+    """Rollout engines as actors. Requests of one prompt group go to one engine (prefix-cache affinity)."""
+
+    def __init__(self, factories: list, timeout: float, actor_options: list[dict], num_threads: int = 1):
+        self.timeout = timeout
+        self.names = [f.name for f in factories]
+        self.actors = [EngineActor.options(**actor_options[i]).remote(f, num_threads) for i, f in enumerate(factories)]
+        ray_get([a.ready.remote() for a in self.actors], timeout, "rollout engine start-up")
+
+    def generate_async(self, groups: list[list[GenerateRequest]], timeout: float):
+        """Submit every group (round-robin over engines) and return a handle for `collect`."""
+        per_engine: list[list[GenerateRequest]] = [[] for _ in self.actors]
+        placement = []
+        for gi, (group, e) in enumerate(zip(groups, itertools.cycle(range(len(self.actors))))):
+            placement.append((e, len(per_engine[e]), len(group)))
+            per_engine[e].extend(group)
+        refs = [a.call.remote("generate", reqs, timeout=timeout) if reqs else None
+                for a, reqs in zip(self.actors, per_engine)]
+        return refs, placement, timeout
+
+    def collect(self, handle) -> list[list[GenerateResult]]:
+        refs, placement, timeout = handle
+        results = [ray_get(r, timeout + 30, f"{n}.generate") if r is not None else []
+                   for r, n in zip(refs, self.names)]
+        out = []
+        for e, start, n in placement:
+            out.append(results[e][start:start + n])
+            if len(out[-1]) != n:
+                raise EngineError(f"{self.names[e]} returned {len(results[e])} results for {len(refs)} requests")
+        return out
+
+    def generate(self, groups, timeout: float):
+        return self.collect(self.generate_async(groups, timeout))
+
+    def call_all(self, method: str, timeout: float, *args):
+        return ray_get([a.call.remote(method, *args, timeout=timeout) for a in self.actors], timeout + 30,
+                       f"engines.{method}")
+
+    def versions(self) -> list[int]:
+        return ray_get([a.weight_version.remote() for a in self.actors], self.timeout, "engines.weight_version")
+
+    def score(self, sequences: list[list[int]], timeout: float) -> list[list[float]]:
+        return ray_get(self.actors[0].call.remote("score", sequences, timeout=timeout), timeout + 30,
+                       f"{self.names[0]}.score")
+
+    def shutdown(self) -> None:
+        for a, n in zip(self.actors, self.names):
+            try:
+                ray_get(a.shutdown.remote(), 30, f"{n}.shutdown")
+            except Exception:  # noqa: BLE001 - best effort at teardown, the actor is killed next
+                pass
+            ray.kill(a)
+        self.actors = []

@@ -1,0 +1,56 @@
+"""Picklable loss callables that run inside the trainer ranks (`TrainerWorker.train_step`'s `loss_fn`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from beamrl.algorithms import POLICY_LOSSES, LossInputs, PolicyLossConfig
+from beamrl.trainer.protocol import PackedBatch
+
+
+def _local_seq_ids(batch: PackedBatch) -> torch.Tensor:
+    lens = batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]
+    return torch.repeat_interleave(torch.arange(len(lens)), lens)
+
+
+@dataclass
+class PolicyLoss:
+    """The algorithm's policy loss on one micro-batch, as its contribution to the step's global loss.
+
+    `normalizer` is the whole step's denominator (`beamrl.algorithms.loss_normalizer` over every
+    micro-batch of every DP rank), so summing micro-batch contributions gives the full-batch loss."""
+
+    loss_name: str
+    cfg: PolicyLossConfig
+    normalizer: float
+    total_loss_tokens: float
+
+    def __call__(self, logprobs: torch.Tensor, entropy: torch.Tensor | None, batch: PackedBatch):
+        f = batch.fields
+        mask = batch.loss_mask > 0
+        inputs = LossInputs(
+            logprobs=logprobs, old_logprobs=f["old_logprobs"].to(logprobs.dtype),
+            advantages=f["advantages"].to(logprobs.dtype), loss_mask=mask, seq_ids=_local_seq_ids(batch),
+            rollout_logprobs=f.get("rollout_logprobs"), ref_logprobs=f.get("ref_logprobs"),
+            normalizer=self.normalizer)
+        out = POLICY_LOSSES.get(self.loss_name)(inputs, self.cfg)
+        # Metrics are means over this micro-batch's loss tokens: weight them so the trainer's sum is the mean.
+        share = float(mask.sum()) / max(self.total_loss_tokens, 1.0)
+        metrics = {k: torch.as_tensor(v, dtype=torch.float32).detach() * share for k, v in out.metrics.items()}
+        if entropy is not None:
+            metrics["entropy"] = (entropy.detach().float() * mask).sum() / max(self.total_loss_tokens, 1.0)
+        return out.loss, metrics
+
+
+@dataclass
+class SFTLoss:
+    """Token-level negative log-likelihood on the loss-masked tokens (the SFT warm start)."""
+
+    total_loss_tokens: float
+
+    def __call__(self, logprobs: torch.Tensor, entropy: torch.Tensor | None, batch: PackedBatch):
+        mask = batch.loss_mask
+        loss = -(logprobs * mask).sum() / max(self.total_loss_tokens, 1.0)
+        return loss, {"nll": loss.detach()}

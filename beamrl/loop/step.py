@@ -1,0 +1,84 @@
+"""The pieces of one RL step that need no actors: requests, rewards, dynamic sampling, shaping, advantages."""
+
+from __future__ import annotations
+
+import torch
+
+from beamrl.algorithms import ADVANTAGES, GRPOAdvantageConfig, OverlongConfig, filter_groups, overlong_shaped_rewards
+from beamrl.loop.components import sample_seed
+from beamrl.loop.rollouts import Rollout
+from beamrl.rewards import RewardSample
+from beamrl.rollout.protocol import GenerateRequest, GenerateResult, SamplingParams
+
+
+def make_requests(prompts, recipe, step: int, round_: int, stop_token_ids: tuple[int, ...],
+                  return_routes: bool) -> list[list[GenerateRequest]]:
+    """`n_samples_per_prompt` seeded requests per prompt, one list per prompt (a GRPO group)."""
+    r = recipe.rollout
+    groups = []
+    for p_idx, p in enumerate(prompts):
+        group = []
+        for s in range(r.n_samples_per_prompt):
+            index = (round_ * 100_003 + p_idx) * r.n_samples_per_prompt + s
+            sp = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
+                                top_k=r.top_k, stop_token_ids=stop_token_ids,
+                                seed=sample_seed(recipe.run.seed, step, index))
+            group.append(GenerateRequest(list(p.prompt_ids), sp, return_routed_experts=return_routes,
+                                         request_id=f"s{step}-r{round_}-p{p_idx}-n{s}"))
+        groups.append(group)
+    return groups
+
+
+def to_rollouts(prompts, results: list[list[GenerateResult]], first_group: int) -> list[Rollout]:
+    return [Rollout(prompt=p, group=first_group + g, result=res)
+            for g, (p, group) in enumerate(zip(prompts, results)) for res in group]
+
+
+def score(rollouts: list[Rollout], tokenizer, reward_manager, timeout: float) -> dict[str, float]:
+    """Raw rewards from the plugins (never shaped here); returns the reward metrics."""
+    samples = [RewardSample(prompt=r.prompt.prompt, completion=tokenizer.decode(r.result.output_ids),
+                            completion_ids=list(r.result.output_ids), prompt_ids=list(r.result.prompt_ids),
+                            ground_truth=r.prompt.ground_truth, data_source=r.prompt.data_source,
+                            metadata=dict(r.prompt.metadata)) for r in rollouts]
+    result = reward_manager.score(samples, timeout_s=timeout)
+    for r, total in zip(rollouts, result.totals):
+        r.raw_reward = r.reward = float(total)
+    return dict(result.metrics)
+
+
+def keep_informative_groups(rollouts: list[Rollout], target_groups: int, already: int):
+    """DAPO dynamic sampling on RAW scores: the rollouts of groups whose raw rewards differ, and the filter."""
+    groups = sorted({r.group for r in rollouts})
+    index = {g: i for i, g in enumerate(groups)}
+    ids = torch.tensor([index[r.group] for r in rollouts])
+    raw = torch.tensor([r.raw_reward for r in rollouts], dtype=torch.float64)
+    res = filter_groups(raw_scores=raw, target_num_groups=target_groups, num_already_kept=already, group_ids=ids)
+    kept = set(res.kept_groups.tolist()[: len(res.kept_groups) - res.num_surplus])
+    return [r for r in rollouts if index[r.group] in kept], res
+
+
+def shape_and_advantages(rollouts: list[Rollout], recipe) -> None:
+    """Overlong shaping (shaped reward only) then group-normalised advantages of the shaped rewards."""
+    a = recipe.algorithm
+    shaped = torch.tensor([r.raw_reward for r in rollouts], dtype=torch.float32)
+    if a.overlong.enabled:
+        lengths = torch.tensor([r.response_len for r in rollouts])
+        cfg = OverlongConfig(max_response_len=recipe.rollout.max_new_tokens, overlong_buffer=a.overlong.buffer,
+                             penalty_factor=a.overlong.penalty)
+        shaped = overlong_shaped_rewards(shaped, lengths, cfg)
+    groups = sorted({r.group for r in rollouts})
+    index = {g: i for i, g in enumerate(groups)}
+    ids = torch.tensor([index[r.group] for r in rollouts])
+    adv = ADVANTAGES.get(a.advantage)(shaped, ids, GRPOAdvantageConfig(scale_by_std=a.normalize_std))
+    for r, s, v in zip(rollouts, shaped.tolist(), adv.tolist()):
+        r.reward, r.advantage = s, v
+
+
+def rollout_metrics(rollouts: list[Rollout], max_new_tokens: int) -> dict[str, float]:
+    lengths = torch.tensor([r.response_len for r in rollouts], dtype=torch.float32)
+    finish = [r.result.finish_reason for r in rollouts]
+    return {"response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
+            "response_length/min": float(lengths.min()),
+            "response_length/clipped_ratio": sum(f == "length" for f in finish) / len(finish),
+            "rollout/num_samples": float(len(rollouts)),
+            "reward/shaped_mean": float(torch.tensor([r.reward for r in rollouts]).mean())}

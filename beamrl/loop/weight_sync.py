@@ -1,0 +1,126 @@
+"""Trainer-side weight push: every trainer rank streams the HF export (a collective); rank 0 ships buckets to
+the engines through a registered transport, with engines reached as Ray actors (`ActorReceiver`)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from beamrl.loop.ray_utils import ActorCallError, ray_get
+from beamrl.sync.bucketing import bucketize
+from beamrl.sync.protocol import WeightReceiver, WeightSyncError
+
+# Ray adds its own latency on top of an engine call's timeout; the engine enforces the call's own limit.
+_RPC_SLACK_S = 10.0
+
+
+class ActorReceiver(WeightReceiver):
+    """A `WeightReceiver` whose engine lives in an `EngineActor` (same or another node)."""
+
+    def __init__(self, handle, name: str, tp_size: int = 1):
+        self._handle, self._name, self._tp = handle, name, tp_size
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def tp_size(self) -> int:
+        return self._tp
+
+    def _call(self, method: str, timeout: float, *args):
+        try:
+            return ray_get(self._handle.call.remote(method, *args, timeout=timeout), timeout + _RPC_SLACK_S,
+                           f"{self._name}.{method}")
+        except ActorCallError as e:
+            raise WeightSyncError(str(e)) from None
+
+    def begin_weight_update(self, timeout):
+        return self._call("begin_weight_update", timeout)
+
+    def update_weights_from_tensor(self, bucket, timeout):
+        return self._call("update_weights_from_tensor", timeout, bucket)
+
+    def init_weights_update_group(self, master_address, master_port, rank_offset, world_size, group_name, backend,
+                                  timeout):
+        return self._call("init_weights_update_group", timeout, master_address, master_port, rank_offset,
+                          world_size, group_name, backend)
+
+    def update_weights_from_distributed(self, names, dtypes, shapes, group_name, timeout):
+        return self._call("update_weights_from_distributed", timeout, names, dtypes, shapes, group_name)
+
+    def destroy_weights_update_group(self, group_name, timeout):
+        return self._call("destroy_weights_update_group", timeout, group_name)
+
+    def update_weights_from_disk(self, path, timeout):
+        return self._call("update_weights_from_disk", timeout, path)
+
+    def set_weight_version(self, new_version, timeout):
+        return self._call("set_weight_version", timeout, new_version)
+
+    def end_weight_update(self, new_version, timeout):
+        return self._call("end_weight_update", timeout, new_version)
+
+
+class WeightPusher:
+    """Holds the transport of one trainer rank 0 across syncs (the distributed group is set up once)."""
+
+    def __init__(self, transport_name: str, receivers: list[WeightReceiver], transport_kwargs: dict):
+        from beamrl.sync.transports import TRANSPORTS
+
+        self.transport = TRANSPORTS.get(transport_name)(receivers, **transport_kwargs)
+        self.connected = False
+
+    def push(self, exporter, version: int, bucket_bytes: int, timeout: float, progress: bool) -> dict:
+        t0 = time.perf_counter()
+        if not self.connected:
+            self.transport.connect(timeout)
+            self.connected = True
+        nbytes = n = 0
+        self.transport.begin(version, timeout)
+        try:
+            for bucket in bucketize(([(k, v) for k, v in b.tensors.items()] for b in exporter), bucket_bytes):
+                self.transport.send_bucket(bucket, timeout)
+                nbytes += bucket.nbytes
+                n += 1
+                if progress:
+                    print(f"[sync] v{version}: bucket {n} ({nbytes / 2**20:.1f} MiB so far)", flush=True)
+            self.transport.finalize(timeout)
+        except BaseException as e:
+            self.transport.abort(f"{type(e).__name__}: {e}")
+            raise
+        seconds = time.perf_counter() - t0
+        return {"version": version, "bytes": nbytes, "buckets": n, "seconds": seconds,
+                "gbps": nbytes / max(seconds, 1e-9) / 1e9}
+
+
+_PUSHERS: dict[int, WeightPusher] = {}
+
+
+def push_weights(trainer, rank: int, receivers, engine_names, version: int, transport: str, bucket_bytes: int,
+                 timeout: float, progress: bool) -> dict | None:
+    """Run inside a trainer rank. Rank 0 returns the sync report; other ranks return None."""
+    exporter = trainer.export_hf(bucket_bytes)
+    if rank != 0:
+        for _ in exporter:  # the export is collective: every rank must drain it
+            pass
+        return None
+    pusher = _PUSHERS.get(id(trainer))
+    if pusher is None:
+        proxies = [ActorReceiver(h, n) for h, n in zip(receivers, engine_names)]
+        pusher = _PUSHERS[id(trainer)] = WeightPusher(transport, proxies, {})
+    return pusher.push(exporter, version, bucket_bytes, timeout, progress)
+
+
+def save_hf_export(trainer, rank: int, out_dir: str, bucket_bytes: int) -> str | None:
+    """Write the trainer's current weights as an HF Beam checkpoint (SGLang's format) from rank 0."""
+    from beamrl.models.beam.checkpoint import save_checkpoint
+
+    tensors = {}
+    for bucket in trainer.export_hf(bucket_bytes):
+        if rank == 0:
+            tensors.update(bucket.tensors)
+    if rank != 0:
+        return None
+    save_checkpoint(trainer.config.model, tensors, Path(out_dir))
+    return out_dir

@@ -1,0 +1,1 @@
+"""Parity tools: compare engines and the reference Beam model token by token (docs/parity.md)."""

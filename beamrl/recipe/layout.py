@@ -1,0 +1,234 @@
+"""The GPU layout of a recipe, checked against the Beam config, and its printable summary (`--dry-run`).
+
+Model-dependent rules (megatron-core 0.19.2 and SGLang 0.5.23):
+  * trainer TP divides the attention heads and the KV heads (Megatron shards query groups over TP), and the
+    dense-MLP width; expert TP divides the expert width; EP divides num_experts;
+  * MoE with tp > 1 needs sp (Megatron refuses MoE + TP without SP, moe_layer.py);
+  * pp divides num_layers (even split), vpp divides num_layers / pp;
+  * engine TP divides the attention heads, and either the KV heads divide by it or it is a multiple of the
+    KV heads (SGLang then replicates KV heads); engine TP divides both MLP widths (SGLang's MoE is TP-sharded);
+  * max_prompt_len + max_new_tokens fits the model's positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from beamrl.models.beam import BeamConfig
+from beamrl.recipe.errors import RecipeError
+
+if TYPE_CHECKING:
+    from beamrl.recipe.memory import EngineMemory, TrainerMemory
+    from beamrl.recipe.schema import Recipe
+
+
+def check_model_fit(r: "Recipe", c: BeamConfig) -> None:
+    """Raise `RecipeError` for the first layout rule the Beam config `c` breaks."""
+    tr, ro = r.trainer, r.rollout
+    has_moe = bool(c.moe_layers)
+    has_dense = len(c.moe_layers) < c.num_hidden_layers
+    heads = f"num_attention_heads={c.num_attention_heads}, num_key_value_heads={c.num_key_value_heads}"
+    if c.num_attention_heads % tr.tp or c.num_key_value_heads % tr.tp:
+        raise RecipeError("trainer.tp", tr.tp, f"must divide both head counts ({heads}); Megatron shards query "
+                          f"groups over TP")
+    if has_dense and c.intermediate_size % tr.tp:
+        raise RecipeError("trainer.tp", tr.tp, f"must divide intermediate_size={c.intermediate_size}")
+    if has_moe:
+        if c.num_experts % tr.ep:
+            raise RecipeError("trainer.ep", tr.ep, f"must divide num_experts={c.num_experts}")
+        if c.moe_intermediate_size % tr.expert_tp:
+            raise RecipeError("trainer.etp", tr.expert_tp, f"must divide moe_intermediate_size={c.moe_intermediate_size}")
+        if tr.tp > 1 and not tr.sp:
+            raise RecipeError("trainer.sp", False, "a MoE model with tp > 1 requires sp: true (Megatron refuses "
+                              "MoE + TP without sequence parallelism)")
+    else:
+        if tr.ep > 1:
+            raise RecipeError("trainer.ep", tr.ep, "the model has no MoE layers; ep must be 1")
+        if r.algorithm.routing_replay:
+            raise RecipeError("algorithm.routing_replay", True, "the model has no MoE layers to replay")
+    L = c.num_hidden_layers
+    if L % tr.pp:
+        raise RecipeError("trainer.pp", tr.pp, f"must divide num_hidden_layers={L}")
+    if tr.vpp is not None and (L // tr.pp) % tr.vpp:
+        raise RecipeError("trainer.vpp", tr.vpp, f"must divide the layers per pipeline stage "
+                          f"num_hidden_layers / pp = {L} / {tr.pp} = {L // tr.pp}")
+    et = ro.engine_tp
+    if c.num_attention_heads % et:
+        raise RecipeError("rollout.engine_tp", et, f"must divide num_attention_heads={c.num_attention_heads}")
+    kv = c.num_key_value_heads
+    if kv % et and et % kv:
+        raise RecipeError("rollout.engine_tp", et, f"KV heads must split evenly: num_key_value_heads={kv} divisible "
+                          f"by engine_tp, or engine_tp a multiple of {kv} (KV heads replicated)")
+    if has_moe and c.moe_intermediate_size % et:
+        raise RecipeError("rollout.engine_tp", et, f"must divide moe_intermediate_size={c.moe_intermediate_size}")
+    if has_dense and c.intermediate_size % et:
+        raise RecipeError("rollout.engine_tp", et, f"must divide intermediate_size={c.intermediate_size}")
+    seq = r.data.max_prompt_len + ro.max_new_tokens
+    if seq > c.max_position_embeddings:
+        raise RecipeError("rollout.max_new_tokens", ro.max_new_tokens, f"data.max_prompt_len + max_new_tokens = {seq} "
+                          f"exceeds max_position_embeddings={c.max_position_embeddings}")
+    if r.data.tokenizer == "digit":
+        from beamrl.data.digit_tokenizer import DigitTokenizer
+
+        tok = DigitTokenizer()
+        if tok.vocab_size > c.vocab_size:
+            raise RecipeError("data.tokenizer", "digit", f"needs vocab_size >= {tok.vocab_size}, model has {c.vocab_size}")
+        if c.eos_token_id not in (None, tok.eos_token_id):
+            raise RecipeError("data.tokenizer", "digit", f"eos id {tok.eos_token_id} differs from the model's "
+                              f"eos_token_id={c.eos_token_id}")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Who runs where. `stage_layers[p]` lists the global layer ids held by pipeline rank p (all its
+    virtual chunks)."""
+
+    device: str
+    gpu_type: str
+    num_nodes: int
+    gpus_per_node: int
+    placement: str
+    trainer_gpus: int
+    tp: int
+    sp: bool
+    ep: int
+    etp: int
+    pp: int
+    vpp: int | None
+    dp: int
+    expert_dp: int
+    stage_layers: list[list[int]]
+    micro_batches_per_optimizer_step: int
+    optimizer_steps_per_rollout: int
+    engine: str
+    num_engines: int
+    engine_tp: int
+    nodes_per_engine: float
+    rollout_gpus: int
+    samples_per_step: int
+    warnings: list[str] = field(default_factory=list)
+
+
+def stage_layers(num_layers: int, pp: int, vpp: int | None) -> list[list[int]]:
+    """Layers per pipeline rank: with interleaving, rank p holds virtual chunks p, p + pp, ... (Megatron)."""
+    chunks = pp * (vpp or 1)
+    size = num_layers // chunks
+    return [[l for v in range(vpp or 1) for l in range((v * pp + p) * size, (v * pp + p + 1) * size)]
+            for p in range(pp)]
+
+
+def plan_layout(r: "Recipe", c: BeamConfig) -> Layout:
+    """Check `r` against `c` (raises `RecipeError`) and return the layout."""
+    check_model_fit(r, c)
+    tr, ro, cl = r.trainer, r.rollout, r.cluster
+    warnings: list[str] = []
+    if cl.device == "cuda" and tr.tp > cl.gpus_per_node:
+        warnings.append(f"trainer.tp={tr.tp} spans nodes (gpus_per_node={cl.gpus_per_node}): TP all-reduces "
+                        "will cross the inter-node network")
+    if cl.device == "cuda" and r.placement.mode == "disaggregated" and tr.num_gpus % cl.gpus_per_node:
+        warnings.append(f"trainer.num_gpus={tr.num_gpus} is not whole nodes: trainer and engines share a node")
+    if c.moe_layers and r.algorithm.routing_replay is False:
+        warnings.append("algorithm.routing_replay=false on a MoE model: the trainer re-routes tokens, so train "
+                        "and rollout logprobs can disagree where routing ties flip")
+    expert_dp = tr.num_gpus // (tr.ep * tr.expert_tp * tr.pp)
+    return Layout(
+        device=cl.device, gpu_type=cl.gpu_type, num_nodes=cl.num_nodes, gpus_per_node=cl.gpus_per_node,
+        placement=r.placement.mode, trainer_gpus=tr.num_gpus, tp=tr.tp, sp=tr.sp, ep=tr.ep, etp=tr.expert_tp,
+        pp=tr.pp, vpp=tr.vpp, dp=tr.dp, expert_dp=expert_dp,
+        stage_layers=stage_layers(c.num_hidden_layers, tr.pp, tr.vpp),
+        micro_batches_per_optimizer_step=tr.global_batch_size // (tr.micro_batch_size * tr.dp),
+        optimizer_steps_per_rollout=ro.samples_per_step // tr.global_batch_size,
+        engine=ro.engine, num_engines=ro.num_engines, engine_tp=ro.engine_tp,
+        nodes_per_engine=ro.engine_tp / cl.gpus_per_node, rollout_gpus=ro.num_gpus,
+        samples_per_step=ro.samples_per_step, warnings=warnings,
+    )
+
+
+def resolved_routing_replay(r: "Recipe", c: BeamConfig) -> bool:
+    """algorithm.routing_replay with its default applied: on for MoE models."""
+    return bool(c.moe_layers) if r.algorithm.routing_replay is None else r.algorithm.routing_replay
+
+
+def _gib(n: float) -> str:
+    """Bytes in the largest binary unit that keeps the number >= 1 (GiB, MiB or KiB)."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _params(n: float) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e8 else f"{n / 1e6:.2f} M"
+
+
+def format_layout(r: "Recipe", c: BeamConfig, source: str, lay: Layout,
+                  trainer_mem: list["TrainerMemory"], engine_mem: "EngineMemory", capacity: float | None) -> str:
+    """The human-readable dry-run report."""
+    from beamrl.recipe.memory import colocated_peak
+
+    L = []
+    add = L.append
+    add(f"recipe {r.run.name}: model {source}: {_params(c.num_parameters())} parameters "
+        f"({len(c.moe_layers)} MoE layers x {c.num_experts} experts top-{c.num_experts_per_tok}), {r.model.dtype}")
+    where = f"{lay.device}" if lay.device == "cpu" else f"{lay.gpu_type.upper()}"
+    add(f"cluster: {lay.num_nodes} node(s) x {lay.gpus_per_node} {where} = {lay.num_nodes * lay.gpus_per_node} "
+        f"{'workers' if lay.device == 'cpu' else 'GPUs'}; placement {lay.placement}, "
+        f"off_policy_steps={r.placement.off_policy_steps}")
+    unit = "workers" if lay.device == "cpu" else "GPUs"
+    add(f"trainer: {lay.trainer_gpus} {unit} = TP{lay.tp} x PP{lay.pp} x DP{lay.dp}"
+        f"{' (SP)' if lay.sp else ''}; experts EP{lay.ep} x ETP{lay.etp} x expert-DP{lay.expert_dp}"
+        f"{f'; VPP{lay.vpp}' if lay.vpp else ''}")
+    add(f"  checks: tp*pp*dp = {lay.tp}*{lay.pp}*{lay.dp} = {lay.tp * lay.pp * lay.dp} == {lay.trainer_gpus}; "
+        f"ep*etp = {lay.ep * lay.etp} divides tp*dp = {lay.tp * lay.dp}; heads {c.num_attention_heads}/"
+        f"{c.num_key_value_heads} % tp ok; experts {c.num_experts} % ep ok; layers {c.num_hidden_layers} % pp ok")
+    for p, layers in enumerate(lay.stage_layers):
+        add(f"  stage {p}: layers {_ranges(layers)} ({len(layers)})")
+    add(f"  batch: {r.rollout.prompts_per_step} prompts x {r.rollout.n_samples_per_prompt} samples = "
+        f"{lay.samples_per_step} per step = {lay.optimizer_steps_per_rollout} optimizer step(s) of "
+        f"{r.trainer.global_batch_size} = {lay.micro_batches_per_optimizer_step} micro-batch(es) of "
+        f"{r.trainer.micro_batch_size} per DP rank")
+    add(f"rollout: {lay.num_engines} x {lay.engine} engine(s) of TP{lay.engine_tp}"
+        f"{f' ({lay.nodes_per_engine:g} nodes each)' if lay.nodes_per_engine > 1 else ''} = {lay.rollout_gpus} {unit}; "
+        f"max_new_tokens {r.rollout.max_new_tokens}; routed experts "
+        f"{'on' if (r.rollout.return_routed_experts if r.rollout.return_routed_experts is not None else resolved_routing_replay(r, c)) else 'off'}")
+    add("memory per GPU (estimate):")
+    for m in trainer_mem:
+        add(f"  trainer stage {m.stage}: {_gib(m.total)} = weights {_gib(m.weights)} + grads {_gib(m.grads)} + "
+            f"optimizer {_gib(m.optimizer)} + activations {_gib(m.activations)} + reference {_gib(m.reference)} + "
+            f"runtime {_gib(m.runtime)}  [{_params(m.params_dense)} dense + {_params(m.params_expert)} expert "
+            f"params per rank]")
+    e = engine_mem
+    if capacity is None:
+        add(f"  rollout engine rank: weights {_gib(e.weights)}; KV {_gib(e.bytes_per_token)}/token "
+            "(pool not sized on cpu)")
+    else:
+        add(f"  rollout engine rank: static {_gib(e.static_budget)} (mem_fraction {r.rollout.mem_fraction:g}) = "
+            f"weights {_gib(e.weights)} + KV pool {_gib(e.kv_pool)}; {_gib(capacity - e.static_budget)} left for "
+            "activations and CUDA graphs")
+        add(f"    KV: {_gib(e.bytes_per_token)}/token/rank ({e.full_layers} full + "
+            f"{r.rollout.swa_full_tokens_ratio:g} x {e.swa_layers} SWA layers) -> {e.kv_tokens:,} tokens = "
+            f"{e.max_full_requests:,} requests of {e.request_tokens} tokens at once "
+            f"(this step: {lay.samples_per_step // max(lay.num_engines, 1)} per engine)")
+    if lay.placement == "colocated":
+        add(f"  colocated peak (trainer and engine swap via memory release): {_gib(colocated_peak(trainer_mem, e))}")
+    if capacity is None:
+        add("  capacity: not checked on cluster.device=cpu")
+    else:
+        peak = max(max(m.total for m in trainer_mem), e.total)
+        add(f"  capacity: {_gib(capacity)} ({capacity / 1e9:.0f} GB) per {lay.gpu_type.upper()}; highest estimate "
+            f"{_gib(peak)} ({peak / 1e9:.0f} GB, {100 * peak / capacity:.0f}%)")
+    for w in lay.warnings:
+        add(f"warning: {w}")
+    return "\n".join(L)
+
+
+def _ranges(xs: list[int]) -> str:
+    out, start = [], None
+    for i, x in enumerate(xs):
+        if start is None:
+            start = x
+        if i + 1 == len(xs) or xs[i + 1] != x + 1:
+            out.append(f"{start}" if start == x else f"{start}-{x}")
+            start = None
+    return ",".join(out)

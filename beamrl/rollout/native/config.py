@@ -1,0 +1,43 @@
+"""`NativeEngineConfig`: how to build the embedded rollout engine (docs/native-engine.md)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DTYPES = ("float32", "bfloat16")
+
+
+class NativeEngineConfigError(ValueError):
+    """A field of `NativeEngineConfig` is invalid; the message names it."""
+
+
+@dataclass
+class NativeEngineConfig:
+    """model_path: a Beam checkpoint directory (SGLang format). dtype: the serving dtype (float32 is exact and,
+    on CPUs without native bf16 GEMMs, faster). max_batch_size: requests decoded together. seed: source of the
+    per-request seeds of requests that give none. name: labels errors and weight-sync reports. num_threads: if
+    set, `torch.set_num_threads` for this (engine) process: tiny models decode fastest with 1 intra-op thread,
+    and an oversubscribed CPU makes more threads much slower."""
+
+    model_path: str
+    dtype: str = "float32"
+    device: str = "cpu"
+    max_batch_size: int = 64
+    seed: int = 0
+    name: str = "native-0"
+    weight_version: int = 0
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.model_path:
+            raise NativeEngineConfigError("NativeEngineConfig.model_path is empty")
+        if self.dtype not in DTYPES:
+            raise NativeEngineConfigError(f"NativeEngineConfig.dtype={self.dtype!r}; allowed: {list(DTYPES)}")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise NativeEngineConfigError(f"NativeEngineConfig.device={self.device!r}; allowed: 'cpu', 'cuda[:i]'")
+        if self.max_batch_size < 1:
+            raise NativeEngineConfigError(f"NativeEngineConfig.max_batch_size={self.max_batch_size} must be >= 1")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise NativeEngineConfigError(f"NativeEngineConfig.num_threads={self.num_threads} must be >= 1 or None")
+        if self.weight_version < 0:
+            raise NativeEngineConfigError(f"NativeEngineConfig.weight_version={self.weight_version} must be >= 0")

@@ -1,0 +1,121 @@
+"""Batched generation on `BeamForCausalLM` with its KV cache: one left-padded prefill, then one decode forward per
+step for every unfinished request at once (finished rows are dropped from the cache)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from beamrl.models.beam.kv_cache import KVCache
+from beamrl.models.beam.model import BeamForCausalLM
+from beamrl.rollout.native.sampler import RowSampling, sample
+from beamrl.rollout.protocol import EngineError, GenerateRequest
+
+
+@dataclass
+class RowState:
+    """Output of one request while it is generated."""
+
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    routes: list[torch.Tensor] = field(default_factory=list)  # int32 [n, L, k] chunks, in token order
+    finish_reason: str | None = None
+
+
+def _stop_ids(req: GenerateRequest, eos: int | list[int] | None) -> set[int]:
+    stops = set(req.sampling.stop_token_ids)
+    if not req.sampling.ignore_eos and eos is not None:
+        stops |= set(eos) if isinstance(eos, list) else {eos}
+    return stops
+
+
+def row_sampling(requests: list[GenerateRequest], seeds: list[int], vocab: int) -> RowSampling:
+    """Tensors of the per-request controls; temperature 0 becomes greedy (top_k 1 at T 1), as in SGLang."""
+    temps, top_k, top_p = [], [], []
+    for r in requests:
+        s = r.sampling
+        greedy = s.temperature == 0
+        temps.append(1.0 if greedy else s.temperature)
+        top_k.append(1 if greedy else (vocab if s.top_k == -1 else min(s.top_k, vocab)))
+        top_p.append(s.top_p)
+    return RowSampling(torch.tensor(temps, dtype=torch.float32), torch.tensor(top_k, dtype=torch.long),
+                       torch.tensor(top_p, dtype=torch.float32), torch.tensor(seeds, dtype=torch.long))
+
+
+@torch.no_grad()
+def generate_batch(model: BeamForCausalLM, requests: list[GenerateRequest], seeds: list[int],
+                   should_abort: Callable[[], bool], deadline: float) -> list[RowState]:
+    """Generate every request of one batch. `should_abort()` is polled between steps (rows finish 'abort');
+    past `deadline` (time.monotonic) an `EngineError` is raised."""
+    c = model.config
+    dev = model.device
+    n = len(requests)
+    lengths = [len(r.prompt_ids) for r in requests]
+    T = max(lengths)
+    max_new = max(r.sampling.max_new_tokens for r in requests)
+    ids = torch.zeros(n, T, dtype=torch.long)
+    mask = torch.zeros(n, T, dtype=torch.bool)
+    for i, r in enumerate(requests):
+        ids[i, T - lengths[i]:] = torch.tensor(r.prompt_ids, dtype=torch.long)
+        mask[i, T - lengths[i]:] = True
+    want_routes = any(r.return_routed_experts for r in requests)
+    params = row_sampling(requests, seeds, c.vocab_size)
+    stops = [_stop_ids(r, c.eos_token_id) for r in requests]
+    states = [RowState() for _ in requests]
+
+    cache = KVCache(c, n, T + max_new, model.dtype, dev)
+    out = model(ids.to(dev), attention_mask=mask.to(dev), kv_cache=cache, return_routes=want_routes)
+    if want_routes:
+        for i, r in enumerate(requests):
+            if r.return_routed_experts:
+                states[i].routes.append(out.routes[i, mask[i].to(dev)].cpu())
+    logits = out.logits[:, -1]
+    active = list(range(n))  # request index of each cache row
+    step = 0
+    while active:
+        if time.monotonic() > deadline:
+            raise EngineError(f"native engine: generation did not finish before the deadline "
+                              f"({len(active)} of {n} requests still running after {step} steps)")
+        if should_abort():
+            for i in active:
+                states[i].finish_reason = "abort"
+            break
+        rows = torch.tensor(active, dtype=torch.long)
+        tokens, logprobs = sample(logits.cpu(), params.select(rows), torch.full((len(active),), step))
+        keep: list[int] = []
+        for j, i in enumerate(active):
+            tok = int(tokens[j])
+            st = states[i]
+            st.output_ids.append(tok)
+            st.output_logprobs.append(float(logprobs[j]))
+            if tok in stops[i]:
+                st.finish_reason = "stop"
+            elif len(st.output_ids) >= requests[i].sampling.max_new_tokens:
+                st.finish_reason = "length"
+            else:
+                keep.append(j)
+        if not keep:
+            break
+        if len(keep) < len(active):
+            cache.select_rows(keep)
+        active = [active[j] for j in keep]
+        nxt = tokens[torch.tensor(keep)].view(-1, 1).to(dev)
+        out = model(nxt, kv_cache=cache, return_routes=want_routes)
+        if want_routes:
+            for j, i in enumerate(active):
+                if requests[i].return_routed_experts:
+                    states[i].routes.append(out.routes[j].cpu())
+        logits = out.logits[:, -1]
+        step += 1
+    return states
+
+
+def routes_array(state: RowState, prompt_len: int) -> np.ndarray:
+    """int32 [prompt_len + output_len - 1, L, k]: row t is token t's forward; the last sampled token is never
+    forwarded (an aborted request did forward it; that row is dropped to keep SGLang's shape)."""
+    rows = max(prompt_len + len(state.output_ids) - 1, prompt_len if not state.output_ids else 0)
+    return torch.cat(state.routes)[:rows].numpy().astype(np.int32, copy=False)

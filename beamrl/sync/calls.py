@@ -1,0 +1,63 @@
+"""Call several engines at once with one deadline, so a wedged or dead engine cannot hang the trainer.
+
+Each call runs in its own daemon thread (a daemon, unlike a ThreadPoolExecutor worker, never blocks
+interpreter exit if the engine never answers). After the deadline the caller moves on with a
+`ReceiverCallError` naming every engine that failed or did not answer; a wedged thread is abandoned.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from beamrl.sync.protocol import WeightSyncError
+
+
+class ReceiverCallError(WeightSyncError):
+    """One or more engines failed or timed out; `failures` maps engine name -> message."""
+
+    def __init__(self, what: str, failures: dict[str, str]) -> None:
+        self.failures = dict(failures)
+        detail = "; ".join(f"{who}: {msg}" for who, msg in failures.items())
+        super().__init__(f"{what} failed on {len(failures)} engine(s): {detail}")
+
+
+def _check_reply(reply: object) -> None:
+    """SGLang-style `(success, message)` replies: any `success=False` is an error, never ignored."""
+    if isinstance(reply, tuple) and len(reply) == 2 and isinstance(reply[0], bool) and not reply[0]:
+        raise WeightSyncError(str(reply[1]))
+    if isinstance(reply, dict) and reply.get("success") is False:
+        raise WeightSyncError(str(reply.get("message", reply)))
+
+
+def run_concurrently(what: str, calls: Sequence[tuple[str, Callable[[], object]]], timeout: float) -> None:
+    """Run every `(who, fn)` concurrently; wait at most `timeout` s in total; raise `ReceiverCallError` if any fail."""
+    if timeout <= 0:
+        raise ValueError(f"timeout for {what} must be > 0 s, got {timeout}")
+    errors: dict[str, str] = {}
+    lock = threading.Lock()
+
+    def target(who: str, fn: Callable[[], object]) -> None:
+        try:
+            _check_reply(fn())
+        except BaseException as exc:  # reported to the caller, never swallowed
+            with lock:
+                errors[who] = f"{type(exc).__name__}: {exc}" if not isinstance(exc, WeightSyncError) else str(exc)
+
+    threads = [threading.Thread(target=target, args=call, name=f"beamrl-sync:{what}:{call[0]}", daemon=True)
+               for call in calls]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    failures: dict[str, str] = {}
+    with lock:
+        for (who, _), t in zip(calls, threads):
+            if t.is_alive():
+                failures[who] = f"no reply to {what} within {timeout:g} s (engine dead or wedged)"
+            elif who in errors:
+                failures[who] = errors[who]
+    if failures:
+        raise ReceiverCallError(what, failures)

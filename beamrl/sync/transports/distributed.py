@@ -1,0 +1,122 @@
+"""Distributed transport: the trainer (rank 0) broadcasts one uint8 buffer per bucket to every engine TP rank.
+
+Group: world = 1 + sum of engine TP sizes; engine k joins at rank_offset = 1 + sum of the TP sizes of the
+engines before it. The engines' joins block until the trainer joins, so all joins run concurrently. Per bucket
+the engines are told (names, dtypes, shapes) and block receiving while the trainer broadcasts; they rebuild the
+layout themselves (`FlatBucket.empty`, identical to SGLang's `FlattenedTensorBucket.empty`).
+
+After any failure the collective sequence is out of step, so the trainer leaves the group and the next sync
+builds a new one (a fresh group name) once the engines have been restarted.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Sequence
+
+import torch
+
+from beamrl.sync.calls import run_concurrently
+from beamrl.sync.flat_bucket import FlatBucket
+from beamrl.sync.protocol import Bucket, WeightReceiver, WeightSyncError
+from beamrl.sync.transports import TRANSPORTS
+from beamrl.sync.transports.base import ReceiverTransport
+from beamrl.sync.update_group import broadcast_from_rank0, destroy_update_group, free_port, init_update_group
+
+log = logging.getLogger(__name__)
+
+TRAINER = "trainer (update-group rank 0)"
+
+
+@TRANSPORTS.register("distributed")
+class DistributedTransport(ReceiverTransport):
+    """Flattened-bucket broadcasts over an update group (SGLang `update_weights_from_distributed`)."""
+
+    name = "distributed"
+
+    def __init__(self, receivers: Sequence[WeightReceiver], device: str | torch.device = "cpu",
+                 master_address: str = "127.0.0.1", master_port: int = 0, backend: str | None = None,
+                 group_name: str = "beamrl-weight-update", teardown_timeout: float = 10.0) -> None:
+        super().__init__(receivers)
+        self.device = torch.device(device)
+        self.backend = backend or ("nccl" if self.device.type == "cuda" else "gloo")
+        if self.backend == "nccl" and self.device.type != "cuda":
+            raise ValueError(f"backend 'nccl' needs a cuda device, got {self.device}")
+        self.master_address, self.master_port = master_address, master_port
+        self.group_prefix = group_name
+        self.teardown_timeout = teardown_timeout
+        self.group_name: str | None = None
+        self._pg = None
+
+    @property
+    def world_size(self) -> int:
+        return 1 + sum(r.tp_size for r in self.receivers)
+
+    def rank_offsets(self) -> list[int]:
+        offsets, nxt = [], 1
+        for r in self.receivers:
+            offsets.append(nxt)
+            nxt += r.tp_size
+        return offsets
+
+    def connect(self, timeout: float) -> None:
+        if self._pg is not None:
+            return
+        self._require_healthy()
+        port = self.master_port or free_port(self.master_address)
+        group = f"{self.group_prefix}-{uuid.uuid4().hex[:8]}"  # fresh name: a failed group may linger in torch
+        world, holder = self.world_size, {}
+
+        def join_as_trainer() -> None:
+            holder["pg"] = init_update_group(self.backend, self.master_address, port, world, 0, group, timeout)
+
+        offsets = {id(r): off for r, off in zip(self.receivers, self.rank_offsets())}
+        try:
+            self._call_all("init_weights_update_group",
+                           lambda r: r.init_weights_update_group(self.master_address, port, offsets[id(r)], world,
+                                                                 group, self.backend, timeout),
+                           timeout, extra=[(TRAINER, join_as_trainer)])
+        except WeightSyncError:
+            if "pg" in holder:
+                self._destroy_local(holder["pg"])
+            raise
+        self._pg, self.group_name = holder["pg"], group
+        log.info("weight-update group %s up: %s:%d, world %d, backend %s", group, self.master_address, port,
+                 world, self.backend)
+
+    def send_bucket(self, bucket: Bucket, timeout: float) -> None:
+        self._require_session("send_bucket")
+        if self._pg is None:
+            raise WeightSyncError("send_bucket before connect(): the update group does not exist")
+        flat = FlatBucket.from_named_tensors(list(zip(bucket.names, bucket.tensors)), device=self.device)
+        names, dtypes, shapes, group, pg = flat.names, flat.dtypes, flat.shapes, self.group_name, self._pg
+        self._touched = True
+        self._call_all("update_weights_from_distributed",
+                       lambda r: r.update_weights_from_distributed(names, dtypes, shapes, group, timeout), timeout,
+                       extra=[(TRAINER, lambda: broadcast_from_rank0(pg, flat.buffer))])
+
+    def abort(self, reason: str) -> None:
+        super().abort(reason)
+        if self._pg is not None:  # the collective sequence is broken: leave the group
+            self._destroy_local(self._pg)
+            self._pg, self.group_name = None, None
+
+    def close(self) -> None:
+        if self._pg is None:
+            return
+        group, pg = self.group_name, self._pg
+        self._pg, self.group_name = None, None
+        try:
+            self._call_all("destroy_weights_update_group",
+                           lambda r: r.destroy_weights_update_group(group, self.teardown_timeout),
+                           self.teardown_timeout)
+        finally:
+            self._destroy_local(pg)
+
+    def _destroy_local(self, pg) -> None:
+        try:
+            run_concurrently("destroy local update group", [(TRAINER, lambda: destroy_update_group(pg))],
+                             self.teardown_timeout)
+        except WeightSyncError as err:  # leaking a broken group is better than hanging the trainer on it
+            log.error("could not tear down the trainer's update group: %s", err)

@@ -1,0 +1,1 @@
+"""Trainers for Beam (docs/trainer.md)."""

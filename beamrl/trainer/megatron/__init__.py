@@ -1,0 +1,1 @@
+"""Megatron-core training backend for Beam (docs/trainer.md)."""

@@ -1,0 +1,61 @@
+"""Timing helpers shared by the GPU benchmarks: CUDA-event medians and the two ceilings of the same run."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+
+def cuda_median_ms(fn: Callable[[], object], iters: int = 20, warmup: int = 3) -> float:
+    """Median wall time of fn on the current stream, one pair of CUDA events per call (ms).
+
+    Without CUDA (a smoke run of the scripts on CPU) it falls back to the host clock."""
+    for _ in range(warmup):
+        fn()
+    if not torch.cuda.is_available():
+        times = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def copy_bandwidth_gbs(gib: float = 2.0, device: str = "cuda") -> float:
+    """Device-to-device copy bandwidth, bytes read + written, on `gib` GiB of bf16 (random data)."""
+    n = int(gib * 2 ** 30) // 2
+    x = torch.randn(n, device=device, dtype=torch.bfloat16)
+    y = torch.empty_like(x)
+    ms = cuda_median_ms(lambda: y.copy_(x), iters=20, warmup=3)
+    del x, y
+    return 2 * n * 2 / (ms * 1e-3) / 1e9
+
+
+def matmul_tflops(n: int = 8192, device: str = "cuda") -> float:
+    """bf16 n^3 matmul rate on random data (the MFU ceiling of this run)."""
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    ms = cuda_median_ms(lambda: a @ b, iters=20, warmup=3)
+    return 2 * n ** 3 / (ms * 1e-3) / 1e12
+
+
+def markdown_table(headers: list[str], rows: list[list[object]]) -> str:
+    def fmt(v):
+        return f"{v:,.3f}" if isinstance(v, float) and abs(v) < 10 else (f"{v:,.1f}" if isinstance(v, float) else str(v))
+
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(fmt(v) for v in r) + " |" for r in rows]
+    return "\n".join(lines)

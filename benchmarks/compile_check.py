@@ -1,0 +1,82 @@
+"""Compile every beamrl Triton kernel for sm_90 without a GPU (catches API breaks between triton versions).
+
+    PYTHONPATH=. python benchmarks/compile_check.py        # prints per-kernel PTX facts
+
+Uses `triton.compile` with an explicit `GPUTarget("cuda", 90, 32)`, so it runs on a CPU-only machine. It also
+reports whether the PTX contains FMA contraction (must not, for the forward kernels) and which rsqrt/exp/div
+instructions were used.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from beamrl.kernels import output_gate, qk_norm, router_topk, sandwich_residual
+
+BF = "*bf16"
+F32 = "*fp32"
+
+
+def _sig(fn, types, constexprs):
+    sig = {}
+    for name in fn.arg_names:
+        sig[name] = "constexpr" if name in constexprs else types.get(name, "i32")
+    return sig
+
+
+def _cases():
+    flags = {"ROUND_BF16": True, "INTERPRET": False}
+    yield ("sandwich fwd", sandwich_residual._fwd_kernel,
+           {"branch_ptr": BF, "residual_ptr": BF, "post_w_ptr": BF, "pre_w_ptr": BF, "out_res_ptr": BF,
+            "out_pre_ptr": BF, "rstd_post_ptr": F32, "rstd_pre_ptr": F32, "inv_h": "fp32", "eps": "fp32",
+            "s_branch": "fp32", "s_res": "fp32"}, {"HAS_PRE": True, "BLOCK": 8192, **flags}, 16, False)
+    yield ("sandwich bwd", sandwich_residual._bwd_kernel,
+           {"branch_ptr": BF, "h_ptr": BF, "g_res_ptr": BF, "g_pre_ptr": BF, "post_w_ptr": BF, "pre_w_ptr": BF,
+            "rstd_post_ptr": F32, "rstd_pre_ptr": F32, "d_branch_ptr": BF, "d_res_ptr": BF, "dw_post_ptr": F32,
+            "dw_pre_ptr": F32, "inv_h": "fp32", "s_branch": "fp32", "s_res": "fp32"},
+           {"HAS_PRE_GRAD": True, "HAS_RES_GRAD": True, "BLOCK": 8192}, 16, True)
+    for mode in (qk_norm.MODE_ROPE, qk_norm.MODE_SSMAX):
+        yield (f"qk_norm fwd mode {mode}", qk_norm._fwd_kernel,
+               {"x_ptr": BF, "w_ptr": BF, "cos_ptr": F32, "sin_ptr": F32, "scale_ptr": F32, "out_ptr": BF,
+                "inv_d": "fp32", "eps": "fp32"}, {"MODE": mode, "HALF": 64, "BR": 16, **flags}, 4, False)
+        yield (f"qk_norm bwd mode {mode}", qk_norm._bwd_kernel,
+               {"x_ptr": BF, "w_ptr": BF, "cos_ptr": F32, "sin_ptr": F32, "scale_ptr": F32, "go_ptr": BF,
+                "dx_ptr": BF, "dw_ptr": F32, "inv_d": "fp32", "eps": "fp32"},
+               {"MODE": mode, "HALF": 64, "BR": 16}, 4, True)
+    yield ("output_gate fwd", output_gate._fwd_kernel, {"o_ptr": BF, "g_ptr": BF, "b_ptr": BF, "y_ptr": BF},
+           {"D": 128, "HB": 64, **flags}, 8, False)
+    yield ("output_gate bwd", output_gate._bwd_kernel,
+           {"o_ptr": BF, "g_ptr": BF, "b_ptr": BF, "gy_ptr": BF, "do_ptr": BF, "dg_ptr": BF, "db_ptr": F32},
+           {"D": 128, "HB": 64, **flags}, 8, False)
+    yield ("router top-k", router_topk._topk_kernel,
+           {"z_ptr": F32, "bias_ptr": F32, "w_ptr": F32, "id_ptr": "*i64", "eps": "fp32"},
+           {"E": 256, "G": 8, "K": 8, "KG": 4, "KP": 8, "BT": 16, "ROUND_BF16": False, "INTERPRET": False}, 4, False)
+
+
+def main() -> int:
+    target = GPUTarget("cuda", 90, 32)
+    print(f"triton {triton.__version__}")
+    ok = True
+    for name, fn, types, constexprs, warps, fusion in _cases():
+        try:
+            src = ASTSource(fn, _sig(fn, types, constexprs), constexprs)
+            kern = triton.compile(src, target=target, options={"num_warps": warps, "enable_fp_fusion": fusion})
+            ptx = kern.asm["ptx"]
+            facts = {k: len(re.findall(p, ptx)) for k, p in
+                     (("fma", r"\bfma\.rn\.f32"), ("rsqrt.approx", r"rsqrt\.approx"), ("ex2.approx", r"ex2\.approx"),
+                      ("div.rn", r"div\.rn\.f32"), ("div.full", r"div\.full"), ("ld.v4", r"ld\.global(\.\w+)*\.v4"),
+                      ("local", r"\.local"))}
+            print(f"ok   {name:26s} shared={kern.metadata.shared} {facts}")
+        except Exception as err:  # report all kernels, fail at the end
+            ok = False
+            print(f"FAIL {name}: {type(err).__name__}: {str(err)[:400]}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

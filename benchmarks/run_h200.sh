@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# One device call: CUDA kernel tests, kernel benchmarks, Beam layer benchmark. Logs and JSON go to $OUT.
+# Usage (repo root, on the GPU machine): OUT=/tmp/out bash benchmarks/run_h200.sh [tests|kernels|layer ...]
+set -u -o pipefail
+export PYTHONPATH=. PYTHONUNBUFFERED=1 TORCHDYNAMO_DISABLE=0
+OUT=${OUT:-/tmp/beamrl_bench}
+mkdir -p "$OUT"
+stages=${*:-tests kernels layer}
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv | tee "$OUT/gpu.txt"
+python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' | tee -a "$OUT/gpu.txt"
+for s in $stages; do
+  case $s in
+    tests) timeout ${TESTS_TIMEOUT:-130} python3 -m pytest tests/kernels -q -p no:cacheprovider -rs 2>&1 | tee "$OUT/tests.log" ;;
+    kernels) timeout ${KERNELS_TIMEOUT:-90} python3 benchmarks/kernels.py --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log" ;;
+    layer) timeout ${LAYER_TIMEOUT:-240} python3 benchmarks/beam_layer.py --json "$OUT/layer.json" ${LAYER_ARGS:-} 2>&1 | tee "$OUT/layer.log" ;;
+  esac
+done

@@ -1,0 +1,108 @@
+"""`beamrl.compat.megatron_cpu`: a stock Megatron GPTModel builds and trains one step on CPU (world 1, gloo)."""
+
+import os
+import socket
+
+import pytest
+import torch
+
+from beamrl.compat import megatron_cpu
+
+
+@pytest.fixture(scope="module")
+def world1():
+    megatron_cpu.activate()
+    import torch.distributed as dist
+    from megatron.core import parallel_state, tensor_parallel
+
+    created = False
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        created = True
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(1, 1)
+    tensor_parallel.model_parallel_cuda_manual_seed(123)
+    yield
+    parallel_state.destroy_model_parallel()
+    if created:
+        dist.destroy_process_group()
+
+
+def test_activate_is_idempotent():
+    megatron_cpu.activate()
+    megatron_cpu.activate()
+    assert megatron_cpu.is_active()
+
+
+def test_cuda_requests_land_on_cpu():
+    megatron_cpu.activate()
+    assert torch.zeros(2, device="cuda").device.type == "cpu"
+    assert torch.ones(2).cuda().device.type == "cpu"
+    assert torch.ones(2).to(torch.cuda.current_device()).device.type == "cpu"
+    assert torch.ones(2).to("cuda:0", torch.float64).dtype == torch.float64
+    assert torch.ones(2, dtype=torch.bfloat16).type() == "torch.cuda.BFloat16Tensor"
+    assert torch.ones(2).type(torch.float64).dtype == torch.float64  # casts unchanged
+    with torch.cuda.stream(torch.cuda.Stream()):
+        ev = torch.cuda.Event()
+        ev.record()
+    torch.cuda.current_stream().wait_event(ev)
+
+
+def test_refuses_when_cuda_is_available(monkeypatch):
+    monkeypatch.setattr(megatron_cpu, "_active", False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(megatron_cpu.MegatronCpuError, match="CUDA"):
+        megatron_cpu.activate()
+
+
+def test_named_rng_streams_are_kept(world1):
+    from megatron.core import tensor_parallel
+
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    assert {"model-parallel-rng", "expert-parallel-rng", "data-parallel-rng"} <= set(tracker.get_states())
+    before = torch.get_rng_state()
+    with tracker.fork("model-parallel-rng"):
+        a = torch.rand(3)
+    with tracker.fork("expert-parallel-rng"):
+        b = torch.rand(3)
+    assert not torch.equal(a, b)  # distinct streams
+    assert torch.equal(torch.get_rng_state(), before)  # the default stream is restored
+
+
+def test_stock_gpt_model_forward_backward(world1):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+
+    cfg = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
+                            normalization="RMSNorm", gated_linear_unit=True, add_bias_linear=False,
+                            num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32,
+                            moe_token_dispatcher_type="alltoall", hidden_dropout=0.0, attention_dropout=0.0,
+                            recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    model = GPTModel(cfg, get_gpt_layer_local_spec(num_experts=4), vocab_size=64, max_sequence_length=32)
+    ids = torch.randint(0, 64, (2, 16))
+    pos = torch.arange(16).expand(2, 16)
+    loss = model(ids, pos, attention_mask=None, labels=ids).float().mean()
+    loss.backward()
+    assert torch.isfinite(loss)
+    grads = [p.grad for p in model.parameters() if p.requires_grad]
+    assert all(g is not None and torch.isfinite(g).all() for g in grads)
+    assert all(p.device.type == "cpu" for p in model.parameters())
+
+
+def test_sequence_parallel_norm_is_marked_for_tp_allreduce():
+    megatron_cpu.activate()
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    cfg = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, normalization="RMSNorm")
+    cfg.sequence_parallel = True  # set after construction: at TP1 the config would reject it
+    norm = WrappedTorchNorm(cfg, 8, eps=1e-6)
+    assert getattr(norm.weight, "sequence_parallel", False)
+    x = torch.randn(3, 8)
+    ref = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    torch.testing.assert_close(norm(x), ref)

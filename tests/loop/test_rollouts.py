@@ -1,0 +1,55 @@
+"""Rollouts -> packed trainer batch: token alignment, loss mask, R3 route conversion."""
+
+import numpy as np
+import pytest
+import torch
+
+from beamrl.loop.rollouts import Rollout, build_packed_batch, moe_routes_for_trainer, split_micro_batches
+from beamrl.models.beam import preset
+from beamrl.rollout.protocol import GenerateResult
+
+
+def _rollout(cfg, prompt, out, adv, seed=0, routes=True):
+    rng = np.random.default_rng(seed)
+    n = len(prompt) + len(out) - 1
+    r = rng.integers(0, cfg.num_experts, size=(n, cfg.num_hidden_layers, cfg.num_experts_per_tok)).astype(np.int32)
+    r[:, [i for i in range(cfg.num_hidden_layers) if not cfg.is_moe(i)], :] = -1
+    res = GenerateResult(prompt, out, [-0.5 - i for i in range(len(out))], "stop", 0, r if routes else None)
+    return Rollout(prompt=None, group=0, result=res, advantage=adv)
+
+
+def test_packed_batch_aligns_response_tokens(tiny_config):
+    a = _rollout(tiny_config, [5, 6, 7], [8, 9], 1.5, seed=1)
+    b = _rollout(tiny_config, [4, 5], [6, 7, 8], -0.5, seed=2)
+    batch = build_packed_batch([a, b], tiny_config, with_routes=True)
+    assert batch.tokens.tolist() == [5, 6, 7, 8, 9, 4, 5, 6, 7, 8]
+    assert batch.loss_mask.tolist() == [0, 0, 0, 1, 1, 0, 0, 1, 1, 1]
+    assert batch.fields["rollout_logprobs"].tolist() == [0, 0, 0, -0.5, -1.5, 0, 0, -0.5, -1.5, -2.5]
+    assert batch.fields["advantages"].tolist() == [1.5] * 5 + [-0.5] * 5
+    moe = tiny_config.moe_layers
+    assert batch.routes.shape == (10, len(moe), tiny_config.num_experts_per_tok)
+    # row t of the engine's routes is token t's forward; the last token repeats the previous row
+    assert torch.equal(batch.routes[:4], torch.from_numpy(a.result.routed_experts[:, moe, :]).long())
+    assert torch.equal(batch.routes[4], batch.routes[3])
+
+
+def test_routes_shape_errors_name_the_problem(tiny_config):
+    bad = np.zeros((3, tiny_config.num_hidden_layers, tiny_config.num_experts_per_tok), dtype=np.int32)
+    with pytest.raises(ValueError, match="prompt\\+output-1"):
+        moe_routes_for_trainer(bad, tiny_config, num_tokens=10)
+    bad = np.full((9, tiny_config.num_hidden_layers, tiny_config.num_experts_per_tok), 99, dtype=np.int32)
+    with pytest.raises(ValueError, match="outside"):
+        moe_routes_for_trainer(bad, tiny_config, num_tokens=10)
+
+
+def test_replay_without_engine_routes_is_a_clear_error(tiny_config):
+    r = _rollout(tiny_config, [1, 2], [3], 0.0, routes=False)
+    with pytest.raises(ValueError, match="routed experts"):
+        build_packed_batch([r], tiny_config, with_routes=True)
+
+
+def test_split_micro_batches_keeps_order_and_everything():
+    items = list(range(10))
+    parts = split_micro_batches(items, 3)
+    assert [x for p in parts for x in p] == items and len(parts) == 3
+    assert split_micro_batches(items, 50) == [[i] for i in items]

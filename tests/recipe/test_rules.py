@@ -1,0 +1,112 @@
+"""Every cross-field rule of rules.py: break one field, expect a RecipeError naming it."""
+
+import pytest
+
+from beamrl.recipe import RecipeError, apply_override, validate_recipe
+
+CASES = [
+    # (overrides, error path, words in the message)
+    (["model.preset=null"], "model", "model.checkpoint"),
+    (["model.checkpoint=/ckpt"], "model.seed", "random init"),
+    (["model.seed=null"], "model.seed", "explicit integer seed"),
+    (["trainer.num_gpus=16"], "trainer.num_gpus", "add up to the cluster"),
+    (["placement.mode=colocated", "sync.transport=colocated"], "trainer.num_gpus", "every GPU"),
+    (["placement.mode=colocated", "sync.transport=colocated", "trainer.num_gpus=16", "trainer.global_batch_size=32"],
+     "rollout.num_engines", "same GPUs"),
+    (["rollout.engine_tp=3", "rollout.num_engines=1", "trainer.num_gpus=13"], "rollout.engine_tp", "divide"),
+    (["rollout.engine_tp=12", "rollout.num_engines=1", "trainer.num_gpus=4", "trainer.global_batch_size=8"],
+     "rollout.engine_tp", "whole nodes"),
+    (["trainer.tp=3"], "trainer.num_gpus", "tp * pp"),
+    (["trainer.ep=16"], "trainer.ep", "must divide tp * dp"),
+    (["trainer.etp=4", "trainer.ep=4"], "trainer.ep", "must divide tp * dp"),
+    (["trainer.vpp=2"], "trainer.vpp", "pp >= 2"),
+    (["trainer.tp=1", "trainer.ep=1", "trainer.global_batch_size=32"], "trainer.sp", "tp=1"),
+    (["trainer.sp=false"], "trainer.sp", "requires sp"),
+    (["trainer.distributed_optimizer=false", "trainer.optimizer_offload_fraction=0.5"],
+     "trainer.optimizer_offload_fraction", "distributed_optimizer"),
+    (["trainer.global_batch_size=6"], "trainer.global_batch_size", "micro_batch_size * dp"),
+    (["trainer.global_batch_size=24"], "trainer.global_batch_size", "prompts_per_step * n_samples_per_prompt"),
+    (["rollout.n_samples_per_prompt=1", "trainer.global_batch_size=8"], "rollout.n_samples_per_prompt", "group"),
+    (["rollout.top_k=0"], "rollout.top_k", "-1"),
+    (["rollout.server_args={mem_fraction_static: 0.5}"], "rollout.server_args.mem_fraction_static",
+     "rollout.mem_fraction"),
+    (["rollout.deterministic=true"], "rollout.attention_backend", "fa3"),
+    (["rollout.deterministic=true", "rollout.attention_backend=trtllm_mha"], "rollout.attention_backend", "fa3"),
+    (["rollout.engine=native"], "rollout.engine_tp", "native engine"),
+    (["placement.off_policy_steps=1"], "algorithm.importance.mode", "tis"),
+    (["placement.mode=colocated", "placement.off_policy_steps=1"], "placement.off_policy_steps", "disaggregated"),
+    (["sync.transport=colocated"], "sync.transport", "colocated"),
+    (["placement.mode=colocated", "trainer.num_gpus=16", "rollout.num_engines=4", "trainer.global_batch_size=32"],
+     "sync.transport", "disaggregated"),
+    (["rollout.engine=native", "rollout.engine_tp=1", "rollout.num_engines=8", "rollout.server_args={x: 1}"],
+     "rollout.server_args", "native engine"),
+    (["algorithm.kl.coef=0.1"], "algorithm.kl.reference", "reference"),
+    (["algorithm.importance.mode=tis"], "algorithm.importance.cap", ">= 1"),
+    (["algorithm.importance={mode: tis, cap: 2, lo: 0.5}"], "algorithm.importance.lo", "mis"),
+    (["algorithm.importance={mode: tis, cap: 2, level: sequence}"], "algorithm.importance.level", "token"),
+    (["algorithm.importance={mode: mis, lo: 1.5, hi: 2}"], "algorithm.importance", "lo < 1 < hi"),
+    (["algorithm.importance={mode: mis, lo: 0.5, hi: 2, cap: 2}"], "algorithm.importance.cap", "tis"),
+    (["algorithm.importance.cap=2"], "algorithm.importance.cap", "none"),
+    (["algorithm.overlong={enabled: true, buffer: 64}"], "algorithm.overlong.buffer", "max_new_tokens"),
+    (["algorithm.routing_replay=true", "rollout.return_routed_experts=false"], "rollout.return_routed_experts",
+     "routing_replay"),
+    (["rewards.0.fn='pkg module:f'"], "rewards[0].fn", "package.module:function"),
+    (["rewards=[{name: a, fn: 'm:f'}, {name: a, fn: 'm:g'}]"], "rewards[1].name", "unique"),
+    (["rewards.0.timeout_s=1000"], "rewards[0].timeout_s", "timeouts.reward_s"),
+    (["rewards.0.weight=0"], "rewards", "non-zero"),
+    (["data.source=null"], "data.source", "jsonl/parquet"),
+    (["data.format=synthetic-addition"], "data.source", "remove source"),
+    (["data.synthetic={num_samples: 4}"], "data.synthetic", "synthetic-addition"),
+    (["data.prompt_template='Q: {question}'"], "data.prompt_template", "{prompt}"),
+    (["data.prompt_template='Q: {prompt}'", "data.chat_template=true"], "data.prompt_template", "chat_template"),
+    (["data.tokenizer=digit", "data.chat_template=true"], "data.chat_template", "chat template"),
+]
+
+CPU_CASES = [
+    (["trainer.distributed_optimizer=true", "trainer.optimizer_offload_fraction=0.5"],
+     "trainer.optimizer_offload_fraction", "host memory"),
+    (["trainer.use_fused_kernels=true"], "trainer.use_fused_kernels", "GPU-only"),
+    (["sync.transport=disk", "rollout.engine=sglang", "rollout.deterministic=true", "rollout.attention_backend=fa3"],
+     "rollout.deterministic", "CPU engine"),
+    (["rollout.engine=sglang", "rollout.attention_backend=fa3"], "rollout.attention_backend", "cpu"),
+    (["placement.mode=disaggregated", "sync.transport=distributed", "cluster.gpus_per_node=2", "trainer.num_gpus=1"],
+     "sync.transport", "cuda"),
+]
+
+
+def _broken(raw, overrides):
+    for o in overrides:
+        apply_override(raw, o)
+    with pytest.raises(RecipeError) as e:
+        validate_recipe(raw)
+    return e.value
+
+
+@pytest.mark.parametrize("overrides,path,words", CASES, ids=[",".join(c[0]) for c in CASES])
+def test_rule(base_raw, overrides, path, words):
+    err = _broken(base_raw, overrides)
+    assert err.path == path, str(err)
+    assert words in str(err)
+
+
+CPU_BASE = {
+    "run": {"name": "cpu", "num_steps": 1}, "model": {"preset": "tiny", "seed": 0}, "cluster": {"device": "cpu",
+    "gpus_per_node": 1}, "trainer": {"num_gpus": 1, "global_batch_size": 8, "lr": 1e-3},
+    "rollout": {"engine": "native", "max_new_tokens": 3, "n_samples_per_prompt": 2, "prompts_per_step": 4},
+    "rewards": [{"name": "r", "fn": "m:f"}], "data": {"format": "synthetic-addition", "max_prompt_len": 8},
+}
+
+
+@pytest.mark.parametrize("overrides,path,words", CPU_CASES, ids=[",".join(c[0]) for c in CPU_CASES])
+def test_cpu_rule(overrides, path, words):
+    import copy
+
+    err = _broken(copy.deepcopy(CPU_BASE), overrides)
+    assert err.path == path, str(err)
+    assert words in str(err)
+
+
+def test_cpu_base_valid():
+    import copy
+
+    validate_recipe(copy.deepcopy(CPU_BASE))

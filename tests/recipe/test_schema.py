@@ -1,0 +1,84 @@
+import yaml
+import pytest
+
+from beamrl.recipe import RecipeError, validate_recipe
+from beamrl.recipe.schema import Recipe
+
+
+def test_base_recipe_is_valid(base_raw):
+    r = validate_recipe(base_raw)
+    assert r.trainer.dp == 4 and r.trainer.expert_tp == 1 and r.rollout.num_gpus == 8
+
+
+def test_to_yaml_round_trip(base_raw):
+    r = validate_recipe(base_raw)
+    again = validate_recipe(yaml.safe_load(r.to_yaml()))
+    assert again == r
+    assert again.to_yaml() == r.to_yaml()
+
+
+@pytest.mark.parametrize("section,key", [("trainer", "tensor_parallel"), ("rollout", "engine_tpp"), ("run", "steps")])
+def test_unknown_field_names_path_and_valid_keys(base_raw, section, key):
+    base_raw[section][key] = 1
+    with pytest.raises(RecipeError) as e:
+        validate_recipe(base_raw)
+    assert e.value.path == f"{section}.{key}"
+    assert "valid keys at " + section in str(e.value)
+    assert sorted(Recipe.model_fields[section].annotation.model_fields)[0] in str(e.value)
+
+
+def test_unknown_nested_field(base_raw):
+    base_raw["algorithm"] = {"kl": {"coeff": 0.1}}
+    with pytest.raises(RecipeError) as e:
+        validate_recipe(base_raw)
+    assert e.value.path == "algorithm.kl.coeff" and "'coef'" in str(e.value)
+
+
+def test_unknown_field_in_list_item(base_raw):
+    base_raw["rewards"][0]["wieght"] = 2
+    with pytest.raises(RecipeError) as e:
+        validate_recipe(base_raw)
+    assert e.value.path == "rewards[0].wieght" and "weight" in str(e.value)
+
+
+def test_bad_literal_names_field_and_allowed(base_raw):
+    base_raw["trainer"]["recompute"] = "selective"
+    with pytest.raises(RecipeError) as e:
+        validate_recipe(base_raw)
+    assert e.value.path == "trainer.recompute" and "'none'" in str(e.value) and "'full'" in str(e.value)
+
+
+def test_missing_required_field(base_raw):
+    del base_raw["trainer"]["lr"]
+    with pytest.raises(RecipeError) as e:
+        validate_recipe(base_raw)
+    assert e.value.path == "trainer.lr" and "missing" in str(e.value)
+
+
+def test_wrong_type(base_raw):
+    base_raw["trainer"]["tp"] = "two"
+    with pytest.raises(RecipeError) as e:
+        validate_recipe(base_raw)
+    assert e.value.path == "trainer.tp"
+
+
+def test_loss_agg_names_match_algorithms():
+    from beamrl.algorithms.aggregation import AGGREGATIONS
+    from beamrl.recipe.schema import AlgorithmSection
+    from typing import get_args
+
+    assert get_args(AlgorithmSection.model_fields["loss_agg"].annotation) == AGGREGATIONS
+
+
+def test_reward_components_build_the_reward_config():
+    """Contract with beamrl.rewards: every recipe reward component is a valid RewardComponentConfig."""
+    from typing import get_args
+
+    from beamrl.recipe import load_recipe
+    from beamrl.recipe.schema import RewardComponent
+    from beamrl.rewards.config import OnError, RewardComponentConfig
+
+    assert get_args(RewardComponent.model_fields["on_error"].annotation) == get_args(OnError)
+    for name in ("quickstart", "grpo_dapo_math"):
+        for comp in load_recipe(name).rewards:
+            RewardComponentConfig(**comp.model_dump())

@@ -1,0 +1,90 @@
+"""Reward functions used by the reward tests (imported by path from worker processes)."""
+
+import asyncio
+import os
+import time
+
+from beamrl.rewards import RewardOutput, reward
+
+
+def needs_completion(completion):
+    return float(len(completion))
+
+
+def sees(completion, ground_truth=None, **kwargs):
+    """Reports which names reached it (as metrics: 1.0 per name)."""
+    return RewardOutput(score=1.0, metrics={k: 1.0 for k in ("completion", "ground_truth", *kwargs)})
+
+
+def only_completion(completion):
+    return 1.0
+
+
+def requires_answer(completion, answer):
+    return 1.0
+
+
+def optional_answer(completion, answer="x"):
+    return 1.0 if answer == "x" else 0.0
+
+
+def with_scale(completion, scale):
+    return scale * len(completion)
+
+
+async def async_len(completion):
+    await asyncio.sleep(0)
+    return float(len(completion))
+
+
+def none_for_empty(completion):
+    return None if not completion else 1.0
+
+
+def raises_on_bad(completion):
+    if completion == "bad":
+        raise ValueError("cannot grade 'bad'")
+    return 1.0
+
+
+def returns_string(completion):
+    return "one"
+
+
+def returns_nan(completion):
+    return float("nan")
+
+
+def sleeps_on_hang(completion):
+    if completion == "hang":
+        time.sleep(60)
+    return 1.0
+
+
+def dies_on_die(completion):
+    if completion == "die":
+        os._exit(3)
+    return 1.0
+
+
+def with_metrics(completion):
+    return RewardOutput(score=0.5, metrics={"length": float(len(completion)), "mean": 7.0})
+
+
+@reward("tests.registered_len")
+def registered_len(completion):
+    return float(len(completion))
+
+
+not_callable = 42
+
+
+def hangs_in_subprocess(completion, metadata):
+    """Starts a long-lived child process (as a sandboxed verifier would), records its pid, then hangs."""
+    import subprocess
+
+    child = subprocess.Popen(["sleep", "60"])
+    with open(metadata["pid_file"], "w") as f:
+        f.write(str(child.pid))
+    child.wait()
+    return 1.0

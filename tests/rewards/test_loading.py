@@ -1,0 +1,78 @@
+import pytest
+
+from beamrl.rewards import FIELDS, REWARDS, RewardLoadError, load_reward_fn, reward
+
+from . import sample_reward_fns as fns
+
+M = fns.__name__  # "rewards.sample_reward_fns" (or "tests.rewards..." if tests/ becomes a package)
+
+
+def test_only_requested_fields_are_injected():
+    f = load_reward_fn(f"{M}:only_completion")
+    assert f.params == ("completion",) and f.required == ("completion",) and not f.var_kwargs
+    fields = {name: f"<{name}>" for name in FIELDS}
+    assert f.call_kwargs(fields, {}) == {"completion": "<completion>"}
+
+
+def test_var_kwargs_gets_every_field_and_component_kwarg():
+    f = load_reward_fn(f"{M}:sees", kwarg_names=["scale"])
+    got = f.call_kwargs({name: 0 for name in FIELDS}, {"scale": 2})
+    assert set(got) == set(FIELDS) | {"scale"}
+
+
+def test_missing_required_parameter_fails_at_load_naming_function_and_parameter():
+    with pytest.raises(RewardLoadError, match=r"requires_answer.*requires parameter 'answer'"):
+        load_reward_fn(f"{M}:requires_answer")
+    # ... and a component kwarg of that name satisfies it
+    assert load_reward_fn(f"{M}:requires_answer", kwarg_names=["answer"]).params == ("completion", "answer")
+    # optional parameters that nothing provides keep their default (not passed)
+    f = load_reward_fn(f"{M}:optional_answer")
+    assert f.params == ("completion",)
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("no_such_pkg_xyz.mod:fn", r"cannot import module 'no_such_pkg_xyz.mod'"),
+        (f"{M}:missing_fn", rf"module '{M}' has no attribute 'missing_fn'"),
+        (f"{M}:not_callable", r"resolves to a int, which is not callable"),
+        ("pkg.mod:", r"must look like 'pkg.module:function'"),
+        ("definitely_not_registered", r"unknown reward 'definitely_not_registered'.*known names: .*dapo_math"),
+        ("", r"non-empty"),
+    ],
+)
+def test_import_path_errors_are_clear(spec, message):
+    with pytest.raises(RewardLoadError, match=message):
+        load_reward_fn(spec)
+
+
+def test_local_functions_are_refused():
+    @reward("tests.local_fn")  # registered, but workers could never import it by name
+    def local(completion):
+        return 1.0
+
+    with pytest.raises(RewardLoadError, match="top level"):
+        load_reward_fn("tests.local_fn")
+
+
+def test_decorator_registry_resolves_to_an_importable_ref():
+    f = load_reward_fn("tests.registered_len")
+    assert REWARDS.get("tests.registered_len") is fns.registered_len
+    assert f.ref == f"{M}:registered_len"
+    builtin = load_reward_fn("exact_match")
+    assert builtin.ref == "beamrl.rewards.exact:exact_match"
+
+
+def test_entry_point_group(tmp_path, monkeypatch):
+    dist = tmp_path / "fake_reward_plugin-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: fake-reward-plugin\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text(f"[beamrl.rewards]\nplugin_len = {M}:needs_completion\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    f = load_reward_fn("plugin_len")
+    assert f.ref == f"{M}:needs_completion" and f.params == ("completion",)
+
+
+def test_async_is_detected():
+    assert load_reward_fn(f"{M}:async_len").is_async
+    assert not load_reward_fn(f"{M}:only_completion").is_async

@@ -1,0 +1,124 @@
+import time
+
+import pytest
+
+from beamrl.rewards import RewardComponentConfig, RewardError, RewardManager, RewardSample
+
+from . import sample_reward_fns as fns
+
+M = fns.__name__
+
+
+def comp(name, fn, **kw):
+    return RewardComponentConfig(name=name, fn=f"{M}:{fn}", **kw)
+
+
+def samples(*completions):
+    return [RewardSample(completion=c, ground_truth="x") for c in completions]
+
+
+def test_weighted_components_none_metrics_and_async():
+    comps = [
+        comp("len", "needs_completion", weight=0.5),
+        comp("alen", "async_len", weight=2.0),
+        comp("app", "none_for_empty", weight=10.0),
+        comp("m", "with_metrics", weight=1.0),
+        comp("scaled", "with_scale", kwargs={"scale": 3.0}),
+    ]
+    with RewardManager(comps, num_workers=2) as rm:
+        res = rm.score(samples("ab", "", "abcd"))
+    n = [2, 0, 4]
+    expected = [0.5 * k + 2.0 * k + (10.0 if k else 0.0) + 0.5 + 3.0 * k for k in n]
+    assert res.totals == pytest.approx(expected)
+    assert res.scores("app") == [1.0, None, 1.0]  # None: not applicable, counted 0 in the total
+    assert res.metrics["reward/app/mean"] == 1.0 and res.metrics["reward/app/none"] == 1.0
+    assert res.metrics["reward/app/count"] == 2.0
+    assert res.metrics["reward/len/mean"] == pytest.approx(2.0)
+    assert res.metrics["reward/m/length"] == pytest.approx(2.0)  # the function's own metric, averaged
+    assert res.metrics["reward/m/fn.mean"] == 7.0 and res.metrics["reward/m/mean"] == 0.5  # no clobbering
+    assert res.metrics["reward/total/mean"] == pytest.approx(sum(expected) / 3)
+    assert res.failed == [False, False, False]
+    with pytest.raises(KeyError, match="components: len"):
+        res.scores("nope")
+
+
+def test_exceptions_and_bad_returns_are_counted_and_the_run_continues():
+    comps = [
+        comp("zero", "raises_on_bad", on_error="zero"),
+        comp("skip", "raises_on_bad", on_error="skip"),
+        comp("str", "returns_string"),
+        comp("die", "dies_on_die"),
+    ]
+    with RewardManager(comps, num_workers=2) as rm:
+        res = rm.score(samples("ok", "bad", "die", "ok"))
+        again = rm.score(samples("ok"))  # the pool still works after failures and a dead worker
+    assert res.scores("zero") == [1.0, 0.0, 1.0, 1.0]
+    assert res.scores("skip") == [1.0, None, 1.0, 1.0]
+    assert res.metrics["reward/zero/errors"] == 1.0 and res.metrics["reward/zero/mean"] == 0.75
+    assert res.metrics["reward/skip/errors"] == 1.0 and res.metrics["reward/skip/mean"] == 1.0
+    assert res.metrics["reward/str/errors"] == 4.0
+    assert "must return a finite float" in res.components["str"][0].message
+    assert res.components["die"][2].status == "error" and "died" in res.components["die"][2].message
+    assert res.failed == [True, True, True, True]  # returns_string fails everywhere
+    assert again.scores("zero") == [1.0]
+
+
+def test_on_error_raise_stops():
+    with RewardManager([comp("strict", "raises_on_bad", on_error="raise")], num_workers=1) as rm:
+        with pytest.raises(RewardError, match=r"'strict'.*sample 1.*cannot grade 'bad'"):
+            rm.score(samples("ok", "bad"))
+
+
+def test_hanging_function_is_killed_quickly_and_pool_shuts_down():
+    with RewardManager([comp("hang", "sleeps_on_hang", timeout_s=1.0)], num_workers=2) as rm:
+        procs = [w.proc for w in rm.pool._workers]
+        t0 = time.monotonic()
+        res = rm.score(samples("hang", "ok", "ok", "hang", "ok"))
+        took = time.monotonic() - t0
+        procs += [w.proc for w in rm.pool._workers]
+    assert took < 20, f"a 60 s hang with a 1 s timeout took {took:.1f} s"  # generous: shared 2-core CI box
+    assert [c.status for c in res.components["hang"]] == ["timeout", "ok", "ok", "timeout", "ok"]
+    assert res.metrics["reward/hang/timeouts"] == 2.0 and res.scores("hang")[0] == 0.0
+    assert "did not return within 1 s" in res.components["hang"][0].message
+    assert rm.pool.restarts >= 2
+    assert not any(p.is_alive() for p in procs)  # clean shutdown: no worker left behind
+
+
+def test_batch_timeout_bounds_the_whole_batch():
+    with RewardManager([comp("hang", "sleeps_on_hang", timeout_s=30.0)], num_workers=1) as rm:
+        t0 = time.monotonic()
+        res = rm.score(samples("hang", "ok"), timeout_s=1.0)
+        assert time.monotonic() - t0 < 15
+    assert [c.status for c in res.components["hang"]] == ["timeout", "timeout"]
+
+
+def test_bad_component_fails_at_construction():
+    from beamrl.rewards import RewardLoadError
+
+    with pytest.raises(RewardLoadError, match="answer"):
+        RewardManager([comp("a", "requires_answer")])
+    with pytest.raises(ValueError, match="cannot be pickled"):
+        RewardManager([comp("a", "with_scale", kwargs={"scale": lambda: 1})])
+    with pytest.raises(ValueError, match="duplicate"):
+        RewardManager([comp("a", "only_completion"), comp("a", "only_completion")])
+
+
+def test_timeout_also_kills_subprocesses_of_the_function(tmp_path):
+    pid_file = tmp_path / "child.pid"
+    with RewardManager([comp("sandbox", "hangs_in_subprocess", timeout_s=1.0)], num_workers=1) as rm:
+        res = rm.score([RewardSample(completion="x", metadata={"pid_file": str(pid_file)})])
+    assert res.components["sandbox"][0].status == "timeout"
+    child = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _alive(child):
+        time.sleep(0.05)
+    assert not _alive(child), "the function's subprocess outlived its killed worker"
+
+
+def _alive(pid):
+    """True while `pid` exists and is not a zombie (a killed orphan is reaped by init, maybe not at once)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

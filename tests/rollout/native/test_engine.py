@@ -1,0 +1,244 @@
+"""NativeEngine against the reference model: seeds, logprobs, routes, stops, weight updates, memory, abort."""
+
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from beamrl.models.beam import BeamForCausalLM, preset
+from beamrl.models.beam.weights import random_state_dict
+from beamrl.rollout.native import NativeEngine
+from beamrl.rollout.protocol import EngineError, GenerateRequest, SamplingParams
+from beamrl.sync.flat_bucket import FlatBucket, aligned_order
+from beamrl.sync.protocol import WeightSyncError
+from beamrl.sync.update_group import free_port
+
+T_OUT = 120.0
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    return preset("tiny")
+
+
+@pytest.fixture(scope="module")
+def ref(cfg):
+    return BeamForCausalLM(cfg, dtype=torch.float32, seed=1).eval()
+
+
+@pytest.fixture
+def engine(cfg):
+    e = NativeEngine.from_model(BeamForCausalLM(cfg, dtype=torch.float32, seed=1))
+    yield e
+    e.shutdown()
+
+
+def _reqs(n_tokens=12, routes=True, **sp):
+    prompts = [[5, 9, 33], [7, 1, 2, 3, 100, 200, 300, 17, 11, 12], [44], [250, 251, 252, 253, 254]]
+    return [GenerateRequest(prompt_ids=p, sampling=SamplingParams(max_new_tokens=n_tokens, seed=10 + i, **sp),
+                            return_routed_experts=routes, request_id=f"r{i}") for i, p in enumerate(prompts)]
+
+
+def test_seeded_generation_is_reproducible_and_batch_independent(engine):
+    reqs = _reqs(temperature=1.0, ignore_eos=True)
+    a = engine.generate(reqs, T_OUT)
+    b = engine.generate(reqs[::-1], T_OUT)[::-1]  # other order, so other batch rows
+    c = engine.generate([reqs[1]], T_OUT)
+    assert [r.output_ids for r in a] == [r.output_ids for r in b]
+    assert a[1].output_ids == c[0].output_ids
+    assert a[1].output_logprobs == pytest.approx(c[0].output_logprobs, abs=1e-5)
+    other = engine.generate([GenerateRequest(prompt_ids=reqs[1].prompt_ids,
+                                             sampling=SamplingParams(max_new_tokens=12, seed=999, ignore_eos=True))],
+                            T_OUT)
+    assert other[0].output_ids != a[1].output_ids
+    assert all(r.finish_reason == "length" and len(r.output_ids) == 12 for r in a)
+    assert [r.request_id for r in a] == ["r0", "r1", "r2", "r3"]
+
+
+def test_logprobs_and_routes_equal_the_reference_model(engine, ref, cfg):
+    reqs = _reqs(temperature=0.7, top_p=0.9, top_k=40, ignore_eos=True)
+    for r in engine.generate(reqs, T_OUT):
+        seq = torch.tensor(r.prompt_ids + r.output_ids).unsqueeze(0)
+        lp = ref.token_logprobs(seq, temperature=0.7)[0, len(r.prompt_ids) - 1:]
+        assert torch.allclose(torch.tensor(r.output_logprobs), lp, atol=1e-5), r.request_id
+        with torch.no_grad():
+            routes = ref(seq[:, :-1], return_routes=True).routes[0].numpy()
+        assert r.routed_experts.dtype == np.int32
+        assert r.routed_experts.shape == (len(r.prompt_ids) + len(r.output_ids) - 1, cfg.num_hidden_layers,
+                                          cfg.num_experts_per_tok)
+        assert np.array_equal(r.routed_experts, routes)
+        assert (r.routed_experts[:, 0] == -1).all()  # dense layer 0
+
+
+def test_greedy_equals_top_k_1_and_reference_argmax(engine, ref):
+    greedy = engine.generate(_reqs(temperature=0.0, ignore_eos=True, routes=False), T_OUT)
+    top1 = engine.generate(_reqs(temperature=1.3, top_k=1, ignore_eos=True, routes=False), T_OUT)
+    assert [r.output_ids for r in greedy] == [r.output_ids for r in top1]
+    r = greedy[1]
+    seq = torch.tensor(r.prompt_ids + r.output_ids).unsqueeze(0)
+    with torch.no_grad():
+        logits = ref(seq).logits[0]
+    P = len(r.prompt_ids)
+    assert r.output_ids == logits[P - 1:-1].argmax(-1).tolist()
+    # greedy logprobs are T = 1 logprobs (SGLang turns T = 0 into top_k = 1 at T = 1)
+    assert torch.allclose(torch.tensor(r.output_logprobs), ref.token_logprobs(seq)[0, P - 1:], atol=1e-5)
+
+
+def test_stop_tokens_eos_and_ignore_eos(engine):
+    base = engine.generate([_reqs(temperature=0.0, ignore_eos=True, routes=True)[1]], T_OUT)[0]
+    stop = base.output_ids[3]
+    first = base.output_ids.index(stop)
+    req = GenerateRequest(prompt_ids=base.prompt_ids, return_routed_experts=True,
+                          sampling=SamplingParams(max_new_tokens=12, temperature=0.0, stop_token_ids=(stop,)))
+    r = engine.generate([req], T_OUT)[0]
+    assert r.finish_reason == "stop" and r.output_ids == base.output_ids[: first + 1]
+    assert r.routed_experts.shape[0] == len(r.prompt_ids) + len(r.output_ids) - 1
+    assert np.array_equal(r.routed_experts, base.routed_experts[: r.routed_experts.shape[0]])
+
+
+def test_score_equals_reference_token_logprobs(engine, ref):
+    seqs = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [400, 3], [9, 8, 7, 6]]
+    scores = engine.score(seqs, T_OUT)
+    for s, got in zip(seqs, scores):
+        assert len(got) == len(s) - 1
+        assert torch.allclose(torch.tensor(got), ref.token_logprobs(torch.tensor([s]))[0], atol=1e-5)
+
+
+def _bucket(sd, names):
+    return FlatBucket.from_named_tensors(aligned_order([(n, sd[n]) for n in names]))
+
+
+def test_weight_update_via_flat_buckets_matches_new_weights_and_bumps_version(engine, cfg):
+    new = random_state_dict(cfg, seed=2, dtype=torch.float32)
+    target = BeamForCausalLM(cfg, dtype=torch.float32, seed=2).eval()
+    reqs = _reqs(temperature=0.0, ignore_eos=True, routes=False)
+    before = engine.generate(reqs, T_OUT)
+    names = list(new)
+    engine.begin_weight_update(T_OUT)
+    for i in range(0, len(names), 100):
+        engine.update_weights_from_tensor(_bucket(new, names[i:i + 100]), T_OUT)
+    with pytest.raises(EngineError, match="session"):
+        engine.generate(reqs, T_OUT)  # never serves a half-updated model
+    engine.end_weight_update(5, T_OUT)
+    assert engine.weight_version == 5
+    after = engine.generate(reqs, T_OUT)
+    assert [r.output_ids for r in after] != [r.output_ids for r in before]
+    assert all(r.weight_version == 5 for r in after)
+    for r in after:
+        seq = torch.tensor(r.prompt_ids + r.output_ids).unsqueeze(0)
+        with torch.no_grad():
+            logits = target(seq).logits[0]
+        assert r.output_ids == logits[len(r.prompt_ids) - 1:-1].argmax(-1).tolist()
+
+
+def test_update_outside_session_errors_and_changes_nothing(engine, cfg):
+    new = random_state_dict(cfg, seed=3, dtype=torch.float32)
+    with pytest.raises(WeightSyncError, match="between begin_weight_update"):
+        engine.update_weights_from_tensor(_bucket(new, ["lm_head.weight"]), T_OUT)
+    with pytest.raises(WeightSyncError, match="begin_weight_update"):
+        engine.end_weight_update(3, T_OUT)
+    assert engine.weight_version == 0 and engine.health(T_OUT)
+    assert not torch.equal(engine.model.state_dict()["lm_head.weight"], new["lm_head.weight"])
+
+
+def test_failed_update_stops_serving_until_full_reload(engine, cfg, tmp_path):
+    new = random_state_dict(cfg, seed=4, dtype=torch.float32)
+    engine.begin_weight_update(T_OUT)
+    engine.update_weights_from_tensor(_bucket(new, ["lm_head.weight"]), T_OUT)
+    bad = FlatBucket.from_named_tensors([("model.layers.0.self_attn.nope.weight", torch.zeros(3))])
+    with pytest.raises(WeightSyncError, match="nope"):
+        engine.update_weights_from_tensor(bad, T_OUT)
+    assert not engine.health(T_OUT)
+    with pytest.raises(WeightSyncError, match="without serving"):
+        engine.end_weight_update(7, T_OUT)
+    assert engine.weight_version == 0
+    with pytest.raises(EngineError, match="not serving"):
+        engine.generate(_reqs(), T_OUT)
+    model = BeamForCausalLM(cfg, dtype=torch.float32, seed=4)
+    model.save_pretrained(tmp_path)
+    engine.update_weights_from_disk(str(tmp_path), T_OUT)
+    assert engine.health(T_OUT)
+    assert all(torch.equal(v, new[k]) for k, v in engine.model.state_dict().items())
+
+
+def test_release_and_resume_weights(engine):
+    reqs = _reqs(temperature=0.0, routes=False)
+    before = engine.generate(reqs, T_OUT)
+    engine.release_memory(None, T_OUT)
+    assert engine.model.lm_head.weight.numel() == 0
+    with pytest.raises(EngineError, match="released"):
+        engine.generate(reqs, T_OUT)
+    with pytest.raises(EngineError, match="unknown memory tag"):
+        engine.resume_memory(["bogus"], T_OUT)
+    engine.resume_memory(["weights"], T_OUT)
+    engine.resume_memory(["kv_cache", "cuda_graph"], T_OUT)
+    assert [r.output_ids for r in engine.generate(reqs, T_OUT)] == [r.output_ids for r in before]
+
+
+def test_abort_all_and_timeout(engine):
+    req = GenerateRequest(prompt_ids=[1, 2, 3], sampling=SamplingParams(max_new_tokens=3000, ignore_eos=True, seed=1))
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("r", engine.generate([req], T_OUT)))
+    t.start()
+    time.sleep(1.0)
+    engine.abort_all(T_OUT)
+    t.join(T_OUT)
+    r = out["r"][0]
+    assert r.finish_reason == "abort" and 0 < len(r.output_ids) < 3000
+    with pytest.raises(EngineError, match="deadline"):
+        engine.generate([req], 0.5)
+    assert engine.health(T_OUT)  # a timeout does not break the engine
+
+
+def test_engine_from_checkpoint_config(cfg, tmp_path):
+    from beamrl.rollout.native import NativeEngineConfig, NativeEngineConfigError
+
+    BeamForCausalLM(cfg, dtype=torch.bfloat16, seed=1).save_pretrained(tmp_path)
+    e = NativeEngine(NativeEngineConfig(model_path=str(tmp_path), dtype="float32"))
+    assert e.model.dtype == torch.float32 and e.model.model.layers[1].mlp.gate.weight.dtype == torch.float32
+    r = e.generate([GenerateRequest(prompt_ids=[3, 4], sampling=SamplingParams(max_new_tokens=3))], T_OUT)[0]
+    assert 1 <= len(r.output_ids) <= 3
+    with pytest.raises(NativeEngineConfigError, match="dtype"):
+        NativeEngineConfig(model_path=str(tmp_path), dtype="int8")
+
+
+_SENDER = textwrap.dedent("""
+    import sys, torch
+    from beamrl.models.beam import preset
+    from beamrl.models.beam.weights import random_state_dict
+    from beamrl.sync.flat_bucket import FlatBucket, aligned_order
+    from beamrl.sync.update_group import init_update_group, broadcast_from_rank0, destroy_update_group
+    port = int(sys.argv[1])
+    sd = random_state_dict(preset("tiny"), seed=6, dtype=torch.float32)
+    pg = init_update_group("gloo", "127.0.0.1", port, 2, 0, "native-test", 60.0)
+    names = list(sd)
+    for i in range(0, len(names), 200):
+        broadcast_from_rank0(pg, FlatBucket.from_named_tensors(aligned_order([(n, sd[n]) for n in names[i:i + 200]])).buffer)
+    destroy_update_group(pg)
+""")
+
+
+def test_update_weights_from_distributed_gloo(engine, cfg):
+    port = free_port()
+    sender = subprocess.Popen([sys.executable, "-c", _SENDER, str(port)])
+    try:
+        engine.init_weights_update_group("127.0.0.1", port, 1, 2, "native-test", "gloo", 60.0)
+        new = random_state_dict(cfg, seed=6, dtype=torch.float32)
+        names = list(new)
+        engine.begin_weight_update(T_OUT)
+        for i in range(0, len(names), 200):
+            b = _bucket(new, names[i:i + 200])
+            engine.update_weights_from_distributed(b.names, b.dtypes, b.shapes, "native-test", 60.0)
+        engine.end_weight_update(2, T_OUT)
+        engine.destroy_weights_update_group("native-test", T_OUT)
+        assert sender.wait(60) == 0
+    finally:
+        if sender.poll() is None:
+            sender.kill()
+    assert engine.weight_version == 2
+    assert all(torch.equal(v, new[k]) for k, v in engine.model.state_dict().items())

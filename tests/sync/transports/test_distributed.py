@@ -1,0 +1,47 @@
+"""Distributed transport specifics: group geometry, and a join that never happens fails within its timeout."""
+
+import time
+
+import pytest
+
+from beamrl.sync.local_receiver import LocalWeightReceiver
+from beamrl.sync.protocol import WeightSyncError
+from beamrl.sync.transports import TRANSPORTS
+
+from ..conftest import WedgedReceiver
+
+
+class TP(LocalWeightReceiver):
+    def __init__(self, name, tp):
+        super().__init__(lambda named: None, name=name)
+        self._tp = tp
+
+    @property
+    def tp_size(self):
+        return self._tp
+
+
+def test_world_size_and_rank_offsets_follow_sglang_convention():
+    t = TRANSPORTS.get("distributed")([TP("a", 2), TP("b", 4), TP("c", 1)])
+    assert t.world_size == 1 + 2 + 4 + 1
+    assert t.rank_offsets() == [1, 3, 7]
+
+
+def test_nccl_needs_cuda():
+    with pytest.raises(ValueError, match="nccl"):
+        TRANSPORTS.get("distributed")([TP("a", 1)], device="cpu", backend="nccl")
+
+
+def test_engine_that_never_joins_the_group_fails_within_timeout(trainer_model):
+    wedged = WedgedReceiver(trainer_model, wedge_on="init_weights_update_group", name="engine-7")
+    transport = TRANSPORTS.get("distributed")([wedged], teardown_timeout=2)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(WeightSyncError, match=r"engine-7: no reply to init_weights_update_group within 2 s"):
+            transport.connect(timeout=2)
+        assert time.monotonic() - t0 < 8
+        assert "engine-7" in transport.unhealthy
+        with pytest.raises(WeightSyncError, match="send_bucket outside a sync session"):
+            transport.send_bucket(None, timeout=1)
+    finally:
+        wedged.release.set()

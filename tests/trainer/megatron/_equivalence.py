@@ -1,0 +1,120 @@
+"""Rank functions of the trainer's multi-process tests (run through `beamrl.trainer.megatron.launch`).
+
+A small 4-layer Beam (dense first layer, SWA + full/SSMax layers, 16 experts top-4 in 4 groups) trained in
+float32 on four packed micro-batches of uneven lengths with an advantage-weighted logprob loss plus an entropy
+term. Every layout loads the same random HF weights, so its three losses, step-0 gradients (full HF tensors) and
+logprobs must equal the world-1 run's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from beamrl.models.beam import preset
+from beamrl.models.beam.config import FULL, SLIDING
+
+SEQ_LENS = [(17, 30), (25, 9), (31,), (12, 14, 5)]
+VOCAB_SEED, WEIGHT_SEED = 7, 11
+STEPS = 3
+
+
+def model_config():
+    return preset("tiny").replace(num_hidden_layers=4, layer_types=[SLIDING, FULL, SLIDING, FULL],
+                                  mlp_layer_types=["dense", "sparse", "sparse", "sparse"])
+
+
+def micro_batches():
+    from beamrl.trainer.protocol import PackedBatch
+
+    cfg = model_config()
+    g = torch.Generator().manual_seed(VOCAB_SEED)
+    out = []
+    for lens in SEQ_LENS:
+        seqs = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in lens]
+        masks = [(torch.arange(n) >= n // 3).float() for n in lens]  # a "prompt" third without loss
+        adv = [torch.full((n,), float(torch.randn((), generator=g))) for n in lens]
+        out.append(PackedBatch.from_sequences(seqs, masks, {"advantages": adv}))
+    return out
+
+
+def make_loss(total_tokens: int):
+    def loss_fn(logprobs, entropy, batch):
+        m = batch.loss_mask
+        pg = -(batch.fields["advantages"] * logprobs * m).sum() / total_tokens
+        ent = (entropy * m).sum() / total_tokens
+        return pg - 0.01 * ent, {"entropy": ent}
+
+    return loss_fn
+
+
+def trainer_config(parallel: dict, distributed_optimizer: bool = False, dtype: str = "float32"):
+    from beamrl.trainer.megatron.parallel import ParallelConfig
+    from beamrl.trainer.megatron.worker import OptimizerSettings, TrainerConfig
+
+    return TrainerConfig(model=model_config(), parallel=ParallelConfig(**parallel), dtype=dtype,
+                         optimizer=OptimizerSettings(lr=3e-3, clip_grad=1.0, weight_decay=0.01,
+                                                     use_distributed_optimizer=distributed_optimizer))
+
+
+def run_layout(parallel: dict, distributed_optimizer: bool = False, with_grads: bool = True) -> dict:
+    """Train STEPS steps in this layout; rank 0 returns losses, step-0 HF gradients and logprobs."""
+    import torch.distributed as dist
+
+    from beamrl.models.beam.weights import random_state_dict
+    from beamrl.trainer.megatron.worker import MegatronTrainer
+
+    cfg = trainer_config(parallel, distributed_optimizer)
+    trainer = MegatronTrainer(cfg)
+    trainer.load_hf_state_dict(random_state_dict(cfg.model, WEIGHT_SEED, torch.float32))
+    mbs = micro_batches()
+    loss_fn = make_loss(sum(b.num_loss_tokens for b in mbs))
+    dp = cfg.parallel.dp(dist.get_world_size())
+    dp_rank = trainer._ps.get_data_parallel_rank()
+    mine = mbs[dp_rank * len(mbs) // dp:(dp_rank + 1) * len(mbs) // dp]
+    losses, entropies, grads = [], [], None
+    for step in range(STEPS):
+        sums = trainer.forward_backward(mine, loss_fn)
+        if step == 0 and with_grads:
+            grads = trainer.hf_gradients()
+        trainer.optimizer_step()
+        losses.append(sums["loss"])
+        entropies.append(sums["entropy"])
+    lp = trainer.compute_logprobs(mbs[0], temperature=0.7)
+    trainer.shutdown()
+    return {"losses": losses, "entropies": entropies, "grads": grads, "logprobs": lp.logprobs,
+            "entropy": lp.entropy}
+
+
+def run_layouts(layouts: list[tuple[dict, bool, bool]]) -> list[dict]:
+    """Several layouts one after the other in the same processes (saves process start-up)."""
+    return [run_layout(*layout) for layout in layouts]
+
+
+def resume(parallel: dict, directory: str) -> dict:
+    """3 steps straight vs 1 step + save + fresh trainer + load + 2 steps (bf16, distributed optimizer)."""
+    from beamrl.models.beam.weights import random_state_dict
+    from beamrl.trainer.megatron.worker import MegatronTrainer
+
+    cfg = trainer_config(parallel, distributed_optimizer=True, dtype="bfloat16")
+    weights = random_state_dict(cfg.model, WEIGHT_SEED, torch.bfloat16)
+    mbs = micro_batches()
+    loss_fn = make_loss(sum(b.num_loss_tokens for b in mbs))
+
+    def fresh():
+        t = MegatronTrainer(cfg)
+        t.load_hf_state_dict(weights)
+        return t
+
+    t = fresh()
+    straight = [t.train_step(mbs, loss_fn).loss for _ in range(3)]
+    t.shutdown()
+    t = fresh()
+    resumed = [t.train_step(mbs, loss_fn).loss]
+    t.save_checkpoint(directory)
+    t.shutdown()
+    t = MegatronTrainer(cfg)  # random init: everything must come from the checkpoint
+    t.load_checkpoint(directory)
+    step_after_load = t.step
+    resumed += [t.train_step(mbs, loss_fn).loss for _ in range(2)]
+    t.shutdown()
+    return {"straight": straight, "resumed": resumed, "step_after_load": step_after_load}

@@ -1,0 +1,65 @@
+"""The multi-process launcher: results in rank order, and every failure mode ends the run with a traceback."""
+
+import os
+import time
+
+import pytest
+
+from beamrl.trainer.megatron.launch import LaunchError, launch
+
+
+def _env_and_allreduce(offset):
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    t = torch.tensor([float(dist.get_rank() + offset)])
+    dist.all_reduce(t)
+    return {"rank": int(os.environ["RANK"]), "world": int(os.environ["WORLD_SIZE"]), "sum": t.item(),
+            "threads": os.environ["OMP_NUM_THREADS"], "dynamo": os.environ["TORCHDYNAMO_DISABLE"]}
+
+
+def _rank1_raises():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 1:
+        raise ValueError("boom on rank one")
+    dist.barrier()  # rank 0 blocks here forever: the launcher must kill it
+
+
+def _rank0_dies():
+    if os.environ["RANK"] == "0":
+        os._exit(3)
+    time.sleep(60)
+
+
+def _sleeps():
+    time.sleep(60)
+
+
+def test_results_in_rank_order_with_env():
+    out = launch(_env_and_allreduce, 2, (10,), timeout_s=60)
+    assert [o["rank"] for o in out] == [0, 1]
+    assert all(o["world"] == 2 and o["sum"] == 21.0 for o in out)
+    assert all(o["threads"] == "1" and o["dynamo"] == "1" for o in out)
+
+
+def test_a_raising_rank_fails_the_run_with_its_traceback():
+    t0 = time.monotonic()
+    with pytest.raises(LaunchError, match="boom on rank one") as info:
+        launch(_rank1_raises, 2, timeout_s=60)
+    assert info.value.rank == 1 and "ValueError" in info.value.remote_traceback
+    assert time.monotonic() - t0 < 30  # did not wait for the timeout
+
+
+def test_a_dying_rank_fails_the_run():
+    with pytest.raises(LaunchError, match="rank 0 of 2 died with exit code 3"):
+        launch(_rank0_dies, 2, timeout_s=60)
+
+
+def test_timeout_kills_all_ranks():
+    t0 = time.monotonic()
+    with pytest.raises(LaunchError, match="timed out"):
+        launch(_sleeps, 2, timeout_s=3)
+    assert time.monotonic() - t0 < 20
