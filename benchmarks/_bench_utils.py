@@ -9,10 +9,13 @@ from typing import Callable
 import torch
 
 
-def cuda_median_ms(fn: Callable[[], object], iters: int = 20, warmup: int = 3) -> float:
-    """Median wall time of fn on the current stream, one pair of CUDA events per call (ms).
+def cuda_median_ms(fn: Callable[[], object], iters: int = 20, warmup: int = 3, prime_cycles: int = 4_000_000) -> float:
+    """Median GPU time of fn (ms): one pair of CUDA events per call, each call queued behind a spin kernel.
 
-    Without CUDA (a smoke run of the scripts on CPU) it falls back to the host clock."""
+    The spin kernel (`torch.cuda._sleep`, ~2 ms at H200 clocks) keeps the GPU busy while the host enqueues the
+    events and fn's launches, so the events time the GPU work alone, not Python/launch overhead (which a
+    single small op per timed region would otherwise measure). Without CUDA (a smoke run of the scripts on
+    CPU) it falls back to the host clock."""
     for _ in range(warmup):
         fn()
     if not torch.cuda.is_available():
@@ -26,6 +29,8 @@ def cuda_median_ms(fn: Callable[[], object], iters: int = 20, warmup: int = 3) -
     times = []
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if prime_cycles:
+            torch.cuda._sleep(prime_cycles)
         start.record()
         fn()
         end.record()

@@ -22,6 +22,7 @@ import torch
 from benchmarks._bench_utils import cuda_median_ms, markdown_table, matmul_tflops
 from beamrl.kernels import ops
 from beamrl.kernels.flex_attention import packed_block_mask
+from beamrl.kernels.grouped_experts import grouped_mm_experts
 from beamrl.models.beam import numerics
 
 
@@ -65,7 +66,8 @@ def layer_forward(h, a, p, corr, cos, sin, cu, mask, dims, elem_backend, layer_i
                                                (1 / math.sqrt(d_attn), math.sqrt(d_attn - 1) / math.sqrt(d_attn)),
                                                1e-6, backend=elem_backend)
     weights, ids = ops.route(m_in, p["router"], corr, 8, 8, 4, backend=elem_backend)
-    m = ops.grouped_experts(m_in, ids, weights, p["w_gate_up"], p["w_down"], 2.5, backend="triton")
+    # grouped GEMMs in every variant; the Triton SwiGLU/combine glue only in the fused ones
+    m = grouped_mm_experts(m_in, ids, weights, p["w_gate_up"], p["w_down"], 2.5, fused_glue=elem_backend == "triton")
     d_mlp = d_attn + 1
     return ops.post_norm_residual_pre_norm(m, h1, p["post_ffn_norm"], p["in_norm"],
                                            (1 / math.sqrt(d_mlp), math.sqrt(d_mlp - 1) / math.sqrt(d_mlp)),
@@ -145,7 +147,7 @@ def main(argv=None) -> int:
                 torch.cuda.synchronize()
             first = time.time() - t0
             outputs[name] = [o.detach() for o in outs]
-            ms = cuda_median_ms(step, iters=args.iters, warmup=2)
+            ms = cuda_median_ms(step, iters=args.iters, warmup=2, prime_cycles=0)  # whole steps: host time included
             tflops = flops / (ms * 1e-3) / 1e12
             results.append(dict(variant=name, ms=ms, tokens_per_s=t / (ms * 1e-3), tflops=tflops, mfu=tflops / peak,
                                 first_call_s=first,

@@ -49,13 +49,19 @@ def _cases():
                 "dx_ptr": BF, "dw_ptr": F32, "inv_d": "fp32", "eps": "fp32"},
                {"MODE": mode, "HALF": 64, "BR": 16}, 4, True)
     yield ("output_gate fwd", output_gate._fwd_kernel, {"o_ptr": BF, "g_ptr": BF, "b_ptr": BF, "y_ptr": BF},
-           {"D": 128, "HB": 64, **flags}, 8, False)
+           {"D": 128, "HB": 64, **flags}, 8, True)  # FMAs only inside libdevice expf (as CUDA's expf)
     yield ("output_gate bwd", output_gate._bwd_kernel,
            {"o_ptr": BF, "g_ptr": BF, "b_ptr": BF, "gy_ptr": BF, "do_ptr": BF, "dg_ptr": BF, "db_ptr": F32},
-           {"D": 128, "HB": 64, **flags}, 8, False)
+           {"D": 128, "HB": 64, **flags}, 8, True)
     yield ("router top-k", router_topk._topk_kernel,
            {"z_ptr": F32, "bias_ptr": F32, "w_ptr": F32, "id_ptr": "*i64", "eps": "fp32"},
-           {"E": 256, "G": 8, "K": 8, "KG": 4, "KP": 8, "BT": 16, "ROUND_BF16": False, "INTERPRET": False}, 4, False)
+           {"E": 256, "G": 8, "K": 8, "KG": 4, "KP": 8, "BT": 16, "ROUND_BF16": False, "INTERPRET": False}, 4, True)
+
+
+# Integer arguments that are multiples of 16 at real sizes; the JIT specialises them (and 16-byte aligned
+# pointers) as divisible by 16, which is what lets loads vectorise. Mirror that here.
+_DIVISIBLE_INTS = {"stride_b", "stride_r", "stride_o", "stride_p", "H", "stride_t", "stride_h", "so_t", "so_h",
+                   "sg_t", "sg_h"}
 
 
 def main() -> int:
@@ -64,13 +70,21 @@ def main() -> int:
     ok = True
     for name, fn, types, constexprs, warps, fusion in _cases():
         try:
-            src = ASTSource(fn, _sig(fn, types, constexprs), constexprs)
-            kern = triton.compile(src, target=target, options={"num_warps": warps, "enable_fp_fusion": fusion})
+            sig = _sig(fn, types, constexprs)
+            attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
+                     if sig[a].startswith("*") or a in _DIVISIBLE_INTS}
+            src = ASTSource(fn, sig, constexprs, attrs)
+            # forward kernels are compiled WITH fp fusion here: mul_rn must keep them FMA-free regardless
+            kern = triton.compile(src, target=target, options={"num_warps": warps, "enable_fp_fusion": True})
             ptx = kern.asm["ptx"]
             facts = {k: len(re.findall(p, ptx)) for k, p in
                      (("fma", r"\bfma\.rn\.f32"), ("rsqrt.approx", r"rsqrt\.approx"), ("ex2.approx", r"ex2\.approx"),
-                      ("div.rn", r"div\.rn\.f32"), ("div.full", r"div\.full"), ("ld.v4", r"ld\.global(\.\w+)*\.v4"),
+                      ("div.rn", r"div\.rn\.f32"), ("div.full", r"div\.full"), ("ld.v4", r"ld\.global\.v4"),
+                      ("ld.scalar16", r"ld\.global\.b16"),
                       ("local", r"\.local"))}
+            if not fusion and facts["fma"]:
+                ok = False
+                print(f"FAIL {name}: FMA contraction in a forward kernel")
             print(f"ok   {name:26s} shared={kern.metadata.shared} {facts}")
         except Exception as err:  # report all kernels, fail at the end
             ok = False

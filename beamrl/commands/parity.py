@@ -19,6 +19,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-len", type=int, default=64, help="tokens per prompt (default 64)")
     parser.add_argument("--gen-len", type=int, default=16, help="generated tokens per prompt for routes (default 16)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts and the engine (default 0)")
+    parser.add_argument("--dump", type=Path, default=None,
+                        help="also save the engine's raw outputs (prompts, logprobs, routes) to this .pt file")
     parser.add_argument("--timeout", type=float, default=600.0, help="engine start / call timeout in s (default 600)")
 
 
@@ -30,7 +32,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         settings = ParitySettings(checkpoint=args.checkpoint, dtype=args.dtype, num_sequences=args.num_sequences,
                                   seq_len=args.seq_len, gen_len=args.gen_len, seed=args.seed,
-                                  start_timeout=args.timeout, call_timeout=args.timeout)
+                                  start_timeout=args.timeout, call_timeout=args.timeout,
+                                  dump_path=args.dump)
         row = run_sglang_parity(settings, log=main_log)
     except ParityInputError as e:
         print(f"beamrl parity: error: {e}", file=sys.stderr)

@@ -8,7 +8,8 @@ names another (PATH may be dotted, e.g. `ground_truth=reward_model.ground_truth`
     metadata <- every other top-level key of the row.
 
 DAPO-Math-17k rows (chat-message `prompt`, `reward_model.ground_truth`, `data_source`) therefore work as is
-once they carry a `completion`. FN may name a module in the current directory. Exit code: 0 all rows scored, 1 some row failed or timed out, 2 bad input.
+once they carry a `completion`. FN may name a module in the current directory.
+Exit code: 0 all rows scored, 1 some row failed or timed out, 2 bad input.
 """
 
 from __future__ import annotations

@@ -41,4 +41,5 @@ def run(args: argparse.Namespace) -> int:
         if e.name in (None, "beamrl.loop") or "run_training" in str(e):
             raise NotImplementedError(f"beamrl.loop.run_training is not available ({e}); only --dry-run works") from None
         raise
-    return int(run_training(recipe, resume=args.resume) or 0)
+    result = run_training(recipe, resume=args.resume)  # returns the run directory (or an exit code)
+    return result if isinstance(result, int) else 0

@@ -25,7 +25,10 @@ def triton_interpret_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-# No FMA contraction: the eager reference runs each multiply and add as a separately rounded FP32 op.
+# No FMA contraction: the eager reference runs each multiply and add as a separately rounded FP32 op. The
+# products that feed an add also go through `mul_rn`, so this holds when another launcher (torch.compile)
+# drops the option. Scalar float arguments are cast to FP32 in every kernel for the same reason (inductor may
+# pass Python floats as FP64).
 LAUNCH_OPTIONS = {"enable_fp_fusion": False}
 
 
@@ -56,6 +59,16 @@ def rne_bf16(x, ROUND_BF16: tl.constexpr):
         return tl.where(x != x, x, out)
     else:
         return x
+
+
+@triton.jit
+def mul_rn(a, b, INTERPRET: tl.constexpr):
+    """`a * b` rounded on its own: never contracted into an FMA with a following add, whatever the launch
+    options (torch.compile launches user kernels with its own), as the eager reference computes it."""
+    if INTERPRET:
+        return a * b
+    else:
+        return libdevice.mul_rn(a, b)
 
 
 @triton.jit

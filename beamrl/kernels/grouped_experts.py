@@ -1,5 +1,8 @@
 """Beam's routed experts (beam-numerics §3.10.7-8): eager per-expert loop and `torch._grouped_mm`.
 
+The grouped path runs gather -> grouped GEMM (gate/up) -> Triton SwiGLU -> grouped GEMM (down) -> Triton
+weight + un-permute + combine; every step has autograd (the routing weights get gradients).
+
 Both sort the (token, slot) pairs by expert id (stable), run the experts, un-sort, and combine with
 `numerics.moe_combine`, so the combine's FP32 sum over slots runs in slot order in both.
 
@@ -59,12 +62,33 @@ def eager_grouped_experts(x, ids, weights, w_gate_up, w_down, scaling):
     return numerics.moe_combine(y[inverse].view(t, k, hidden), scaling)
 
 
+class _ExpandTokens(torch.autograd.Function):
+    """x[tokens] (one row per (token, slot) pair in expert order) with a deterministic backward: the gradient of
+    each token is the FP32 sum of its k rows, gathered in slot order, instead of index_put's atomic BF16 adds."""
+
+    @staticmethod
+    def forward(ctx, x, tokens, inverse, k):
+        ctx.save_for_backward(inverse)
+        ctx.k = k
+        return x[tokens]
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inverse,) = ctx.saved_tensors
+        t = inverse.numel() // ctx.k
+        return grad[inverse].view(t, ctx.k, -1).sum(1, dtype=torch.float32).to(grad.dtype), None, None, None
+
+
 def grouped_mm_available() -> bool:
     return hasattr(torch, "_grouped_mm")
 
 
-def grouped_mm_experts(x, ids, weights, w_gate_up, w_down, scaling):
-    """Two `torch._grouped_mm` GEMMs over expert-sorted tokens (see the module docstring for the deviation)."""
+def grouped_mm_experts(x, ids, weights, w_gate_up, w_down, scaling, fused_glue: bool = True):
+    """Two `torch._grouped_mm` GEMMs over expert-sorted tokens (see the module docstring for the deviation).
+
+    fused_glue: SwiGLU and the weight/un-permute/combine run as the Triton kernels of `swiglu.py` and
+    `moe_combine.py` (same roundings as the eager chain); False keeps the eager numerics chain (the benchmark's
+    "eager with grouped GEMMs" layer)."""
     _check(x, ids, weights, w_gate_up, w_down)
     if not grouped_mm_available():
         raise RuntimeError(f"grouped_experts(backend='triton') needs torch._grouped_mm, missing in torch "
@@ -77,9 +101,15 @@ def grouped_mm_experts(x, ids, weights, w_gate_up, w_down, scaling):
     inter = two_i // 2
     order, tokens, counts, inverse = sort_by_expert(ids, num_experts)
     offs = torch.cumsum(counts, 0).to(torch.int32)
-    xs = x[tokens]
+    xs = _ExpandTokens.apply(x, tokens, inverse, k)
     # mat_b as [E, K, N] column-major views of the stored [E, N, K] weights (no copy).
     gate_up = torch._grouped_mm(xs, w_gate_up.transpose(-2, -1), offs=offs)
+    if fused_glue:
+        from beamrl.kernels.moe_combine import fused_combine
+        from beamrl.kernels.swiglu import fused_swiglu
+
+        down = torch._grouped_mm(fused_swiglu(gate_up), w_down.transpose(-2, -1), offs=offs)
+        return fused_combine(down, inverse, weights, scaling)
     act = numerics.swiglu(gate_up[:, :inter], gate_up[:, inter:])
     down = torch._grouped_mm(act, w_down.transpose(-2, -1), offs=offs)
     y = (down.float() * weights.reshape(-1)[order].float().unsqueeze(-1)).to(x.dtype)

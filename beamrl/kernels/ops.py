@@ -210,13 +210,15 @@ def grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w
     x [T, H]; ids int [T, k]; weights FP32 [T, k]; w_gate_up [E, 2I, H] (gate rows first); w_down [E, H, I].
     Per (token, slot): `y = bf16(w * acc_fp32(down(bf16(silu(g) * u))))`; out = `bf16(scaling * sum_k y)`.
     eager sorts the pairs by expert and loops experts with `numerics.expert_output`; "triton" runs two
-    `torch._grouped_mm` GEMMs (CUDA), whose BF16 output rounds the down-GEMM accumulator once before the
-    routing weight is applied (documented deviation, docs/kernels.md)."""
+    `torch._grouped_mm` GEMMs (CUDA) with the Triton SwiGLU and combine kernels between/after them; the GEMM's
+    BF16 output rounds the down-GEMM accumulator once before the routing weight is applied (documented
+    deviation, docs/kernels.md)."""
     _check_backend("grouped_experts", backend)
     if backend == "eager":
         from beamrl.kernels.grouped_experts import eager_grouped_experts
 
         return eager_grouped_experts(x, ids, weights, w_gate_up, w_down, scaling)
+    _check_triton_device("grouped_experts", x)
     from beamrl.kernels.grouped_experts import grouped_mm_experts
 
     return grouped_mm_experts(x, ids, weights, w_gate_up, w_down, scaling)

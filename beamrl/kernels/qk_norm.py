@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from beamrl.kernels._triton_utils import LAUNCH_OPTIONS, kernel_flags, num_programs_for_reduction, rne_bf16
+from beamrl.kernels._triton_utils import LAUNCH_OPTIONS, kernel_flags, mul_rn, num_programs_for_reduction, rne_bf16
 
 MODE_NORM, MODE_ROPE, MODE_SSMAX = 0, 1, 2
 _BLOCK_ROWS = 16
@@ -29,6 +29,8 @@ _BLOCK_ROWS = 16
 def _fwd_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, scale_ptr, out_ptr, R, heads, stride_t, stride_h, inv_d, eps,
                 MODE: tl.constexpr, HALF: tl.constexpr, BR: tl.constexpr, ROUND_BF16: tl.constexpr,
                 INTERPRET: tl.constexpr):
+    inv_d = tl.cast(inv_d, tl.float32)
+    eps = tl.cast(eps, tl.float32)
     pid = tl.program_id(0)
     rows = pid.to(tl.int64) * BR + tl.arange(0, BR)
     rmask = rows < R
@@ -41,16 +43,16 @@ def _fwd_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, scale_ptr, out_ptr, R, heads, st
     x2 = tl.load(x_ptr + src + HALF, mask=m2, other=0.0).to(tl.float32)
     w1 = tl.load(w_ptr + c).to(tl.float32)[None, :]
     w2 = tl.load(w_ptr + HALF + c).to(tl.float32)[None, :]
-    ss = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
-    rstd = tl.math.rsqrt(ss * inv_d + eps)[:, None]
+    ss = tl.sum(mul_rn(x1, x1, INTERPRET), axis=1) + tl.sum(mul_rn(x2, x2, INTERPRET), axis=1)
+    rstd = tl.math.rsqrt(mul_rn(ss, inv_d, INTERPRET) + eps)[:, None]
     n1 = rne_bf16(x1 * rstd * w1, ROUND_BF16)
     n2 = rne_bf16(x2 * rstd * w2, ROUND_BF16)
     if MODE == 1:
         cs = t[:, None] * HALF + c[None, :]
         co = tl.load(cos_ptr + cs, mask=m2, other=0.0)
         si = tl.load(sin_ptr + cs, mask=m2, other=0.0)
-        o1 = rne_bf16(n1 * co - n2 * si, ROUND_BF16)
-        o2 = rne_bf16(n2 * co + n1 * si, ROUND_BF16)
+        o1 = rne_bf16(mul_rn(n1, co, INTERPRET) - mul_rn(n2, si, INTERPRET), ROUND_BF16)
+        o2 = rne_bf16(mul_rn(n2, co, INTERPRET) + mul_rn(n1, si, INTERPRET), ROUND_BF16)
     elif MODE == 2:
         sc = tl.load(scale_ptr + t, mask=rmask, other=0.0)[:, None]
         o1 = rne_bf16(n1 * sc, ROUND_BF16)
@@ -66,6 +68,8 @@ def _fwd_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, scale_ptr, out_ptr, R, heads, st
 @triton.jit
 def _bwd_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, scale_ptr, go_ptr, dx_ptr, dw_ptr, R, heads, stride_t, stride_h,
                 inv_d, eps, blocks_per_prog, MODE: tl.constexpr, HALF: tl.constexpr, BR: tl.constexpr):
+    inv_d = tl.cast(inv_d, tl.float32)
+    eps = tl.cast(eps, tl.float32)
     pid = tl.program_id(0)
     c = tl.arange(0, HALF)
     w1 = tl.load(w_ptr + c).to(tl.float32)[None, :]

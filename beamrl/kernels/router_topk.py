@@ -30,6 +30,7 @@ _BLOCK_T = 16
 def _topk_kernel(z_ptr, bias_ptr, w_ptr, id_ptr, T, eps, E: tl.constexpr, G: tl.constexpr, K: tl.constexpr,
                  KG: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, ROUND_BF16: tl.constexpr,
                  INTERPRET: tl.constexpr):
+    eps = tl.cast(eps, tl.float32)
     pid = tl.program_id(0)
     rows = pid.to(tl.int64) * BT + tl.arange(0, BT)
     rm = rows < T

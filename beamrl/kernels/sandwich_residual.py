@@ -20,27 +20,31 @@ import torch
 import triton
 import triton.language as tl
 
-from beamrl.kernels._triton_utils import LAUNCH_OPTIONS, kernel_flags, num_programs_for_reduction, rne_bf16
+from beamrl.kernels._triton_utils import LAUNCH_OPTIONS, kernel_flags, mul_rn, num_programs_for_reduction, rne_bf16
 
 
 @triton.jit
 def _fwd_kernel(branch_ptr, residual_ptr, post_w_ptr, pre_w_ptr, out_res_ptr, out_pre_ptr, rstd_post_ptr,
                 rstd_pre_ptr, stride_b, stride_r, stride_o, stride_p, H, inv_h, eps, s_branch, s_res,
                 HAS_PRE: tl.constexpr, BLOCK: tl.constexpr, ROUND_BF16: tl.constexpr, INTERPRET: tl.constexpr):
+    inv_h = tl.cast(inv_h, tl.float32)
+    eps = tl.cast(eps, tl.float32)
+    s_branch = tl.cast(s_branch, tl.float32)
+    s_res = tl.cast(s_res, tl.float32)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     m = cols < H
     b = tl.load(branch_ptr + row * stride_b + cols, mask=m, other=0.0).to(tl.float32)
     r = tl.load(residual_ptr + row * stride_r + cols, mask=m, other=0.0).to(tl.float32)
     wp = tl.load(post_w_ptr + cols, mask=m, other=0.0).to(tl.float32)
-    rstd = tl.math.rsqrt(tl.sum(b * b, axis=0) * inv_h + eps)
+    rstd = tl.math.rsqrt(mul_rn(tl.sum(mul_rn(b, b, INTERPRET), axis=0), inv_h, INTERPRET) + eps)
     n = rne_bf16(b * rstd * wp, ROUND_BF16)
     h = rne_bf16(rne_bf16(n * s_branch, ROUND_BF16) + rne_bf16(r * s_res, ROUND_BF16), ROUND_BF16)
     tl.store(out_res_ptr + row * stride_o + cols, h.to(out_res_ptr.dtype.element_ty), mask=m)
     tl.store(rstd_post_ptr + row, rstd)
     if HAS_PRE:
         wq = tl.load(pre_w_ptr + cols, mask=m, other=0.0).to(tl.float32)
-        rstd2 = tl.math.rsqrt(tl.sum(h * h, axis=0) * inv_h + eps)
+        rstd2 = tl.math.rsqrt(mul_rn(tl.sum(mul_rn(h, h, INTERPRET), axis=0), inv_h, INTERPRET) + eps)
         p = rne_bf16(h * rstd2 * wq, ROUND_BF16)
         tl.store(out_pre_ptr + row * stride_p + cols, p.to(out_pre_ptr.dtype.element_ty), mask=m)
         tl.store(rstd_pre_ptr + row, rstd2)
@@ -50,6 +54,9 @@ def _fwd_kernel(branch_ptr, residual_ptr, post_w_ptr, pre_w_ptr, out_res_ptr, ou
 def _bwd_kernel(branch_ptr, h_ptr, g_res_ptr, g_pre_ptr, post_w_ptr, pre_w_ptr, rstd_post_ptr, rstd_pre_ptr,
                 d_branch_ptr, d_res_ptr, dw_post_ptr, dw_pre_ptr, T, H, inv_h, s_branch, s_res, rows_per_prog,
                 HAS_PRE_GRAD: tl.constexpr, HAS_RES_GRAD: tl.constexpr, BLOCK: tl.constexpr):
+    inv_h = tl.cast(inv_h, tl.float32)
+    s_branch = tl.cast(s_branch, tl.float32)
+    s_res = tl.cast(s_res, tl.float32)
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     m = cols < H

@@ -9,20 +9,18 @@ from pathlib import Path
 import torch
 
 from beamrl.models.beam.config import BeamConfig
-from beamrl.models.beam.presets import preset
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def model_config(recipe) -> BeamConfig:
-    """The Beam config of the run: the checkpoint's config.json, else the named preset (with the run dtype)."""
-    m = recipe.model
-    if m.checkpoint is not None:
-        cfg = BeamConfig.from_json_file(m.checkpoint)
-        if m.preset is not None and preset(m.preset).to_dict() != cfg.replace(dtype=preset(m.preset).dtype).to_dict():
-            raise ValueError(f"model.checkpoint={m.checkpoint!r} does not hold the model.preset={m.preset!r} config")
-        return cfg
-    return preset(m.preset).replace(dtype=m.dtype)
+    """The Beam config of the run (checkpoint config.json, or the preset with `model.config_overrides`)."""
+    from beamrl.recipe.model_spec import require_model_config
+
+    if recipe.model.checkpoint is not None and recipe.model.config_overrides:
+        raise ValueError("model.config_overrides applies to a preset's random init; a checkpoint carries its own "
+                         "config.json")
+    return require_model_config(recipe)[0]
 
 
 def initial_checkpoint(recipe, config: BeamConfig, out_dir: Path) -> str:
@@ -74,31 +72,54 @@ class NativeEngineFactory:
 
 @dataclass(frozen=True)
 class SGLangEngineFactory:
-    """Builds an SGLang engine adapter inside its actor (picklable)."""
+    """Builds an SGLang engine inside its actor (picklable). CPU: the in-process CPU engine (tests, laptops).
+    GPU: an HTTP server subprocess owned by the actor (production; `docs/sglang.md`)."""
 
     checkpoint: str
-    recipe_rollout: dict
+    rollout: dict
+    dtype: str
     device: str
     seed: int
     name: str
+    port: int
+    start_timeout: float
+
+    def config(self):
+        from beamrl.rollout.sglang import SGLangEngineConfig
+
+        r = self.rollout
+        if self.device == "cpu":
+            return SGLangEngineConfig.cpu_test(self.checkpoint, dtype=self.dtype, random_seed=self.seed,
+                                               enable_return_routed_experts=bool(r["return_routed_experts"]))
+        return SGLangEngineConfig(
+            model_path=self.checkpoint, tp_size=r["engine_tp"], mem_fraction_static=r["mem_fraction"],
+            dtype=self.dtype, device="cuda", attention_backend=r["attention_backend"],
+            enable_return_routed_experts=bool(r["return_routed_experts"]),
+            enable_deterministic_inference=r["deterministic"], swa_full_tokens_ratio=r["swa_full_tokens_ratio"],
+            random_seed=self.seed, port=self.port, extra_args=dict(r["server_args"]))
 
     def __call__(self):
-        from beamrl.rollout.sglang import engine_from_recipe
+        if self.device == "cpu":
+            from beamrl.rollout.sglang.engine import SGLangEngine
 
-        return engine_from_recipe(self.checkpoint, self.recipe_rollout, device=self.device, seed=self.seed,
-                                  name=self.name)
+            return SGLangEngine(self.config(), start_timeout=self.start_timeout)
+        from beamrl.rollout.sglang.http_engine import SGLangHTTPEngine
+
+        return SGLangHTTPEngine.launch(self.config(), start_timeout=self.start_timeout)
 
 
-def engine_factories(recipe, checkpoint: str) -> list:
+def engine_factories(recipe, checkpoint: str, return_routes: bool) -> list:
     r = recipe.rollout
     device = "cpu" if recipe.cluster.device == "cpu" else "cuda"
+    rollout = dict(r.model_dump(mode="json"), return_routed_experts=return_routes)
     out = []
     for i in range(r.num_engines):
         name = f"{r.engine}-{i}"
         if r.engine == "native":
             out.append(NativeEngineFactory(checkpoint, recipe.model.dtype, device, recipe.run.seed + i, name))
         else:
-            out.append(SGLangEngineFactory(checkpoint, r.model_dump(mode="json"), device, recipe.run.seed + i, name))
+            out.append(SGLangEngineFactory(checkpoint, rollout, recipe.model.dtype, device, recipe.run.seed + i,
+                                           name, 30000 + 10 * i, recipe.timeouts.generate_s))
     return out
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from beamrl.algorithms import ImportanceConfig, KLConfig, PolicyLossConfig, loss_normalizer
+from beamrl.algorithms import ImportanceConfig, KLConfig, PolicyLossConfig, loss_normalizer, token_kl
 from beamrl.loop import components, step as S
 from beamrl.loop.groups import EngineGroup, TrainerGroup
 from beamrl.loop.losses import PolicyLoss, SFTLoss
@@ -142,7 +142,7 @@ class RLDriver:
     def _start_engines(self, checkpoint: str) -> None:
         r = self.recipe
         t0 = time.perf_counter()
-        factories = components.engine_factories(r, checkpoint)
+        factories = components.engine_factories(r, checkpoint, self.return_routes)
         self.engines = EngineGroup(factories, r.timeouts.generate_s, self._engine_options(len(factories)))
         _log(f"rollout: {len(factories)} {r.rollout.engine} engine(s) ready in {time.perf_counter() - t0:.1f} s")
 
@@ -249,7 +249,7 @@ class RLDriver:
         a = r.algorithm
         t0 = time.perf_counter()
         micro = self._micro_batches(rollouts)
-        diffs, ents, toks = [], [], 0.0
+        diffs, ents, kls, toks = [], [], [], 0.0
         for mb in micro:
             res = self.trainer.compute_logprobs(mb, r.rollout.temperature, self.replay, return_entropy=True)
             mb.fields["old_logprobs"] = res.logprobs.detach().float()
@@ -261,6 +261,9 @@ class RLDriver:
             if self.reference is not None:
                 ref = self.reference.compute_logprobs(mb, r.rollout.temperature, self.replay)
                 mb.fields["ref_logprobs"] = ref.logprobs.detach().float()
+                kl = token_kl(mb.fields["old_logprobs"], mb.fields["ref_logprobs"],
+                              KLConfig(coef=a.kl.coef, estimator=a.kl.estimator))
+                kls.append((kl * mb.loss_mask).sum().item())
         logprob_s = time.perf_counter() - t0
         all_mask = torch.cat([mb.loss_mask for mb in micro])
         all_seq = torch.cat([torch.repeat_interleave(torch.arange(mb.num_sequences) + 10**6 * i,
@@ -282,8 +285,8 @@ class RLDriver:
             out["entropy"] = sum(ents) / max(toks, 1.0)
         out.update({"time/logprob_s": logprob_s, "time/train_s": train_s,
                     "throughput/train_tokens_per_s": float(sum(mb.num_tokens for mb in micro)) / max(train_s, 1e-9)})
-        if "kl" in result.metrics:
-            out["kl"] = result.metrics["kl"]
+        if kls:
+            out["kl"] = sum(kls) / max(toks, 1.0)
         return out
 
     def _sync(self, version: int) -> dict[str, float]:

@@ -38,9 +38,9 @@ class Rollout:
 
 
 def moe_routes_for_trainer(routed: np.ndarray, config: BeamConfig, num_tokens: int) -> torch.Tensor:
-    """Engine routes [num_tokens - 1, num_layers, k] -> trainer routes [num_tokens, num_moe_layers, k].
+    """Engine routes [num_tokens - 1, num_layers, k] -> trainer routes [num_tokens, num_layers, k].
 
-    Dense layers are dropped (their rows are masked in the engine's output). The engine never forwards the
+    Dense-layer columns are ignored by the trainer (the engine masks them). The engine never forwards the
     last sampled token, so its row is padded with a copy of the previous row: its output is unused (its
     logprob would predict a token that does not exist), but the router still needs valid ids."""
     r = np.asarray(routed)
@@ -52,8 +52,8 @@ def moe_routes_for_trainer(routed: np.ndarray, config: BeamConfig, num_tokens: i
     moe = r[:, config.moe_layers, :]
     if (moe < 0).any() or (moe >= config.num_experts).any():
         raise ValueError("routed experts of a MoE layer hold ids outside [0, num_experts)")
-    moe = np.concatenate([moe, moe[-1:]], axis=0)
-    return torch.from_numpy(np.ascontiguousarray(moe)).to(torch.int64)
+    full = np.concatenate([r, r[-1:]], axis=0)
+    return torch.from_numpy(np.ascontiguousarray(full)).to(torch.int64)
 
 
 def build_packed_batch(rollouts: list[Rollout], config: BeamConfig, with_routes: bool) -> PackedBatch:

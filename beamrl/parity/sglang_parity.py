@@ -37,6 +37,7 @@ class ParitySettings:
     seed: int = 0
     start_timeout: float = 600.0
     call_timeout: float = 600.0
+    dump_path: Path | None = None  # save the engine's raw outputs for offline analysis
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -114,11 +115,26 @@ def run_sglang_parity(settings: ParitySettings, log: Callable[[str], None] = pri
         engine.shutdown()
     engine_lp = [lp for _, lp in results]
     full_seqs = [p + r.output_ids for p, (r, _) in zip(prompts, results)]
+    if s.dump_path is not None:
+        save_engine_outputs(s.dump_path, prompts, engine_lp, full_seqs, [r.routed_experts for r, _ in results])
+        log(f"engine outputs saved to {s.dump_path}")
     log("running the reference model...")
     model = BeamForCausalLM.from_pretrained(s.checkpoint, dtype=DTYPES[s.dtype])
     ref_lp, ref_routes = reference_side(model, prompts, full_seqs)
     matches = [routing_matches(r.routed_experts, rr, config.moe_layers) for (r, _), rr in zip(results, ref_routes)]
     return summarize("reference", "sglang", s.dtype, logprob_diffs(ref_lp, engine_lp), matches)
+
+
+def save_engine_outputs(path: Path, prompts, engine_lp, full_seqs, routes) -> None:
+    """One .pt file: prompts, engine prompt logprobs, full sequences and engine routes (see `load_engine_outputs`)."""
+    torch.save({"prompts": prompts, "engine_lp": engine_lp, "full_seqs": full_seqs,
+                "routes": [torch.from_numpy(r) for r in routes]}, path)
+
+
+def load_engine_outputs(path: Path) -> dict:
+    data = torch.load(path, weights_only=True)
+    data["routes"] = [r.numpy() for r in data["routes"]]
+    return data
 
 
 def main_log(msg: str) -> None:

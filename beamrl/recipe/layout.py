@@ -72,8 +72,10 @@ def check_model_fit(r: "Recipe", c: BeamConfig) -> None:
         from beamrl.data.digit_tokenizer import DigitTokenizer
 
         tok = DigitTokenizer()
-        if tok.vocab_size > c.vocab_size:
-            raise RecipeError("data.tokenizer", "digit", f"needs vocab_size >= {tok.vocab_size}, model has {c.vocab_size}")
+        if tok.vocab_size != c.vocab_size:
+            raise RecipeError("data.tokenizer", "digit", f"needs the model's vocab_size == {tok.vocab_size} (model has "
+                              f"{c.vocab_size}; set model.config_overrides.vocab_size: {tok.vocab_size}): a larger "
+                              "vocabulary lets the policy sample ids the tokenizer cannot decode")
         if c.eos_token_id not in (None, tok.eos_token_id):
             raise RecipeError("data.tokenizer", "digit", f"eos id {tok.eos_token_id} differs from the model's "
                               f"eos_token_id={c.eos_token_id}")
@@ -188,10 +190,12 @@ def format_layout(r: "Recipe", c: BeamConfig, source: str, lay: Layout,
         f"{lay.samples_per_step} per step = {lay.optimizer_steps_per_rollout} optimizer step(s) of "
         f"{r.trainer.global_batch_size} = {lay.micro_batches_per_optimizer_step} micro-batch(es) of "
         f"{r.trainer.micro_batch_size} per DP rank")
+    routes = r.rollout.return_routed_experts
+    if routes is None:
+        routes = resolved_routing_replay(r, c)
     add(f"rollout: {lay.num_engines} x {lay.engine} engine(s) of TP{lay.engine_tp}"
         f"{f' ({lay.nodes_per_engine:g} nodes each)' if lay.nodes_per_engine > 1 else ''} = {lay.rollout_gpus} {unit}; "
-        f"max_new_tokens {r.rollout.max_new_tokens}; routed experts "
-        f"{'on' if (r.rollout.return_routed_experts if r.rollout.return_routed_experts is not None else resolved_routing_replay(r, c)) else 'off'}")
+        f"max_new_tokens {r.rollout.max_new_tokens}; routed experts {'on' if routes else 'off'}")
     add("memory per GPU (estimate):")
     for m in trainer_mem:
         add(f"  trainer stage {m.stage}: {_gib(m.total)} = weights {_gib(m.weights)} + grads {_gib(m.grads)} + "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -21,9 +22,19 @@ def preset_config(recipe: "Recipe") -> BeamConfig | None:
     if recipe.model.preset is None:
         return None
     try:
-        return preset(recipe.model.preset)
+        config = preset(recipe.model.preset)
     except ValueError as e:
         raise RecipeError("model.preset", recipe.model.preset, str(e)) from None
+    overrides = recipe.model.config_overrides
+    known = {f.name for f in dataclasses.fields(BeamConfig)} - {"extra"}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise RecipeError(f"model.config_overrides.{unknown[0]}", overrides[unknown[0]],
+                          f"not a BeamConfig field; valid: {sorted(known)}")
+    try:
+        return config.replace(**{"dtype": recipe.model.dtype, **overrides})
+    except BeamConfigError as e:
+        raise RecipeError(f"model.config_overrides.{e.field_name}", e.value, e.allowed) from None
 
 
 def model_config_if_available(recipe: "Recipe") -> BeamConfig | None:

@@ -52,6 +52,9 @@ def _check_model(r: "Recipe") -> None:
         raise RecipeError("model.seed", m.seed, "only used for random init; remove it when model.checkpoint is set")
     if m.checkpoint is None and m.seed is None:
         raise RecipeError("model.seed", None, "random init (no model.checkpoint) needs an explicit integer seed")
+    if m.config_overrides and m.checkpoint is not None:
+        raise RecipeError("model.config_overrides", m.config_overrides, "only for a preset's random init; a "
+                          "checkpoint carries its own config.json")
 
 
 def _check_gpu_counts(r: "Recipe") -> None:

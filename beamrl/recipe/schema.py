@@ -32,13 +32,17 @@ class Section(BaseModel):
 class ModelSection(Section):
     """Which Beam to train: a checkpoint directory (HF format, SGLang names) and/or a named preset.
 
-    With only `preset`, the weights are random (seeded by `seed`). With both, the checkpoint's config.json
-    must equal the preset (the preset lets `--dry-run` check a layout where the checkpoint is not mounted)."""
+    With only `preset`, the weights are random (seeded by `seed`), and `config_overrides` may change preset
+    fields. With both, the checkpoint's config.json must equal the preset (the preset lets `--dry-run` check
+    a layout where the checkpoint is not mounted)."""
 
     preset: str | None = None
     checkpoint: str | None = None
     seed: int | None = None
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    # BeamConfig fields changed on top of the preset (random init only), e.g. {vocab_size: 15} for the digit
+    # tokenizer; validated by BeamConfig itself (errors name the field).
+    config_overrides: dict[str, Any] = Field(default_factory=dict)
 
 
 class ClusterSection(Section):

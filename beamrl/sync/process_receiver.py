@@ -152,3 +152,18 @@ class ProcessReceiver(WeightReceiver):
         self.process.join(timeout)
         self.kill()
         self._conn.close()
+
+
+class HostedEngine(ProcessReceiver):
+    """A `ProcessReceiver` whose child hosts a whole engine (e.g. `NativeEngine(config)`), also forwarding the
+    `RolloutEngine` calls a sync uses: `score` (verification), `abort_all` (pause) and `weight_version`."""
+
+    def score(self, sequences: list[list[int]], timeout: float) -> list[list[float]]:
+        return self.call("score", sequences, timeout, timeout=timeout)
+
+    def abort_all(self, timeout: float) -> None:
+        self.call("abort_all", timeout, timeout=timeout)
+
+    @property
+    def weight_version(self) -> int:
+        return int(self.call("weight_version", timeout=60))

@@ -41,7 +41,7 @@ def test_non_dry_run_calls_the_loop_or_says_it_is_missing(monkeypatch):
 
     calls = []
     fake = types.ModuleType("beamrl.loop")
-    fake.run_training = lambda recipe, resume: calls.append((recipe.run.name, resume)) or 0
+    fake.run_training = lambda recipe, resume: calls.append((recipe.run.name, resume)) or "outputs/run-dir"
     monkeypatch.setitem(sys.modules, "beamrl.loop", fake)
     assert main(["train", "quickstart", "--resume"]) == 0
     assert calls == [("quickstart-addition", True)]

@@ -70,3 +70,16 @@ def test_build_from_jsonl_drops_long_prompts(tmp_path, caplog):
     loader = build_prompt_loader(recipe, cache_dir=str(tmp_path / "cache"))
     assert len(loader) == 1 and loader.next_batch()[0].ground_truth == "3"
     assert "dropped 1 of 2" in caplog.text
+
+
+def test_build_samples_dapo_rows_with_chat_template():
+    from beamrl.data.loader import build_samples
+    from tests.data.test_formats import DAPO_ROW
+    from tests.data.test_prompts import _hf_tokenizer
+
+    rows = [DAPO_ROW, {**DAPO_ROW, "reward_model": {"ground_truth": "7", "style": "x"}}]
+    samples, dropped = build_samples(rows, "dapo", _hf_tokenizer(), None, True, max_prompt_len=64)
+    assert dropped == 0 and [s.ground_truth for s in samples] == ["2", "7"] and [s.index for s in samples] == [0, 1]
+    assert samples[0].prompt.startswith("<|user|> Solve 1+1.") and samples[0].prompt.endswith("<|assistant|>")
+    assert samples[0].data_source == "math_dapo" and samples[0].metadata["extra_info"] == {"index": "abc"}
+    assert len(samples[0].prompt_ids) == len(samples[0].prompt.split())  # WordLevel: one id per word

@@ -70,8 +70,7 @@ def _check_triton(checks, t, hq, hkv, d, device, seed, max_mismatch_frac, pos_of
         eager = op(q, k, qw, kw, *extra, EPS, backend="eager")
         fused = op(qv, kv, qw, kw, *extra, EPS, backend="triton")
         for f, e in zip(fused, eager):
-            n, ulps = checks.bit_mismatch(f, e)
-            assert n <= max_mismatch_frac * e.numel() and ulps <= 1.0, (op.__name__, n, ulps)
+            checks.assert_near_bit_equal(f, e, max_mismatch_frac)
         le = [x.clone().requires_grad_() for x in (q, k, qw, kw)]
         lf = [x.clone().requires_grad_() for x in (q, k, qw, kw)]
         outs_e = op(*le, *extra, EPS, backend="eager")
@@ -88,7 +87,7 @@ def test_triton_kernel_tiny(checks, kernel_device):
 
 @CUDA
 def test_triton_kernel_real_width(checks):
-    _check_triton(checks, 2048, 48, 8, 128, torch.device("cuda"), seed=3, max_mismatch_frac=1e-3, pos_offset=5000)
+    _check_triton(checks, 2048, 48, 8, 128, torch.device("cuda"), seed=3, max_mismatch_frac=1e-4, pos_offset=5000)
 
 
 def test_bad_cos_shape_is_refused():

@@ -60,9 +60,7 @@ def _check_triton(checks, t, h, device, seed, max_mismatch_frac):
     eager = ops.post_norm_residual_pre_norm(b, r, wp, wq, SCALES, EPS, backend="eager")
     fused = ops.post_norm_residual_pre_norm(b, r, wp, wq, SCALES, EPS, backend="triton")
     for f, e in zip(fused, eager):
-        n, ulps = checks.bit_mismatch(f, e)
-        # Exact except where the FP32 sum of squares (reduction order) flips a BF16 rounding: 1 ulp at most.
-        assert n <= max_mismatch_frac * e.numel() and ulps <= 1.0, (n, ulps)
+        checks.assert_near_bit_equal(f, e, max_mismatch_frac)
     leaves = lambda: [x.clone().requires_grad_() for x in (b, r, wp, wq)]  # noqa: E731
     gh, gp = torch.randn_like(b), torch.randn_like(b)
     le, lf = leaves(), leaves()
@@ -72,7 +70,8 @@ def _check_triton(checks, t, h, device, seed, max_mismatch_frac):
         assert checks.rel_err(f.grad, e.grad) < 2e-2
     # no pre-norm (last layer's MLP step)
     h_f, none = ops.post_norm_residual_pre_norm(b, r, wp, None, SCALES, EPS, backend="triton")
-    assert none is None and checks.bit_mismatch(h_f, eager[0])[1] <= 1.0
+    assert none is None
+    checks.assert_near_bit_equal(h_f, eager[0], max_mismatch_frac)
 
 
 def test_triton_kernel_tiny(checks, kernel_device):
@@ -81,7 +80,7 @@ def test_triton_kernel_tiny(checks, kernel_device):
 
 @CUDA
 def test_triton_kernel_real_width(checks):
-    _check_triton(checks, 2048, 5120, torch.device("cuda"), seed=3, max_mismatch_frac=1e-3)
+    _check_triton(checks, 2048, 5120, torch.device("cuda"), seed=3, max_mismatch_frac=1e-4)
 
 
 def test_triton_backend_refuses_cpu_tensors_without_the_interpreter(monkeypatch):

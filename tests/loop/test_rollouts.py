@@ -26,10 +26,9 @@ def test_packed_batch_aligns_response_tokens(tiny_config):
     assert batch.loss_mask.tolist() == [0, 0, 0, 1, 1, 0, 0, 1, 1, 1]
     assert batch.fields["rollout_logprobs"].tolist() == [0, 0, 0, -0.5, -1.5, 0, 0, -0.5, -1.5, -2.5]
     assert batch.fields["advantages"].tolist() == [1.5] * 5 + [-0.5] * 5
-    moe = tiny_config.moe_layers
-    assert batch.routes.shape == (10, len(moe), tiny_config.num_experts_per_tok)
+    assert batch.routes.shape == (10, tiny_config.num_hidden_layers, tiny_config.num_experts_per_tok)
     # row t of the engine's routes is token t's forward; the last token repeats the previous row
-    assert torch.equal(batch.routes[:4], torch.from_numpy(a.result.routed_experts[:, moe, :]).long())
+    assert torch.equal(batch.routes[:4], torch.from_numpy(a.result.routed_experts).long())
     assert torch.equal(batch.routes[4], batch.routes[3])
 
 

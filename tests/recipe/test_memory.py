@@ -117,3 +117,23 @@ def test_kv_pool_too_small_for_one_request():
     assert 0 < e.kv_tokens < e.request_tokens
     problems = memory_problems(r, lay, trainer_memory(r, c, lay), e)
     assert len(problems) == 1 and "cannot hold one request" in problems[0]
+
+
+def test_capacity_follows_gpu_type():
+    c = preset("beam-501b")
+    over = ["trainer.optimizer_offload_fraction=0"]  # 143.8 GiB: over an H200's 141 GB, under a B200's 180 GB
+    for gpu, n_problems in (("h200", 1), ("b200", 0)):
+        r = load_recipe("grpo_dapo_math", [*over, f"cluster.gpu_type={gpu}"])
+        lay = plan_layout(r, c)
+        assert len(memory_problems(r, lay, trainer_memory(r, c, lay), engine_memory(r, c, lay))) == n_problems
+
+
+def test_colocated_peak_is_the_larger_side(base_raw):
+    from beamrl.recipe.memory import colocated_peak
+
+    c = preset("tiny")
+    r = _recipe(base_raw, "placement.mode=colocated", "sync.transport=colocated", "trainer.num_gpus=16",
+                "rollout.num_engines=4", "trainer.global_batch_size=32")
+    lay = plan_layout(r, c)
+    tm, em = trainer_memory(r, c, lay), engine_memory(r, c, lay)
+    assert colocated_peak(tm, em) == max(tm[0].total, em.static_budget) == em.static_budget  # tiny: KV dominates

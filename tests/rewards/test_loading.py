@@ -47,12 +47,13 @@ def test_import_path_errors_are_clear(spec, message):
 
 
 def test_local_functions_are_refused():
-    @reward("tests.local_fn")  # registered, but workers could never import it by name
     def local(completion):
         return 1.0
 
+    name = f"tests.local_fn.{id(local)}"  # unique: the registry is process-global
+    reward(name)(local)  # registered, but workers could never import it by name
     with pytest.raises(RewardLoadError, match="top level"):
-        load_reward_fn("tests.local_fn")
+        load_reward_fn(name)
 
 
 def test_decorator_registry_resolves_to_an_importable_ref():

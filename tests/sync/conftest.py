@@ -14,26 +14,13 @@ from beamrl.models.beam.model import BeamForCausalLM
 from beamrl.rollout.native.config import NativeEngineConfig
 from beamrl.rollout.native.engine import NativeEngine
 from beamrl.sync.local_receiver import LocalWeightReceiver
-from beamrl.sync.process_receiver import ProcessReceiver
+from beamrl.sync.process_receiver import HostedEngine
 
 
-class HostedNativeEngine(ProcessReceiver):
-    """The native engine in a child process (so it can be killed), driven through `ProcessReceiver`, with the
-    RolloutEngine calls the sync manager uses forwarded to it."""
-
-    def __init__(self, checkpoint: str, name: str):
-        cfg = NativeEngineConfig(model_path=checkpoint, dtype="float32", device="cpu", name=name)
-        super().__init__(NativeEngine, (cfg,), name=name)
-
-    def score(self, sequences, timeout):
-        return self.call("score", sequences, timeout, timeout=timeout)
-
-    def abort_all(self, timeout):
-        self.call("abort_all", timeout, timeout=timeout)
-
-    @property
-    def weight_version(self) -> int:
-        return self.call("weight_version", timeout=30)
+def hosted_native_engine(checkpoint: str, name: str) -> HostedEngine:
+    """The native engine in a child process (so it can be killed), with the calls a sync makes."""
+    cfg = NativeEngineConfig(model_path=checkpoint, dtype="float32", device="cpu", name=name)
+    return HostedEngine(NativeEngine, (cfg,), name=name)
 
 
 @pytest.fixture(scope="session")
@@ -46,7 +33,7 @@ def tiny_checkpoint(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def hosted_engine(tiny_checkpoint):
-    engine = HostedNativeEngine(tiny_checkpoint, name="native-engine-0")
+    engine = hosted_native_engine(tiny_checkpoint, name="native-engine-0")
     yield engine
     engine.shutdown()
 

@@ -55,8 +55,28 @@ class RMSNorm(nn.Module):
         return numerics.rms_norm(x, self.weight, self.eps)
 
 
-def _linear(n_in: int, n_out: int) -> nn.Linear:
-    return nn.Linear(n_in, n_out, bias=False)
+class Linear(nn.Module):
+    """Bias-free linear layer with uninitialised weight [out, in] (weights always come from a state dict;
+    nn.Linear's random init would cost time and, on the meta device, a torch._refs import)."""
+
+    def __init__(self, n_in: int, n_out: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n_out, n_in))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class Embedding(nn.Module):
+    def __init__(self, vocab: int, hidden: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab, hidden))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
+_linear = Linear
 
 
 class BeamRouter(nn.Module):
@@ -117,13 +137,24 @@ class BeamMoE(nn.Module):
         if forced_ids is not None:
             ids = torch.where(forced_rows.unsqueeze(-1), forced_ids.long(), ids)
             weights = numerics.routing_weights(torch.sigmoid(logits), ids)
-        per_expert = x.new_zeros(x.shape[0], ids.shape[1], x.shape[1])
-        for e in torch.unique(ids).tolist():
-            tok, slot = (ids == e).nonzero(as_tuple=True)
-            ex = self.experts[e]
-            per_expert[tok, slot] = numerics.expert_output(x[tok], ex.gate_proj.weight, ex.up_proj.weight,
-                                                           ex.down_proj.weight, weights[tok, slot])
-        return numerics.moe_combine(per_expert, c.routed_scaling_factor), ids
+        # Group the (token, slot) pairs by expert with one sort, run each expert on its contiguous segment.
+        n, k = ids.shape
+        flat = ids.reshape(-1)
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=c.num_experts).tolist()
+        xs, ws = x[order // k], weights.reshape(-1)[order]
+        outs = torch.empty(n * k, x.shape[1], dtype=x.dtype, device=x.device)
+        start = 0
+        for e, cnt in enumerate(counts):
+            if cnt:
+                ex = self.experts[e]
+                seg = slice(start, start + cnt)
+                outs[seg] = numerics.expert_output(xs[seg], ex.gate_proj.weight, ex.up_proj.weight,
+                                                   ex.down_proj.weight, ws[seg])
+                start += cnt
+        per_expert = torch.empty_like(outs)
+        per_expert[order] = outs
+        return numerics.moe_combine(per_expert.view(n, k, -1), c.routed_scaling_factor), ids
 
 
 class BeamAttention(nn.Module):
@@ -191,7 +222,7 @@ class BeamDecoderLayer(nn.Module):
 class BeamModel(nn.Module):
     def __init__(self, config: BeamConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(BeamDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -221,18 +252,23 @@ class BeamForCausalLM(nn.Module):
                  seed: int | None = 0):
         super().__init__()
         self.config = config
-        with torch.device("meta"):
+        # Uninitialised FP32 storage on the target device (torch.empty; the meta device + to_empty would pull in
+        # torch._refs and sympy, ~10 s), then the model dtype; the router stays FP32.
+        with torch.device(device):
             self.model = BeamModel(config)
             self.lm_head = _linear(config.hidden_size, config.vocab_size)
-        self.to_empty(device=device)
         self.to(dtype)
-        self.dtype = dtype
         if seed is not None:
             self.load_hf_tensors(random_state_dict(config, seed, dtype), strict=True)
 
     @property
     def device(self) -> torch.device:
         return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activation/weight dtype (the router is FP32 regardless)."""
+        return self.lm_head.weight.dtype
 
     # ------------------------------------------------------------------ weights
     @classmethod

@@ -151,9 +151,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     callers must give every real query at least itself."""
     hq, hkv, d = q.shape[-2], k.shape[-2], q.shape[-1]
     rep = hq // hkv
-    kf = k.float().repeat_interleave(rep, dim=-2)
-    vf = v.float().repeat_interleave(rep, dim=-2)
-    scores = torch.einsum("...qhd,...khd->...hqk", q.float(), kf) * (1.0 / math.sqrt(d))
-    scores = scores.masked_fill(~mask.unsqueeze(-3), float("-inf"))
+    # Query head h reads KV head h // rep: group the query heads instead of materialising repeated K/V.
+    qg = q.float().unflatten(-2, (hkv, rep))  # [..., Tq, Hkv, rep, D]
+    scores = torch.einsum("...qgrd,...kgd->...grqk", qg, k.float()) * (1.0 / math.sqrt(d))
+    scores = scores.masked_fill(~mask.unsqueeze(-3).unsqueeze(-3), float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    return torch.einsum("...hqk,...khd->...qhd", probs, vf).to(q.dtype)
+    out = torch.einsum("...grqk,...kgd->...qgrd", probs, v.float())
+    return out.flatten(-3, -2).to(q.dtype)

@@ -189,9 +189,12 @@ class NativeEngine(RolloutEngine, WeightReceiver):
         return 1
 
     def _load_tensors(self, named: list[tuple[str, torch.Tensor]]) -> None:
-        if self._host_weights is not None:
-            raise EngineError("weights are released; call resume_memory(['weights']) before updating them")
         self.model.load_hf_tensors(named)
+
+    def _require_weights(self, what: str) -> None:
+        if self._host_weights is not None:
+            raise WeightSyncError(f"{self.name}: {what} while the weights are released; call "
+                                  f"resume_memory(['weights']) first")
 
     def _session_update(self, what: str, timeout: float, call) -> None:
         """Run a bucket update inside the open session. Any failure may leave earlier buckets applied, so it
@@ -200,6 +203,7 @@ class NativeEngine(RolloutEngine, WeightReceiver):
             if not self._in_session:
                 raise WeightSyncError(f"{self.name}: {what} must run between begin_weight_update() and "
                                       f"end_weight_update()")
+            self._require_weights(what)
             try:
                 call()
             except Exception as exc:
@@ -241,6 +245,7 @@ class NativeEngine(RolloutEngine, WeightReceiver):
         """Load a full checkpoint (no session needed, as in SGLang). Every tensor is validated before any is
         copied, so a failure leaves the weights unchanged; success also clears an earlier update failure."""
         with self._locked("update_weights_from_disk", timeout, WeightSyncError):
+            self._require_weights("update_weights_from_disk")
             self._receiver.update_weights_from_disk(path, timeout)
             self._failure = None
 

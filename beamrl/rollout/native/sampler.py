@@ -65,7 +65,10 @@ def truncation_mask(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tenso
 def sample(logits: torch.Tensor, params: RowSampling, steps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row from FP32 softcapped logits [n, V]; returns (token ids int64, logprobs float32)."""
     logprobs = torch.log_softmax(logits.float() / params.temperature.unsqueeze(1), dim=-1)
-    keep = truncation_mask(logprobs.exp(), params.top_k, params.top_p)
+    if bool((params.top_k >= logits.shape[-1]).all()) and bool((params.top_p >= 1.0).all()):
+        keep = torch.ones_like(logprobs, dtype=torch.bool)  # no truncation anywhere: skip the sort
+    else:
+        keep = truncation_mask(logprobs.exp(), params.top_k, params.top_p)
     gumbel = -torch.log(-torch.log(hashed_uniform(params.seed, steps, logits.shape[-1])))
     score = torch.where(keep, logprobs.double() + gumbel, torch.tensor(float("-inf"), dtype=torch.float64))
     tokens = score.argmax(dim=-1)

@@ -140,6 +140,10 @@ class SGLangEngine(RolloutEngine, WeightReceiver):
         self.startup_seconds = time.monotonic() - t0
 
     @property
+    def name(self) -> str:
+        return f"sglang-inproc[{self.config.model_path}]"
+
+    @property
     def child_pids(self) -> list[int]:
         """PIDs of this engine's scheduler/detokenizer processes."""
         return list(self._child_pids)

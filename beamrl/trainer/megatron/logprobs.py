@@ -41,20 +41,24 @@ def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, tempera
     m = z.detach().amax(dim=-1, keepdim=True)
     if parallel:
         dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-    sum_exp = reduce(torch.exp(z - m).sum(dim=-1, keepdim=True))
-    log_z = m + torch.log(sum_exp)
+    # Every rank-local term must depend on the local shard only: a reduced value (the partition function) used
+    # inside a rank-local term would get only this rank's share of its gradient (the all-reduce's backward is
+    # the identity). Hence entropy = log Z - S2 / S1 with both sums reduced first.
+    e = torch.exp(z - m)
+    s1 = reduce(e.sum(dim=-1))
+    log_z = m.squeeze(-1) + torch.log(s1)
 
     v_local = z.shape[-1]
     local = targets.to(torch.int64) - vocab_start
     in_shard = (local >= 0) & (local < v_local)
     picked = z.gather(-1, local.clamp(0, v_local - 1).unsqueeze(-1)).squeeze(-1)
     picked = reduce(torch.where(in_shard, picked, torch.zeros_like(picked)))
-    logprob = picked - log_z.squeeze(-1)
+    logprob = picked - log_z
 
     entropy = None
     if return_entropy:
-        p = torch.exp(z - log_z)
-        entropy = log_z.squeeze(-1) - reduce((p * z).sum(dim=-1))
+        s2 = reduce((e * z).sum(dim=-1))
+        entropy = log_z - s2 / s1
     return logprob, entropy
 
 

@@ -173,6 +173,11 @@ def test_release_and_resume_weights(engine):
     assert engine.model.lm_head.weight.numel() == 0
     with pytest.raises(EngineError, match="released"):
         engine.generate(reqs, T_OUT)
+    engine.begin_weight_update(T_OUT)
+    with pytest.raises(WeightSyncError, match="released"):
+        engine.update_weights_from_tensor(_bucket(engine.model.state_dict(), ["model.norm.weight"]), T_OUT)
+    engine.end_weight_update(1, T_OUT)
+    assert engine.health(T_OUT) and engine.weight_version == 1  # a refused update changed nothing
     with pytest.raises(EngineError, match="unknown memory tag"):
         engine.resume_memory(["bogus"], T_OUT)
     engine.resume_memory(["weights"], T_OUT)

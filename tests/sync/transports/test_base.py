@@ -10,7 +10,7 @@ from beamrl.sync.local_receiver import LocalWeightReceiver
 from beamrl.sync.protocol import Bucket, WeightSyncError
 from beamrl.sync.transports import TRANSPORTS
 
-from ..conftest import HostedNativeEngine, RefusingReceiver, WedgedReceiver
+from ..conftest import hosted_native_engine, RefusingReceiver, WedgedReceiver
 
 
 def one_bucket(model) -> Bucket:
@@ -19,7 +19,7 @@ def one_bucket(model) -> Bucket:
 
 
 def test_dead_engine_fails_fast_with_its_name(tiny_checkpoint):
-    engine = HostedNativeEngine(tiny_checkpoint, "doomed-engine")
+    engine = hosted_native_engine(tiny_checkpoint, "doomed-engine")
     try:
         engine.kill()
         transport = TRANSPORTS.get("colocated")([engine])

@@ -71,6 +71,7 @@ def run_layout(parallel: dict, distributed_optimizer: bool = False, with_grads: 
     dp = cfg.parallel.dp(dist.get_world_size())
     dp_rank = trainer._ps.get_data_parallel_rank()
     mine = mbs[dp_rank * len(mbs) // dp:(dp_rank + 1) * len(mbs) // dp]
+    lp = trainer.compute_logprobs(mbs[0], temperature=0.7)  # before training: the loaded weights
     losses, entropies, grads = [], [], None
     for step in range(STEPS):
         sums = trainer.forward_backward(mine, loss_fn)
@@ -79,7 +80,6 @@ def run_layout(parallel: dict, distributed_optimizer: bool = False, with_grads: 
         trainer.optimizer_step()
         losses.append(sums["loss"])
         entropies.append(sums["entropy"])
-    lp = trainer.compute_logprobs(mbs[0], temperature=0.7)
     trainer.shutdown()
     return {"losses": losses, "entropies": entropies, "grads": grads, "logprobs": lp.logprobs,
             "entropy": lp.entropy}

@@ -121,25 +121,28 @@ def _layout_worker(rank, world, port, layout):
     config = preset("tiny")
     state = random_state_dict(config, seed=SEED, dtype=torch.float32)
     pp_rank, pp = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
-    model = build_beam_gpt_model(config, params_dtype=torch.float32, pre_process=pp_rank == 0,
-                                 post_process=pp_rank == pp - 1)
-    load_hf_weights(model, state)
+    vpp = layout.get("vpp") or 1
+    chunks = [build_beam_gpt_model(config, params_dtype=torch.float32, vp_stage=v if vpp > 1 else None,
+                                   pre_process=pp_rank == 0 and v == 0, post_process=pp_rank == pp - 1 and v == vpp - 1)
+              for v in range(vpp)]
+    load_hf_weights(chunks, state)
     # EP ranks are data-parallel for dense params: give them different (unequal-length) batches.
     lengths = [20, 12, 32] if ps.get_data_parallel_rank() == 0 else [10, 16, 14]
     ids, cu = _batch(config, lengths, seed=ps.get_data_parallel_rank())
     params = packed_seq_params(cu)
-    with torch.no_grad():
-        if pp == 1:
-            out = model(ids, None, None, packed_seq_params=params)
-        elif pp_rank == 0:
-            hidden = model(ids, None, None, packed_seq_params=params)
-            dist.send(hidden.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
-            out = None
-        else:
-            hidden = torch.empty(ids.shape[1], 1, config.hidden_size)
-            dist.recv(hidden, src=ps.get_pipeline_model_parallel_prev_rank())
-            model.set_input_tensor(hidden)
-            out = model(ids, None, None, packed_seq_params=params)
+    out = None
+    with torch.no_grad():  # hand-run pipeline: chunk v of stage 0, chunk v of stage 1, chunk v+1 of stage 0, ...
+        for v, chunk in enumerate(chunks):
+            if pp > 1 and not (pp_rank == 0 and v == 0):
+                hidden = torch.empty(ids.shape[1], 1, config.hidden_size)
+                dist.recv(hidden, src=ps.get_pipeline_model_parallel_prev_rank())
+                chunk.set_input_tensor(hidden)
+            y = chunk(ids, None, None, packed_seq_params=params)
+            if pp > 1 and not (pp_rank == pp - 1 and v == vpp - 1):
+                dist.send(y.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
+            elif pp_rank == pp - 1 and v == vpp - 1:
+                out = y
+    model = chunks
     if out is not None:
         tp = ps.get_tensor_model_parallel_world_size()
         if tp > 1:
@@ -163,5 +166,5 @@ def _layouts_worker(rank, world, port, layouts):
 
 @pytest.mark.slow
 def test_parallel_layouts_load_forward_and_export():
-    """TP2+SP, EP2 (unequal per-rank token counts) and PP2, each: load, forward == reference, export exact."""
-    spawn(_layouts_worker, 2, [dict(tp=2), dict(ep=2), dict(pp=2)], timeout=180)
+    """TP2+SP, EP2 (unequal per-rank token counts), PP2 and PP2xVPP3, each: load, forward == reference, export exact."""
+    spawn(_layouts_worker, 2, [dict(tp=2), dict(ep=2), dict(pp=2), dict(pp=2, vpp=3)], timeout=240)

@@ -140,6 +140,10 @@ class BeamMoELayer(MegatronModule):
         routes = getattr(params, "routes", None)
         if routes is None:
             return None
+        beam = self.config.beam
+        if routes.dim() != 3 or routes.shape[1:] != (beam.num_hidden_layers, beam.num_experts_per_tok):
+            raise ValueError(f"routes must be [tokens, num_hidden_layers={beam.num_hidden_layers}, "
+                             f"top_k={beam.num_experts_per_tok}], got {tuple(routes.shape)}")
         if self.config.sequence_parallel:
             tp, r = self.tp_group.size(), self.tp_group.rank()
             if routes.shape[0] != n_local * tp:

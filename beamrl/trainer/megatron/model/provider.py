@@ -34,6 +34,13 @@ class BeamGPTModel(GPTModel):
     The softcap replaces `_scale_logits` (MuP scaling, unused by Beam), so it also applies inside
     `output_processor` hooks, which receive `scale_logits=self._scale_logits`."""
 
+    def forward(self, input_ids, position_ids=None, attention_mask=None, *args, **kwargs):
+        tp = self.config.tensor_model_parallel_size
+        if self.config.sequence_parallel and input_ids is not None and input_ids.shape[-1] % tp:
+            raise ValueError(f"sequence parallelism needs the sequence length ({input_ids.shape[-1]}) to be a "
+                             f"multiple of tp={tp}; pad the packed batch")
+        return super().forward(input_ids, position_ids, attention_mask, *args, **kwargs)
+
     def _scale_logits(self, logits: torch.Tensor) -> torch.Tensor:
         return numerics.softcap(logits, self.config.beam.final_logit_softcapping)
 

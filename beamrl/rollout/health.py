@@ -1,0 +1,101 @@
+"""`HealthMonitor`: periodic engine health checks with timeouts; a dead engine is replaced through a factory.
+
+Each check calls `engine.health(timeout)` (which must itself return within the timeout; a check that raises
+counts as a failure). After `max_failures` consecutive failures the engine is marked unhealthy in the router,
+shut down (best effort) and rebuilt with `factory(index)`; the new engine enters the router healthy. Restarts
+are reported through `on_event` (default: print), never silent.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from beamrl.rollout.protocol import RolloutEngine
+from beamrl.rollout.router import EngineRouter
+
+
+@dataclass(frozen=True)
+class HealthConfig:
+    interval: float = 30.0  # seconds between rounds
+    timeout: float = 10.0  # per health call
+    max_failures: int = 2  # consecutive failures before a restart
+
+    def __post_init__(self) -> None:
+        if self.interval <= 0 or self.timeout <= 0:
+            raise ValueError(f"HealthConfig interval/timeout must be > 0, got {self.interval}/{self.timeout}")
+        if self.max_failures < 1:
+            raise ValueError(f"HealthConfig.max_failures={self.max_failures} must be >= 1")
+
+
+class HealthMonitor:
+    """Checks every engine of `router`; restarts dead ones with `factory(index) -> RolloutEngine`."""
+
+    def __init__(self, router: EngineRouter, factory: Callable[[int], RolloutEngine],
+                 config: HealthConfig = HealthConfig(), on_event: Callable[[str], None] = print) -> None:
+        self.router = router
+        self.factory = factory
+        self.config = config
+        self.on_event = on_event
+        self.failures = [0] * len(router.engines)
+        self.restarts = [0] * len(router.engines)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _healthy(self, engine: RolloutEngine) -> bool:
+        try:
+            return bool(engine.health(self.config.timeout))
+        except Exception:  # noqa: BLE001 - any failure to answer is "unhealthy"
+            return False
+
+    def check_once(self) -> list[bool]:
+        """One round over all engines (restarting as needed); returns each engine's health before restarts."""
+        states = []
+        for i, engine in enumerate(self.router.engines):
+            ok = self._healthy(engine)
+            states.append(ok)
+            if ok:
+                self.failures[i] = 0
+                continue
+            self.failures[i] += 1
+            self.on_event(f"engine {i} failed its health check ({self.failures[i]}/{self.config.max_failures})")
+            if self.failures[i] >= self.config.max_failures:
+                self._restart(i, engine)
+        return states
+
+    def _restart(self, index: int, engine: RolloutEngine) -> None:
+        self.router.set_healthy(index, False)
+        try:
+            engine.shutdown()
+        except Exception as e:  # noqa: BLE001 - a dead engine may not shut down cleanly
+            self.on_event(f"engine {index}: shutdown of the dead engine failed: {e}")
+        t0 = time.monotonic()
+        try:
+            new = self.factory(index)
+        except Exception as e:  # noqa: BLE001 - stay unhealthy; retried next round
+            self.on_event(f"engine {index}: restart failed: {type(e).__name__}: {e}")
+            return
+        self.router.replace(index, new)
+        self.failures[index] = 0
+        self.restarts[index] += 1
+        self.on_event(f"engine {index} restarted in {time.monotonic() - t0:.1f} s (restart #{self.restarts[index]})")
+
+    def start(self) -> None:
+        """Run `check_once` every `interval` seconds in a daemon thread until `stop()`."""
+        if self._thread is not None:
+            return
+
+        def loop() -> None:
+            while not self._stop.wait(self.config.interval):
+                self.check_once()
+
+        self._thread = threading.Thread(target=loop, name="engine-health", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None

@@ -1,0 +1,61 @@
+"""Run `beamrl train` end to end in a subprocess and read its outputs back."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+QUICKSTART = ROOT / "recipes" / "quickstart.yaml"
+# A short, small version of the quickstart: 4 prompts x 4 samples, no SFT, float32.
+SMALL = ["sft=null", "rollout.prompts_per_step=4", "rollout.n_samples_per_prompt=4",
+         "trainer.global_batch_size=16", "trainer.micro_batch_size=8", "logging.plot_reward_curve=false",
+         "timeouts.generate_s=300", "timeouts.train_step_s=300", "timeouts.sync_s=120"]
+
+
+def train_cmd(out_dir: Path, *overrides: str, resume: bool = False) -> list[str]:
+    cmd = [sys.executable, "-m", "beamrl.cli", "train", str(QUICKSTART), f"run.output_dir={out_dir}", *SMALL,
+           *overrides]
+    return cmd + (["--resume"] if resume else [])
+
+
+def env() -> dict[str, str]:
+    e = dict(os.environ, PYTHONUNBUFFERED="1", TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1")
+    e["PYTHONPATH"] = str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")
+    return e
+
+
+def run_train(out_dir: Path, *overrides: str, resume: bool = False, timeout: float = 900) -> subprocess.CompletedProcess:
+    p = subprocess.run(train_cmd(out_dir, *overrides, resume=resume), env=env(), cwd=ROOT, capture_output=True,
+                       text=True, timeout=timeout)
+    return p
+
+
+def metrics(out_dir: Path) -> list[dict]:
+    path = out_dir / "metrics.jsonl"
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+
+
+def kill_after(out_dir: Path, marker: Path, *overrides: str, timeout: float = 900) -> None:
+    """Start a run and SIGKILL its whole process group as soon as `marker` exists (a crash mid-run)."""
+    p = subprocess.Popen(train_cmd(out_dir, *overrides), env=env(), cwd=ROOT, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + timeout
+    try:
+        while not marker.exists():
+            if p.poll() is not None:
+                raise AssertionError(f"run exited (rc={p.returncode}) before {marker} appeared")
+            if time.time() > deadline:
+                raise AssertionError(f"{marker} did not appear within {timeout} s")
+            time.sleep(0.5)
+    finally:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.wait(timeout=60)

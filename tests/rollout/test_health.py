@@ -1,0 +1,75 @@
+"""HealthMonitor: dead or hung engines are restarted through the factory; healthy ones are left alone."""
+
+import time
+
+from beamrl.models.beam import preset
+from beamrl.rollout.health import HealthConfig, HealthMonitor
+from beamrl.rollout.protocol import GenerateRequest
+from beamrl.rollout.router import EngineRouter
+
+from .fake_engine import FakeEngine
+
+
+def _setup(max_failures=1, timeout=0.2):
+    made = []
+
+    def factory(i):
+        e = FakeEngine(preset("tiny"), name=f"new-{i}-{len(made)}")
+        made.append(e)
+        return e
+
+    engines = [FakeEngine(preset("tiny"), name=f"e{i}") for i in range(2)]
+    router = EngineRouter(engines)
+    events = []
+    mon = HealthMonitor(router, factory, HealthConfig(interval=0.05, timeout=timeout, max_failures=max_failures),
+                        on_event=events.append)
+    return engines, router, mon, made, events
+
+
+def test_dead_engine_is_replaced_and_served_again():
+    engines, router, mon, made, events = _setup()
+    engines[1].kill()
+    assert mon.check_once() == [True, False]
+    assert router.engines[0] is engines[0] and router.engines[1] is made[0]
+    assert router.is_healthy(1) and mon.restarts == [0, 1]
+    assert any("restarted" in e for e in events)
+    assert router.generate([GenerateRequest([1, 2])], timeout=5)[0].output_ids
+
+
+def test_hung_engine_counts_as_dead_within_the_timeout_and_needs_max_failures():
+    engines, router, mon, made, events = _setup(max_failures=2)
+    engines[0].hang()
+    t0 = time.monotonic()
+    mon.check_once()
+    assert time.monotonic() - t0 < 2.0
+    assert made == [] and mon.failures[0] == 1  # one failure is not enough
+    mon.check_once()
+    assert len(made) == 1 and router.engines[0] is made[0]
+
+
+def test_failed_restart_keeps_engine_unhealthy_and_reports():
+    engines = [FakeEngine(preset("tiny"), name="e0")]
+    router = EngineRouter(engines)
+    events = []
+
+    def factory(i):
+        raise RuntimeError("no GPU left")
+
+    mon = HealthMonitor(router, factory, HealthConfig(interval=1, timeout=0.2, max_failures=1), on_event=events.append)
+    engines[0].kill()
+    mon.check_once()
+    assert not router.is_healthy(0)
+    assert any("restart failed" in e and "no GPU left" in e for e in events)
+
+
+def test_background_thread_restarts():
+    engines, router, mon, made, events = _setup()
+    mon.start()
+    try:
+        engines[0].kill()
+        deadline = time.monotonic() + 5
+        while not made and time.monotonic() < deadline:
+            time.sleep(0.02)
+    finally:
+        mon.stop()
+    assert made and router.engines[0] is made[0]

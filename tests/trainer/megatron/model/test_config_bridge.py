@@ -1,0 +1,42 @@
+"""BeamConfig -> TransformerConfig bridge and ParallelSettings validation."""
+
+import pytest
+import torch
+
+from beamrl.models.beam import preset
+
+from ._world import world1
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _world():
+    world1()
+
+
+def test_beam_fields_are_carried():
+    from beamrl.trainer.megatron.model import ParallelSettings, beam_transformer_config
+
+    c = preset("tiny")
+    t = beam_transformer_config(c, ParallelSettings(), dtype=torch.float32)
+    assert t.num_layers == 6 and t.num_query_groups == 2 and t.kv_channels == 16
+    assert t.window_size == (c.sliding_window - 1, 0)
+    assert t.window_attn_skip_freq == [1, 1, 0, 1, 1, 0]  # 1 = sliding layer
+    assert t.no_rope_freq == [0, 0, 1, 0, 0, 1]  # full layers are NoPE
+    assert t.moe_layer_freq == [0, 1, 1, 1, 1, 1]
+    assert t.moe_router_topk == 4 and t.moe_router_num_groups == 4 and t.moe_router_group_topk == 2
+    assert t.moe_router_enable_expert_bias is False  # the bias is a frozen FP32 buffer (synced as a weight)
+    assert t.beam is c and t.kernel_backend == "eager" and t.attention_backend_name == "eager"
+    assert beam_transformer_config(c, dtype=torch.float32, use_fused_kernels=True).kernel_backend == "triton"
+    full = beam_transformer_config(c, dtype=torch.float32, recompute="full")
+    assert full.recompute_granularity == "full"
+
+
+@pytest.mark.parametrize("settings, field", [
+    (dict(tp=2, sp=False), "sp"), (dict(etp=2), "etp"), (dict(tp=4, sp=True), "tp"), (dict(ep=3), "ep"),
+    (dict(pp=4), "num_hidden_layers"), (dict(vpp=2), "vpp"),
+])
+def test_bad_layouts_name_the_field(settings, field):
+    from beamrl.trainer.megatron.model import BeamParallelError, ParallelSettings
+
+    with pytest.raises(BeamParallelError, match=field):
+        ParallelSettings(**settings).validate(preset("tiny"))

@@ -1,0 +1,72 @@
+"""TP/SP, PP, VPP, EP and TP x EP layouts of the Megatron trainer equal the world-1 run (gloo, float32).
+
+Every layout loads the same random HF weights and trains three steps on the same four micro-batches
+(`_equivalence.py`): the three losses (so the optimizer steps are covered), the step-0 gradients gathered as full
+HF tensors and the logprobs must match the world-1 run. One 2-process launch runs all layouts in sequence to pay
+the process start-up once.
+"""
+
+import pytest
+import torch
+
+from beamrl.trainer.megatron.launch import launch
+
+from . import _equivalence as E
+
+pytestmark = pytest.mark.slow
+
+LOSS_TOL = 1e-5
+GRAD_REL_TOL = 1e-5
+LOGPROB_TOL = 1e-5
+
+# (parallel layout, distributed optimizer, compare gradients)
+LAYOUTS = [
+    ({"tp": 2, "sp": True}, False, True),
+    ({"pp": 2}, False, True),
+    ({"pp": 2, "vpp": 2}, False, True),
+    ({"ep": 2}, False, True),
+    ({"tp": 2, "sp": True, "ep": 2}, False, True),
+    ({"ep": 2}, True, False),  # distributed optimizer (DP-sharded Adam state) + clipping: losses only
+]
+
+
+@pytest.fixture(scope="module")
+def world1():
+    return launch(E.run_layouts, 1, ([({}, False, True)],), timeout_s=300)[0][0]
+
+
+@pytest.fixture(scope="module")
+def layouts():
+    return launch(E.run_layouts, 2, (LAYOUTS,), timeout_s=500)[0]
+
+
+def _grad_errors(ref: dict, got: dict) -> dict[str, float]:
+    assert set(got) == set(ref), f"gradient names differ: {sorted(set(ref) ^ set(got))[:5]}"
+    return {k: ((got[k] - v).norm() / v.norm().clamp_min(1e-30)).item() for k, v in ref.items()
+            if not k.endswith("e_score_correction_bias")}  # a frozen buffer, exported as its value
+
+
+@pytest.mark.parametrize("index", range(len(LAYOUTS)), ids=[f"{l}{'-distopt' if d else ''}" for l, d, _ in LAYOUTS])
+def test_layout_matches_world1(world1, layouts, index):
+    layout, _, with_grads = LAYOUTS[index]
+    got = layouts[index]
+    loss_delta = max(abs(a - b) for a, b in zip(got["losses"], world1["losses"]))
+    assert loss_delta <= LOSS_TOL, f"{layout}: losses {got['losses']} vs world-1 {world1['losses']}"
+    assert torch.allclose(torch.tensor(got["entropies"]), torch.tensor(world1["entropies"]), atol=LOSS_TOL)
+    lp_delta = (got["logprobs"] - world1["logprobs"]).abs().max().item()
+    ent_delta = (got["entropy"] - world1["entropy"]).abs().max().item()
+    assert lp_delta <= LOGPROB_TOL and ent_delta <= LOGPROB_TOL, f"{layout}: logprob {lp_delta}, entropy {ent_delta}"
+    if with_grads:
+        errors = _grad_errors(world1["grads"], got["grads"])
+        worst = max(errors, key=errors.get)
+        assert errors[worst] <= GRAD_REL_TOL, f"{layout}: gradient of {worst} off by {errors[worst]:.2e} (relative)"
+
+
+def test_world1_run_is_not_degenerate(world1):
+    """The comparison means something: the loss moves, and every gradient is finite and non-zero."""
+    losses = world1["losses"]
+    assert len(losses) == E.STEPS and losses[0] != losses[1] != losses[2]
+    for name, g in world1["grads"].items():
+        assert torch.isfinite(g).all(), name
+        if not name.endswith("e_score_correction_bias"):
+            assert g.abs().sum() > 0, f"zero gradient for {name}"
