@@ -88,7 +88,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--experts", type=int, default=64)
     ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--variants", type=str, default="eager,compile,fused,fused+compile")
+    ap.add_argument("--variants", type=str, default="eager,compile,compile-exact-casts,fused,fused+compile")
     ap.add_argument("--json", type=str, default=None)
     ap.add_argument("--smoke-cpu", action="store_true", help="tiny-width CPU forward-only check of the variants")
     args = ap.parse_args(argv)
@@ -115,11 +115,17 @@ def main(argv=None) -> int:
     flops = 3 * forward_flops(t, hidden, hq, hkv, d, window, e, inter, 8)
     dims = (hq, hkv, d, window)
 
-    def make_fn(elem_backend, compiled):
+    def make_fn(elem_backend, compiled, exact_casts=False):
         def fwd(h, a):
             return layer_forward(h, a, p, corr, cos, sin, cu, mask, dims, elem_backend)
 
-        f = torch.compile(fwd) if compiled else fwd
+        if compiled:
+            # emulate_precision_casts: inductor keeps every BF16 rounding of the eager graph instead of
+            # computing fused elementwise chains in FP32 (which breaks the engine's rounding contract)
+            options = {"emulate_precision_casts": True} if exact_casts else None
+            f = torch.compile(fwd, options=options)
+        else:
+            f = fwd
 
         def step():
             for v in p.values():
@@ -134,13 +140,14 @@ def main(argv=None) -> int:
             return outs
         return step
 
-    variants = {"eager": ("eager", False), "compile": ("eager", True), "fused": ("triton", False),
-                "fused+compile": ("triton", True)}
+    variants = {"eager": ("eager", False, False), "compile": ("eager", True, False),
+                "compile-exact-casts": ("eager", True, True), "fused": ("triton", False, False),
+                "fused+compile": ("triton", True, False)}
     results, outputs = [], {}
     for name in args.variants.split(","):
-        backend, compiled = variants[name]
+        backend, compiled, exact = variants[name]
         try:
-            step = make_fn(backend, compiled)
+            step = make_fn(backend, compiled, exact)
             t0 = time.time()
             outs = step()
             if dev.type == "cuda":

@@ -50,6 +50,12 @@ pip install -q "ray[default]==2.60.0" "datasets==5.2.0" "wandb==0.31.0" "tensorb
   "math-verify[antlr4_13_2]==0.9.0" "pyyaml>=6" "matplotlib>=3.8" "pytest==9.2.0" "pytest-timeout==2.4.0" \
   "tokenizers==0.23.2" "transformers==5.19.0"
 
+# shellcheck: lints the launch/ scripts in the test suite (Debian package; best effort, root only).
+if ! command -v shellcheck >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  (apt-get install -y -q shellcheck >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && \
+    apt-get install -y -q shellcheck >/dev/null 2>&1; }) || echo "setup: shellcheck not installable here"
+fi
+
 echo "setup: [5/6] beamrl (editable)"
 pip install -q --no-deps --no-build-isolation -e .
 

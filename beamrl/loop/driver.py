@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -41,6 +42,7 @@ class RLDriver:
         self.logger = None
         self.version = 0
         self._ray_started = False
+        self._ray_tmp: Path | None = None
 
     # ------------------------------------------------------------------------------------------ lifecycle
     def __enter__(self) -> "RLDriver":
@@ -66,6 +68,8 @@ class RLDriver:
 
             ray.shutdown()
             self._ray_started = False
+            if self._ray_tmp is not None:
+                shutil.rmtree(self._ray_tmp, ignore_errors=True)
 
     # ------------------------------------------------------------------------------------------ set-up
     @property
@@ -122,7 +126,9 @@ class RLDriver:
 
         n_trainer = r.trainer.num_gpus
         if self.cpu:
-            init_local_ray(num_cpus=n_trainer + r.rollout.num_engines + 2, temp_dir=Path("/tmp") / "beamrl-ray")
+            # A private, short temp dir: parallel runs must not share Ray's sockets (and socket paths are short).
+            self._ray_tmp = Path(tempfile.mkdtemp(prefix="beamrl-ray-", dir="/tmp"))
+            init_local_ray(num_cpus=n_trainer + r.rollout.num_engines + 2, temp_dir=self._ray_tmp)
         else:
             connect_cluster_ray()
         self._ray_started = True

@@ -42,3 +42,21 @@ def write_variant(name: str, out: str | Path, dtype: torch.dtype = torch.float32
     _, seed = PARITY_VARIANTS[name]
     save_checkpoint(config, random_state_dict(config, seed, dtype), out)
     return Path(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m beamrl.parity.checkpoints OUT_DIR [--dtype bfloat16|float32]`: write every variant under OUT_DIR."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Write the parity checkpoint variants (tiny, wide, deep).")
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    args = parser.parse_args(argv)
+    for name in PARITY_VARIANTS:
+        path = write_variant(name, args.out / name, getattr(torch, args.dtype))
+        print(f"{name}: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -54,6 +54,10 @@ class LocalWeightReceiver(WeightReceiver):
     def _apply(self, named: list[tuple[str, torch.Tensor]], op: str) -> None:
         try:
             self._load(named)
+            if self.device.type == "cuda":
+                # Reply only once the copies are done: a colocated sender frees or reuses its buffer (shared
+                # by CUDA-IPC) as soon as the call returns.
+                torch.cuda.synchronize(self.device)
         except Exception as exc:  # the engine's own words travel back to the trainer
             raise WeightSyncError(f"{self._name}: {op} failed to load weights: {exc}") from exc
 

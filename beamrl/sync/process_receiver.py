@@ -43,7 +43,9 @@ def _serve(conn, factory: Callable[..., Any], args: tuple) -> None:
         method, a, kw = msg
         try:
             attr = getattr(target, method)
-            conn.send(("ok", attr(*a, **kw) if callable(attr) else attr))  # properties (weight_version) too
+            result = attr(*a, **kw) if callable(attr) else attr  # properties (weight_version) too
+            del msg, a, kw  # drop the bucket (a CUDA-IPC mapping on GPU) before replying
+            conn.send(("ok", result))
         except BaseException as exc:
             conn.send(("error", f"{type(exc).__name__}: {exc}"))
 

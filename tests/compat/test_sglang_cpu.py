@@ -43,6 +43,7 @@ def test_torchvision_stub_is_inert():
     assert pipeline("image") is not None
 
 
+@pytest.mark.slow
 def test_spawned_interpreter_gets_the_shims_through_sitecustomize():
     code = (
         "import sys\n"

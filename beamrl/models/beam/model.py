@@ -76,8 +76,6 @@ class Embedding(nn.Module):
         return F.embedding(ids, self.weight)
 
 
-_linear = Linear
-
 
 class BeamRouter(nn.Module):
     """`mlp.gate`: FP32 router weight [E, H] and FP32 correction bias [E] (selection only, not trained).
@@ -102,7 +100,7 @@ class BeamRouter(nn.Module):
 class BeamExpert(nn.Module):
     def __init__(self, hidden: int, inter: int):
         super().__init__()
-        self.gate_proj, self.up_proj, self.down_proj = _linear(hidden, inter), _linear(hidden, inter), _linear(inter, hidden)
+        self.gate_proj, self.up_proj, self.down_proj = Linear(hidden, inter), Linear(hidden, inter), Linear(inter, hidden)
 
 
 class BeamMLP(nn.Module):
@@ -110,7 +108,7 @@ class BeamMLP(nn.Module):
 
     def __init__(self, hidden: int, inter: int):
         super().__init__()
-        self.gate_proj, self.up_proj, self.down_proj = _linear(hidden, inter), _linear(hidden, inter), _linear(inter, hidden)
+        self.gate_proj, self.up_proj, self.down_proj = Linear(hidden, inter), Linear(hidden, inter), Linear(inter, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(numerics.swiglu(self.gate_proj(x), self.up_proj(x)))
@@ -166,8 +164,8 @@ class BeamAttention(nn.Module):
         self.layer, self.sliding = layer, c.is_sliding(layer)
         self.n_heads, self.n_kv, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-        self.q_proj, self.k_proj, self.v_proj = _linear(c.hidden_size, q), _linear(c.hidden_size, kv), _linear(c.hidden_size, kv)
-        self.gate_proj, self.o_proj = _linear(c.hidden_size, q), _linear(q, c.hidden_size)
+        self.q_proj, self.k_proj, self.v_proj = Linear(c.hidden_size, q), Linear(c.hidden_size, kv), Linear(c.hidden_size, kv)
+        self.gate_proj, self.o_proj = Linear(c.hidden_size, q), Linear(q, c.hidden_size)
         self.q_norm, self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps), RMSNorm(c.head_dim, c.rms_norm_eps)
         self.gate_bias = nn.Parameter(torch.empty(c.num_attention_heads))
 
@@ -256,7 +254,7 @@ class BeamForCausalLM(nn.Module):
         # torch._refs and sympy, ~10 s), then the model dtype; the router stays FP32.
         with torch.device(device):
             self.model = BeamModel(config)
-            self.lm_head = _linear(config.hidden_size, config.vocab_size)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size)
         self.to(dtype)
         if seed is not None:
             self.load_hf_tensors(random_state_dict(config, seed, dtype), strict=True)
@@ -349,7 +347,7 @@ class BeamForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, kv_cache: KVCache | None = None,
                 use_cache: bool = False, return_routes: bool = False, forced_routes: torch.Tensor | None = None,
-                cu_seqlens: torch.Tensor | None = None) -> BeamOutput:
+                cu_seqlens: torch.Tensor | None = None, last_logits_only: bool = False) -> BeamOutput:
         """Logits (and optionally routes) for `input_ids` [B, T].
 
         positions: [B, T] absolute positions; default = (real tokens already cached) + running count of real
@@ -358,7 +356,8 @@ class BeamForCausalLM(nn.Module):
         kv_cache / use_cache: append to `kv_cache` (or a new one when `use_cache`) and attend to everything in it.
         forced_routes: [B, T, L, k] expert ids to use on MoE layers (dense-layer rows and padding ignored).
         cu_seqlens: [S+1] offsets of packed sequences in a [1, N] batch; attention never crosses sequences and
-          positions restart at 0 per sequence."""
+          positions restart at 0 per sequence.
+        last_logits_only: compute the head only for the last position (logits [B, 1, V]; generation prefill)."""
         c = self.config
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
@@ -413,6 +412,8 @@ class BeamForCausalLM(nn.Module):
             h, ids = layer(h, ctx)
             if routes is not None and ids is not None:
                 routes[:, :, layer.layer] = ids.to(torch.int32)
+        if last_logits_only:
+            h = h[:, -1:]
         logits = numerics.softcap(self.lm_head(self.model.norm(h)), c.final_logit_softcapping)
         return BeamOutput(logits=logits, routes=routes, kv_cache=kv_cache)
 

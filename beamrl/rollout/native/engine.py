@@ -117,6 +117,11 @@ class NativeEngine(RolloutEngine, WeightReceiver):
             if bad:
                 raise EngineError(f"{self.name}: request {r.request_id or i} has token id {bad[0]} outside the "
                                   f"vocabulary [0, {V})")
+            limit = self.model.config.max_position_embeddings
+            if len(r.prompt_ids) + r.sampling.max_new_tokens > limit:
+                raise EngineError(f"{self.name}: request {r.request_id or i}: prompt ({len(r.prompt_ids)}) + "
+                                  f"max_new_tokens ({r.sampling.max_new_tokens}) exceeds max_position_embeddings "
+                                  f"({limit})")
 
     def score(self, sequences: list[list[int]], timeout: float) -> list[list[float]]:
         """Prompt logprobs at T = 1 (right-padded batches of `max_batch_size`)."""
@@ -268,11 +273,15 @@ class NativeEngine(RolloutEngine, WeightReceiver):
     def shutdown(self) -> None:
         if self._closed:
             return
-        self._abort_epoch += 1
-        with self._lock:
-            for group in list(self._groups):
+        self._abort_epoch += 1  # a running generate stops at its next step
+        locked = self._lock.acquire(timeout=60.0)
+        try:
+            for group in list(self._groups) if locked else []:
                 try:
                     self._receiver.destroy_weights_update_group(group, 10.0)
                 except WeightSyncError:
                     pass  # tearing down anyway
             self._closed = True
+        finally:
+            if locked:
+                self._lock.release()

@@ -68,7 +68,8 @@ def generate_batch(model: BeamForCausalLM, requests: list[GenerateRequest], seed
     states = [RowState() for _ in requests]
 
     cache = KVCache(c, n, T + max_new, model.dtype, dev)
-    out = model(ids.to(dev), attention_mask=mask.to(dev), kv_cache=cache, return_routes=want_routes)
+    out = model(ids.to(dev), attention_mask=mask.to(dev), kv_cache=cache, return_routes=want_routes,
+                last_logits_only=True)
     if want_routes:
         for i, r in enumerate(requests):
             if r.return_routed_experts:

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import torch
 
-from beamrl.models.beam.checkpoint import save_checkpoint
 from beamrl.models.beam.config import BeamConfig
 from beamrl.sync.protocol import Bucket, WeightReceiver, WeightSyncError
 from beamrl.sync.transports import TRANSPORTS
@@ -58,6 +57,8 @@ class DiskTransport(ReceiverTransport):
         out = self.version_dir(version)
         if out.exists():
             raise WeightSyncError(f"disk transport: {out} already exists; refusing to overwrite another version")
+        from beamrl.models.beam.checkpoint import save_checkpoint  # lazy: safetensors is optional elsewhere
+
         try:
             save_checkpoint(self.config, self._tensors, out, max_shard_bytes=self.max_shard_bytes)
         except Exception as exc:

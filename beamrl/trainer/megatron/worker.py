@@ -360,10 +360,21 @@ class MegatronTrainer(TrainerWorker):
                                 self.config.model.num_hidden_layers, replay=self._replay_enabled, record=record)
 
     def _gather_recorded(self, mbs: list[schedule.MicroBatch]) -> torch.Tensor:
-        """Assemble the routes recorded by every rank's MoE layers into `[T, num_hidden_layers, k]`."""
+        """Assemble the routes recorded by every rank's MoE layers into `[T, num_hidden_layers, k]` (-1 on dense
+        layers) on every rank. Collective over TP (SP token slices) and PP (layers of other stages)."""
+        from types import SimpleNamespace
+
         from beamrl.trainer.megatron import replay
 
-        return replay.assemble_recorded([mb.recorded for mb in mbs], [mb.thd for mb in mbs], self.config.model)
+        ps = self._ps
+        parts = []
+        for mb in mbs:
+            full = replay.recorded_routes(SimpleNamespace(recorded=mb.recorded), self.config.model, mb.thd.length,
+                                          tp_group=ps.get_tensor_model_parallel_group(),
+                                          pp_group=ps.get_pipeline_model_parallel_group(),
+                                          sequence_parallel=self.config.parallel.sp)
+            parts.append(full[:mb.thd.num_tokens])
+        return torch.cat(parts)
 
     # ---------------------------------------------------------------------------------- checkpoints / HF
     def load_hf(self, path: str | Path) -> None:

@@ -235,6 +235,8 @@ def test_token_logprobs_temperature(cfg, m32):
     with torch.no_grad():
         lp = m32.token_logprobs(ids, temperature=0.7)
         logits = m32(ids).logits
+        last = m32(ids, last_logits_only=True).logits
+    assert last.shape == (2, 1, cfg.vocab_size) and torch.allclose(last, logits[:, -1:], atol=1e-5)
     manual = torch.log_softmax(logits[:, :-1].double() / 0.7, -1).gather(-1, ids[:, 1:, None])[..., 0]
     assert lp.shape == (2, 8) and lp.dtype == torch.float32
     assert torch.allclose(lp.double(), manual, atol=1e-5)

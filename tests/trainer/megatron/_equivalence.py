@@ -72,6 +72,16 @@ def run_layout(parallel: dict, distributed_optimizer: bool = False, with_grads: 
     dp_rank = trainer._ps.get_data_parallel_rank()
     mine = mbs[dp_rank * len(mbs) // dp:(dp_rank + 1) * len(mbs) // dp]
     lp = trainer.compute_logprobs(mbs[0], temperature=0.7)  # before training: the loaded weights
+    trainer.set_routing_record(True)
+    recorded = trainer.compute_logprobs(mbs[1]).routes
+    trainer.set_routing_record(False)
+    trainer.set_routing_replay(True)
+    replayed = trainer.compute_logprobs(mbs[1], routes=recorded).logprobs
+    forced = recorded.clone()
+    forced[:, cfg.model.moe_layers] = torch.arange(cfg.model.num_experts_per_tok)  # every token to experts 0..k-1
+    forced_lp = trainer.compute_logprobs(mbs[1], routes=forced).logprobs
+    trainer.set_routing_replay(False)
+    free = trainer.compute_logprobs(mbs[1]).logprobs
     losses, entropies, grads = [], [], None
     for step in range(STEPS):
         sums = trainer.forward_backward(mine, loss_fn)
@@ -82,7 +92,7 @@ def run_layout(parallel: dict, distributed_optimizer: bool = False, with_grads: 
         entropies.append(sums["entropy"])
     trainer.shutdown()
     return {"losses": losses, "entropies": entropies, "grads": grads, "logprobs": lp.logprobs,
-            "entropy": lp.entropy}
+            "entropy": lp.entropy, "recorded": recorded, "replayed": replayed, "free": free, "forced": forced_lp}
 
 
 def run_layouts(layouts: list[tuple[dict, bool, bool]]) -> list[dict]:

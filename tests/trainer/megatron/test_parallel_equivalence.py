@@ -56,6 +56,10 @@ def test_layout_matches_world1(world1, layouts, index):
     lp_delta = (got["logprobs"] - world1["logprobs"]).abs().max().item()
     ent_delta = (got["entropy"] - world1["entropy"]).abs().max().item()
     assert lp_delta <= LOGPROB_TOL and ent_delta <= LOGPROB_TOL, f"{layout}: logprob {lp_delta}, entropy {ent_delta}"
+    # Routing record gathers SP slices and PP stages into the world-1 routes; replaying them changes nothing.
+    assert torch.equal(got["recorded"], world1["recorded"]), f"{layout}: recorded routes differ from world-1"
+    assert (got["replayed"] - got["free"]).abs().max().item() <= LOGPROB_TOL
+    assert (got["forced"] - world1["forced"]).abs().max().item() <= LOGPROB_TOL
     if with_grads:
         errors = _grad_errors(world1["grads"], got["grads"])
         worst = max(errors, key=errors.get)
@@ -63,7 +67,13 @@ def test_layout_matches_world1(world1, layouts, index):
 
 
 def test_world1_run_is_not_degenerate(world1):
-    """The comparison means something: the loss moves, and every gradient is finite and non-zero."""
+    """The comparison means something: the loss moves, every gradient is finite and non-zero, recorded routes
+    are valid expert ids on MoE layers (-1 on dense ones), and forcing other routes changes the logprobs."""
+    cfg = E.model_config()
+    routes = world1["recorded"]
+    assert routes.shape == (E.micro_batches()[1].num_tokens, cfg.num_hidden_layers, cfg.num_experts_per_tok)
+    assert (routes[:, 0] == -1).all() and ((routes[:, 1:] >= 0) & (routes[:, 1:] < cfg.num_experts)).all()
+    assert (world1["forced"] - world1["free"]).abs().max() > 1e-3
     losses = world1["losses"]
     assert len(losses) == E.STEPS and losses[0] != losses[1] != losses[2]
     for name, g in world1["grads"].items():

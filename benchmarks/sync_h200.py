@@ -1,0 +1,237 @@
+#!/usr/bin/env python
+"""Weight-sync throughput on H200s: beamrl's transports vs the raw hardware paths, measured in the same run.
+
+Modes (the receiver is the native engine in its own process, as an engine would be):
+  --mode colocated    one GPU. The trainer process packs GPU `FlatBucket`s and hands them to the receiver over a
+                      torch.multiprocessing pipe, i.e. as CUDA-IPC handles (what SGLang's flattened_bucket
+                      colocated path does). Reference: a device-to-device copy of the same bytes on that GPU.
+  --mode distributed  two GPUs. The trainer (GPU0, update-group rank 0) NCCL-broadcasts one uint8 buffer per bucket
+                      to the receiver (GPU1, rank 1). References: a raw NCCL broadcast of the same bytes over the
+                      same group, and a GPU0 -> GPU1 peer copy. NCCL_NVLS_ENABLE=0 (NVLink SHARP multicast off).
+
+Both sweep bucket sizes (default 64 MiB, 512 MiB, 2 GiB) over a Beam-shaped state dict (default: the `small`
+preset, ~7.8 GB in bf16, router FP32), time begin..finalize of a full sync (packing, transfer, the engine's
+copies into its parameters), and check every received tensor bit for bit against the sender (exact integer
+checksums of the raw bits; the receiver's weights are zeroed before each sync so stale weights cannot pass).
+
+  python benchmarks/sync_h200.py --mode colocated              # one H200
+  python benchmarks/sync_h200.py --mode distributed            # nvidia-h200-x2
+  python benchmarks/sync_h200.py --mode distributed --device cpu   # tiny gloo smoke run (CI machine)
+
+Needs only torch (+ numpy) and the repo on PYTHONPATH (no sglang, no ray).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # before any NCCL init, here and in the spawned receiver
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+import torch  # noqa: E402
+
+from beamrl.models.beam import preset  # noqa: E402
+from beamrl.models.beam.model import BeamForCausalLM  # noqa: E402
+from beamrl.models.beam.weights import expected_tensors  # noqa: E402
+from beamrl.rollout.native.engine import NativeEngine  # noqa: E402
+from beamrl.sync.calls import run_concurrently  # noqa: E402
+from beamrl.sync.process_receiver import HostedEngine  # noqa: E402
+from beamrl.sync.session import SyncTimeouts, WeightSyncManager  # noqa: E402
+from beamrl.sync.transports import TRANSPORTS  # noqa: E402
+from beamrl.sync.update_group import broadcast_from_rank0  # noqa: E402
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bit_checksum(t: torch.Tensor) -> tuple[int, int]:
+    """Exact, order-independent checksum of the raw bits: (sum, position-weighted sum) in int64."""
+    bits = t.detach().contiguous().view(-1).view(_INT_OF_SIZE[t.element_size()]).to(torch.int64)
+    weights = torch.arange(bits.numel(), device=bits.device, dtype=torch.int64) % 1009 + 1
+    return int(bits.sum()), int((bits * weights).sum())
+
+
+class BenchReceiver(NativeEngine):
+    """The native engine plus what the benchmark asks of the receiver side."""
+
+    def checksums(self) -> dict[str, tuple[int, int]]:
+        return {n: bit_checksum(p) for n, p in self.model.named_parameters()}
+
+    def zero_weights(self) -> None:
+        with torch.no_grad():
+            for p in self.model.parameters():
+                p.zero_()
+        self._sync()
+
+    def raw_broadcast_recv(self, group_name: str, nbytes: int, iters: int) -> None:
+        """Join `iters` raw uint8 broadcasts of `nbytes` on the update group (the NCCL reference)."""
+        pg = self._receiver._groups[group_name]
+        buf = torch.empty(nbytes, dtype=torch.uint8, device=self.model.device)
+        for _ in range(iters):
+            torch.distributed.broadcast(buf, src=0, group=pg)
+        self._sync()
+
+    def _sync(self) -> None:
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize(self.model.device)
+
+
+def make_receiver(preset_name: str, dtype: str, device: str) -> BenchReceiver:
+    """Runs in the receiver process: an uninitialised model (every weight arrives by sync)."""
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+    model = BeamForCausalLM(preset(preset_name), dtype=_DTYPES[dtype], device=device, seed=None)
+    return BenchReceiver.from_model(model, name=f"native@{device}")
+
+
+def sender_tensors(preset_name: str, dtype: torch.dtype, device: str, seed: int) -> list[tuple[str, torch.Tensor]]:
+    """Beam-shaped random tensors in HF names, generated directly on the device (router/bias FP32)."""
+    torch.manual_seed(seed)
+    out = []
+    for name, spec in expected_tensors(preset(preset_name)).items():
+        out.append((name, torch.randn(spec.shape, dtype=spec.dtype(dtype), device=device)))
+    return out
+
+
+def sync_device() -> None:
+    """Wait for every visible GPU (a peer copy involves two)."""
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            torch.cuda.synchronize(i)
+
+
+def timed(fn, iters: int) -> float:
+    """Seconds per call of `fn` (after one warm-up call)."""
+    fn()
+    sync_device()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    sync_device()
+    return (time.perf_counter() - t0) / iters
+
+
+def copy_gbps(nbytes: int, src_device: str, dst_device: str, iters: int) -> float:
+    """GB/s (1e9 bytes/s of payload) of a plain copy_ of `nbytes` from src to dst device."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=src_device)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=dst_device)
+    return nbytes / timed(lambda: dst.copy_(src, non_blocking=True), iters) / 1e9
+
+
+def raw_broadcast_gbps(transport, engine: HostedEngine, nbytes: int, iters: int, timeout: float) -> float:
+    """GB/s of raw uint8 broadcasts of `nbytes` over the transport's update group (trainer rank 0 -> receiver)."""
+    buf = torch.empty(nbytes, dtype=torch.uint8, device=transport.device)
+    group, pg = transport.group_name, transport._pg
+
+    def trainer_side() -> None:
+        for _ in range(iters):
+            broadcast_from_rank0(pg, buf)
+
+    t0 = time.perf_counter()
+    run_concurrently("raw broadcast", [
+        (engine.name, lambda: engine.call("raw_broadcast_recv", group, nbytes, iters, timeout=timeout)),
+        ("trainer", trainer_side)], timeout)
+    return nbytes * iters / (time.perf_counter() - t0) / 1e9
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mode", required=True, choices=["colocated", "distributed"])
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                   help="cuda: H200(s); cpu: tiny gloo/shared-memory smoke run")
+    p.add_argument("--preset", default=None, help="state-dict shapes (default: small on cuda, tiny on cpu)")
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPES))
+    p.add_argument("--bucket-mb", default=None,
+                   help="comma-separated bucket sizes in MiB (default 64,512,2048 on cuda; 0.0625,0.5,2 on cpu)")
+    p.add_argument("--repeats", type=int, default=2, help="timed syncs per bucket size (after one warm-up)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per engine call / bucket")
+    p.add_argument("--json", default=None, help="also write the rows as JSON here")
+    args = p.parse_args()
+
+    cuda = args.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        print("error: --device cuda but no GPU is visible (use --device cpu for the smoke run)")
+        return 2
+    if cuda and args.mode == "distributed" and torch.cuda.device_count() < 2:
+        print(f"error: --mode distributed needs 2 GPUs, {torch.cuda.device_count()} visible")
+        return 2
+    preset_name = args.preset or ("small" if cuda else "tiny")
+    sizes_mb = [float(x) for x in (args.bucket_mb or ("64,512,2048" if cuda else "0.0625,0.5,2")).split(",")]
+    trainer_dev = "cuda:0" if cuda else "cpu"
+    engine_dev = ("cuda:1" if args.mode == "distributed" else "cuda:0") if cuda else "cpu"
+    if cuda:
+        torch.cuda.set_device(0)
+
+    tensors = sender_tensors(preset_name, _DTYPES[args.dtype], trainer_dev, seed=0)
+    total = sum(t.numel() * t.element_size() for _, t in tensors)
+    want = {n: bit_checksum(t) for n, t in tensors}
+    print(f"sync_h200: mode={args.mode} device={args.device} preset={preset_name} dtype={args.dtype} "
+          f"tensors={len(tensors)} total={total / 1e9:.3f} GB trainer={trainer_dev} engine={engine_dev} "
+          f"NCCL_NVLS_ENABLE={os.environ.get('NCCL_NVLS_ENABLE')}", flush=True)
+
+    t0 = time.perf_counter()
+    engine = HostedEngine(make_receiver, (preset_name, args.dtype, engine_dev), name=f"native@{engine_dev}",
+                          start_timeout=args.timeout)
+    print(f"receiver process up in {time.perf_counter() - t0:.1f} s", flush=True)
+    kwargs = {"device": trainer_dev} if args.mode == "distributed" else {}
+    transport = TRANSPORTS.get(args.mode)([engine], **kwargs)
+    timeouts = SyncTimeouts(connect=args.timeout, call=args.timeout, bucket=args.timeout, verify=args.timeout)
+    rows: list[dict] = []
+    try:
+        transport.connect(args.timeout)
+        ref_bytes = min(total, 2 * 2**30)
+        refs: dict[str, float] = {}
+        if args.mode == "colocated":
+            refs["d2d_copy_gbps"] = copy_gbps(ref_bytes, trainer_dev, engine_dev, iters=5)
+        else:
+            refs["raw_broadcast_gbps"] = raw_broadcast_gbps(transport, engine, ref_bytes, 5, args.timeout)
+            refs["peer_copy_gbps"] = copy_gbps(ref_bytes, trainer_dev, engine_dev, iters=5)
+        print("references (" + f"{ref_bytes / 2**20:.0f} MiB): " +
+              ", ".join(f"{k} {v:.1f}" for k, v in refs.items()), flush=True)
+
+        for mb in sizes_mb:
+            bucket_bytes = int(mb * 2**20)
+            best = None
+            for rep in range(args.repeats + 1):  # rep 0 warms up (IPC handle opens, NCCL comm set-up)
+                engine.call("zero_weights", timeout=args.timeout)
+                manager = WeightSyncManager(transport, bucket_bytes=bucket_bytes, timeouts=timeouts,
+                                            initial_version=engine.weight_version, progress=None)
+                report = manager.sync([tensors], total_bytes=total)
+                got = engine.call("checksums", timeout=args.timeout)
+                bad = [n for n in want if got.get(n) != want[n]]
+                if bad:
+                    raise SystemExit(f"CHECKSUM MISMATCH after sync (bucket {mb:g} MiB): {len(bad)} tensors, "
+                                     f"e.g. {bad[:3]}")
+                if rep > 0 and (best is None or report.seconds < best.seconds):
+                    best = report
+            row = {"mode": args.mode, "device": args.device, "preset": preset_name, "bucket_mib": mb,
+                   "buckets": best.buckets, "bytes": best.bytes, "seconds": best.seconds, "gbps": best.gbps,
+                   "checksums_equal": True, **refs}
+            rows.append(row)
+            print(f"  bucket {mb:8.2f} MiB  {best.buckets:5d} buckets  {best.bytes / 1e9:7.3f} GB  "
+                  f"{best.seconds:8.3f} s  {best.gbps:7.2f} GB/s  checksums ok", flush=True)
+    finally:
+        transport.close()
+        engine.shutdown()
+
+    print()
+    ref_cols = list(rows[0])[9:] if rows else []
+    header = f"| mode | bucket MiB | buckets | GB | s | sync GB/s | " + " | ".join(ref_cols) + " |"
+    print(header)
+    print("|" + "---|" * (6 + len(ref_cols)))
+    for r in rows:
+        print(f"| {r['mode']} | {r['bucket_mib']:g} | {r['buckets']} | {r['bytes'] / 1e9:.3f} | {r['seconds']:.3f} | "
+              f"{r['gbps']:.2f} | " + " | ".join(f"{r[c]:.2f}" for c in ref_cols) + " |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

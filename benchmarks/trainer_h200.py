@@ -1,0 +1,241 @@
+#!/usr/bin/env python
+"""Megatron trainer on one H200: bf16 logprob parity with the reference model, and train-step throughput.
+
+Sections (each in its own try/except, so one failure keeps the others' results):
+  parity_tiny          TP1 Megatron vs the reference model, bf16, `preset("tiny")`: max / mean |delta logprob|
+  parity_real_width_2l the same on a 2-layer real-width config (`small` widths: hidden 5120, 48/8 heads x 128,
+                       one dense + one MoE layer of 16 experts top-8)
+  train_small          bf16 train step of the `small` preset (4 layers, 16 experts): forward+backward tokens/s
+                       (median of the timed steps after warm-up), full step time (with the Adam update)
+  train_small_fused    the same with `use_fused_kernels=True` (Triton / FlexAttention ops), if triton exists
+
+  python benchmarks/trainer_h200.py                       # one H200 (writes $OUT/trainer_h200.json)
+  python benchmarks/trainer_h200.py --device cpu --tiny   # CPU smoke run of every section at tiny sizes
+
+Needs torch, megatron-core 0.19.2 (no TE) and the repo on PYTHONPATH; no sglang, no ray. Runs in this process as
+a 1-rank world (NCCL on GPU, gloo + the CPU compatibility layer on CPU).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+if "--tiny" in __import__("sys").argv:  # CPU smoke run: Megatron's jit_fuser would compile each tiny op
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+
+import argparse  # noqa: E402
+import gc  # noqa: E402
+import importlib.util  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+
+from beamrl.models.beam import preset  # noqa: E402
+from beamrl.models.beam.config import DENSE, FULL, SLIDING, SPARSE  # noqa: E402
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _free() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _one_rank_world() -> None:
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29517")
+    for k, v in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
+        os.environ.setdefault(k, v)
+
+
+def real_width_two_layers():
+    """`small`'s real widths with one dense and one MoE layer (SWA then full/SSMax)."""
+    return preset("small").replace(num_hidden_layers=2, layer_types=[SLIDING, FULL], mlp_layer_types=[DENSE, SPARSE])
+
+
+def tiny_two_layers():
+    return preset("tiny").replace(num_hidden_layers=2, layer_types=[SLIDING, FULL], mlp_layer_types=[DENSE, SPARSE])
+
+
+def _trainer(config, use_fused_kernels: bool = False):
+    from beamrl.trainer.megatron.worker import MegatronTrainer, OptimizerSettings, TrainerConfig
+
+    return MegatronTrainer(TrainerConfig(model=config, dtype="bfloat16", use_fused_kernels=use_fused_kernels,
+                                         optimizer=OptimizerSettings(lr=1e-6, use_distributed_optimizer=False)))
+
+
+def parity(config, device: str, num_sequences: int, seq_len: int, seed: int = 0) -> dict:
+    """Megatron (TP1) vs the reference model in bf16 on the same random weights and prompts."""
+    from beamrl.models.beam.model import BeamForCausalLM
+    from beamrl.models.beam.weights import random_state_dict
+    from beamrl.trainer.protocol import PackedBatch
+
+    t0 = time.perf_counter()
+    weights = random_state_dict(config, seed, torch.bfloat16)  # router / correction bias stay FP32
+    g = torch.Generator().manual_seed(seed + 1)
+    prompts = torch.randint(1, config.vocab_size, (num_sequences, seq_len), generator=g)
+    trainer = _trainer(config)
+    trainer.load_hf_state_dict(weights)
+    batch = PackedBatch.from_sequences(list(prompts))
+    meg = trainer.compute_logprobs(batch, temperature=1.0, return_entropy=False).logprobs
+    meg = meg.view(num_sequences, seq_len)[:, 1:]  # token t >= 1 of each sequence
+    trainer.shutdown()
+    del trainer
+    _free()
+    ref_model = BeamForCausalLM(config, dtype=torch.bfloat16, device=device)
+    ref_model.load_hf_tensors(weights, strict=True)
+    del weights
+    with torch.no_grad():
+        ref = ref_model.token_logprobs(prompts.to(device)).float().cpu()
+    del ref_model
+    _free()
+    d = (meg.float() - ref).abs()
+    return {"tokens": d.numel(), "max_abs_dlogprob": d.max().item(), "mean_abs_dlogprob": d.mean().item(),
+            "params": config.num_parameters(), "seconds": time.perf_counter() - t0}
+
+
+def train_throughput(config, use_fused_kernels: bool, seq_len: int, seqs_per_micro_batch: int, micro_batches: int,
+                     warmup: int, steps: int, seed: int = 0) -> dict:
+    """bf16 forward+backward tokens/s and full step time of `config` (Megatron's random init)."""
+    from beamrl.trainer.protocol import PackedBatch
+
+    trainer = _trainer(config, use_fused_kernels)
+    g = torch.Generator().manual_seed(seed)
+    batches = [PackedBatch.from_sequences([torch.randint(1, config.vocab_size, (seq_len,), generator=g)
+                                           for _ in range(seqs_per_micro_batch)]) for _ in range(micro_batches)]
+    tokens = sum(b.num_tokens for b in batches)
+    norm = sum(b.num_loss_tokens for b in batches)
+
+    def loss_fn(logprobs, entropy, batch):
+        return -(logprobs * batch.loss_mask).sum() / norm, {}
+
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    fb, full, losses = [], [], []
+    for i in range(warmup + steps):
+        _sync()
+        t0 = time.perf_counter()
+        sums = trainer.forward_backward(batches, loss_fn)
+        _sync()
+        t1 = time.perf_counter()
+        trainer.optimizer_step()
+        _sync()
+        t2 = time.perf_counter()
+        losses.append(sums["loss"])
+        if i >= warmup:
+            fb.append(t1 - t0)
+            full.append(t2 - t0)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
+    trainer.shutdown()
+    del trainer
+    _free()
+    fb_s, full_s = statistics.median(fb), statistics.median(full)
+    return {"tokens_per_step": tokens, "micro_batches": micro_batches, "seq_len": seq_len,
+            "fwd_bwd_ms": 1e3 * fb_s, "step_ms": 1e3 * full_s, "fwd_bwd_tokens_per_s": tokens / fb_s,
+            "step_tokens_per_s": tokens / full_s, "peak_mem_gib": peak, "losses": losses,
+            "params": config.num_parameters()}
+
+
+def fused_kernels_available(device: str) -> tuple[bool, str]:
+    if device != "cuda":
+        return False, "fused kernels need CUDA"
+    if importlib.util.find_spec("triton") is None:
+        return False, "triton is not installed"
+    return True, ""
+
+
+def sections(args) -> list[tuple[str, callable]]:
+    dev = args.device
+    if args.tiny:
+        two_layers, train_cfg = tiny_two_layers(), preset("tiny")
+        n, s, tr = 2, 16, dict(seq_len=16, seqs_per_micro_batch=2, micro_batches=2, warmup=1, steps=2)
+    else:
+        two_layers, train_cfg = real_width_two_layers(), preset("small")
+        n, s, tr = args.num_sequences, args.seq_len, dict(seq_len=args.train_seq_len,
+                                                           seqs_per_micro_batch=args.seqs_per_micro_batch,
+                                                           micro_batches=args.micro_batches, warmup=args.warmup,
+                                                           steps=args.steps)
+    out = [("parity_tiny", lambda: parity(preset("tiny"), dev, n, s)),
+           ("parity_real_width_2l", lambda: parity(two_layers, dev, n, s)),
+           ("train_small", lambda: train_throughput(train_cfg, False, **tr))]
+    ok, why = fused_kernels_available(dev)
+    if ok:
+        out.append(("train_small_fused", lambda: train_throughput(train_cfg, True, **tr)))
+    else:
+        out.append(("train_small_fused", lambda: {"skipped": why}))
+    return out
+
+
+def format_table(results: dict) -> str:
+    lines = [f"{'section':<22} {'result':<80}", "-" * 103]
+    for name, r in results.items():
+        if name == "meta":
+            continue
+        if "error" in r:
+            text = "ERROR " + r["error"].strip().splitlines()[-1][:74]
+        elif "skipped" in r:
+            text = "skipped: " + r["skipped"]
+        elif "max_abs_dlogprob" in r:
+            text = (f"max|dlp| {r['max_abs_dlogprob']:.3e}  mean|dlp| {r['mean_abs_dlogprob']:.3e}  "
+                    f"tokens {r['tokens']}  params {r['params'] / 1e6:.1f}M")
+        else:
+            text = (f"fwd+bwd {r['fwd_bwd_tokens_per_s']:,.0f} tok/s ({r['fwd_bwd_ms']:.1f} ms)  step "
+                    f"{r['step_ms']:.1f} ms  {r['tokens_per_step']} tok  peak {r['peak_mem_gib']:.1f} GiB")
+        lines.append(f"{name:<22} {text}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
+    p.add_argument("--tiny", action="store_true", help="tiny sizes everywhere (CPU smoke run)")
+    p.add_argument("--num-sequences", type=int, default=8, help="parity: sequences (default 8)")
+    p.add_argument("--seq-len", type=int, default=512, help="parity: tokens per sequence (default 512)")
+    p.add_argument("--train-seq-len", type=int, default=2048, help="train: tokens per sequence (default 2048)")
+    p.add_argument("--seqs-per-micro-batch", type=int, default=2, help="train: sequences per micro-batch (default 2)")
+    p.add_argument("--micro-batches", type=int, default=2, help="train: micro-batches per step (default 2)")
+    p.add_argument("--warmup", type=int, default=2, help="train: untimed steps (default 2)")
+    p.add_argument("--steps", type=int, default=5, help="train: timed steps (default 5)")
+    p.add_argument("--only", nargs="*", default=None, help="run only these sections")
+    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")), help="directory of the JSON")
+    args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda but CUDA is not available (use --device cpu --tiny)")
+    _one_rank_world()
+    from beamrl.trainer.megatron.parallel import ParallelConfig, initialize_parallel
+
+    initialize_parallel(ParallelConfig())
+    results = {"meta": {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+                        "torch": torch.__version__, "argv": sys.argv[1:], "date": time.strftime("%Y-%m-%d %H:%M")}}
+    for name, fn in sections(args):
+        if args.only and name not in args.only:
+            continue
+        print(f"== {name} ...", flush=True)
+        try:
+            results[name] = fn()
+        except Exception:  # noqa: BLE001 - keep the other sections' results
+            traceback.print_exc()
+            results[name] = {"error": traceback.format_exc()}
+            _free()
+        print(f"   {json.dumps({k: v for k, v in results[name].items() if k not in ('error', 'losses')})}", flush=True)
+    print(format_table(results))
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "trainer_h200.json"
+    path.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"wrote {path}")
+    failed = [k for k, v in results.items() if isinstance(v, dict) and "error" in v]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

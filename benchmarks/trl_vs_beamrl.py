@@ -1,0 +1,410 @@
+"""TRL's GRPOTrainer vs beamrl, side by side on the quickstart task (single-digit addition, exact-match reward).
+
+Both sides get the same budget, read from `recipes/quickstart.yaml`: the same 1000 seeded "a+b=" prompts, the
+same 15-token digit vocabulary (same ids), a model of the same width, depth and total parameter count, the same
+SFT warm start (steps x batch, lr), then GRPO with the same prompts x generations per step, max completion
+length, temperature, number of steps, lr (constant), Adam, grad clip, eps-clip, no KL (beta=0) and seed.
+
+- beamrl: `.venv/bin/beamrl train recipes/quickstart.yaml ...` (tiny Beam MoE, Megatron trainer actor + native
+  engine actor under Ray); read back from its metrics.jsonl.
+- TRL: the same file run with `--trl-worker` in `.venv-trl` (built by `bash benchmarks/trl_env.sh`; TRL needs a
+  newer transformers than sglang's pin in .venv): a Qwen2ForCausalLM (hidden 64, 6 layers, 4/2 heads, FFN sized
+  so that the total matches tiny Beam's), a plain torch SFT loop, then trl.GRPOTrainer.
+
+    bash benchmarks/trl_env.sh
+    .venv/bin/python benchmarks/trl_vs_beamrl.py --steps 40 --sft-steps 150 --out runs/trl_vs_beamrl
+
+Prints one table (framework | params | SFT s | GRPO s/step | reward first/last 20% | total wall s) and writes
+results.json to --out. CPU timings of one run on a shared machine are ratios, not absolutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RECIPE = ROOT / "recipes" / "quickstart.yaml"
+# Qwen2 shape of the TRL side: Beam tiny's width, depth and heads; only the FFN width is solved for.
+QWEN_HIDDEN, QWEN_LAYERS, QWEN_HEADS, QWEN_KV_HEADS = 64, 6, 4, 2
+_SFT_LINE = re.compile(r"SFT step (\d+)/(\d+): nll ([0-9.]+) \((\d+) s\)")
+
+
+# ---------------------------------------------------------------------------------------------- pure parts
+@dataclass(frozen=True)
+class TaskSettings:
+    """The budget both sides share (from the quickstart recipe plus the command line)."""
+
+    steps: int
+    sft_steps: int
+    sft_batch: int
+    sft_lr: float
+    lr: float
+    prompts_per_step: int
+    generations: int
+    max_new_tokens: int
+    temperature: float
+    eps_clip: float
+    grad_clip: float
+    seed: int
+    num_samples: int
+    max_operand: int
+    data_seed: int
+    vocab: tuple[str, ...]
+    target_params: int
+    threads: int
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=40, help="GRPO steps on each side")
+    ap.add_argument("--sft-steps", type=int, default=150, help="SFT warm-start steps on each side")
+    ap.add_argument("--out", type=Path, default=ROOT / "runs" / "trl_vs_beamrl", help="output directory")
+    ap.add_argument("--skip-trl", action="store_true", help="run beamrl only")
+    ap.add_argument("--skip-beamrl", action="store_true", help="run TRL only")
+    ap.add_argument("--trl-python", type=Path, default=ROOT / ".venv-trl" / "bin" / "python",
+                    help="python of the TRL venv (bash benchmarks/trl_env.sh builds it)")
+    ap.add_argument("--trl-threads", type=int, default=1,
+                    help="torch threads of the TRL process (beamrl's CPU actors get one core each)")
+    ap.add_argument("--timeout-s", type=float, default=1200.0, help="wall-clock limit of each side")
+    ap.add_argument("--trl-worker", type=Path, default=None, help=argparse.SUPPRESS)  # internal: settings json
+    args = ap.parse_args(argv)
+    if args.trl_worker is None:
+        if args.steps < 1 or args.sft_steps < 0:
+            ap.error(f"--steps must be >= 1 and --sft-steps >= 0 (got {args.steps}, {args.sft_steps})")
+        if args.skip_trl and args.skip_beamrl:
+            ap.error("--skip-trl and --skip-beamrl together leave nothing to run")
+    return args
+
+
+def settings_from_recipe(recipe: dict, steps: int, sft_steps: int, vocab: tuple[str, ...], target_params: int,
+                         threads: int) -> TaskSettings:
+    """The shared budget from a parsed quickstart recipe; a missing field raises KeyError naming it."""
+    def get(path: str):
+        node = recipe
+        for key in path.split("."):
+            if not isinstance(node, dict) or key not in node:
+                raise KeyError(f"{RECIPE.name}: missing field {path!r}")
+            node = node[key]
+        return node
+
+    if float(get("algorithm.eps_clip_low")) != float(get("algorithm.eps_clip_high")):
+        raise ValueError("TRL side maps one symmetric clip; the recipe has eps_clip_low != eps_clip_high")
+    return TaskSettings(
+        steps=steps, sft_steps=sft_steps, sft_batch=int(get("sft.batch")), sft_lr=float(get("sft.lr")),
+        lr=float(get("trainer.lr")), prompts_per_step=int(get("rollout.prompts_per_step")),
+        generations=int(get("rollout.n_samples_per_prompt")), max_new_tokens=int(get("rollout.max_new_tokens")),
+        temperature=float(get("rollout.temperature")), eps_clip=float(get("algorithm.eps_clip_low")),
+        grad_clip=float(get("trainer.grad_clip")), seed=int(get("run.seed")),
+        num_samples=int(get("data.synthetic.num_samples")), max_operand=int(get("data.synthetic.max_operand")),
+        data_seed=int(get("data.synthetic.seed")), vocab=tuple(vocab), target_params=int(target_params),
+        threads=threads)
+
+
+def qwen2_params(vocab: int, hidden: int, layers: int, heads: int, kv_heads: int, ffn: int) -> int:
+    """Parameter count of an untied Qwen2ForCausalLM (q/k/v carry biases, o_proj does not)."""
+    head_dim = hidden // heads
+    kv = kv_heads * head_dim
+    attn = (hidden * hidden + hidden) + 2 * (hidden * kv + kv) + hidden * hidden
+    per_layer = attn + 3 * hidden * ffn + 2 * hidden
+    return 2 * vocab * hidden + hidden + layers * per_layer
+
+
+def qwen2_ffn_for(target: int, vocab: int) -> int:
+    """FFN width whose Qwen2 total is closest to `target` parameters (the other shapes fixed above)."""
+    base = qwen2_params(vocab, QWEN_HIDDEN, QWEN_LAYERS, QWEN_HEADS, QWEN_KV_HEADS, 0)
+    return max(1, round((target - base) / (3 * QWEN_HIDDEN * QWEN_LAYERS)))
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """Rows of a metrics.jsonl (one JSON object per line), ordered by step."""
+    rows = [json.loads(ln) for ln in Path(path).read_text().splitlines() if ln.strip()]
+    return sorted(rows, key=lambda r: r["step"])
+
+
+def summarize(framework: str, rows: list[dict], params: int | None, sft_s: float | None,
+              total_s: float | None) -> dict:
+    """Table row from per-step rows with `reward/mean` and `time/step_s`.
+
+    Steady state drops the first 10% of steps (at least one: it carries lazy set-up). The reward windows are
+    the first and last 20% of steps (at least one step each), as beamrl's summary.json defines them."""
+    rewards = [float(r["reward/mean"]) for r in rows if "reward/mean" in r]
+    times = [float(r["time/step_s"]) for r in rows if "time/step_s" in r]
+    if not rewards or not times:
+        raise ValueError(f"{framework}: metrics have no 'reward/mean' or 'time/step_s' rows ({len(rows)} rows)")
+    k = max(1, len(rewards) // 5)
+    skip = max(1, len(times) // 10) if len(times) > 1 else 0
+    return {"framework": framework, "params": params, "sft_s": sft_s, "steps": len(rewards),
+            "grpo_s_per_step": statistics.median(times[skip:]), "reward_first_20pct": sum(rewards[:k]) / k,
+            "reward_last_20pct": sum(rewards[-k:]) / k, "total_wall_s": total_s}
+
+
+HEADERS = ["framework", "params", "SFT s", "GRPO s/step (median, steady)", "mean reward first 20%",
+           "mean reward last 20%", "total wall s"]
+
+
+def format_table(summaries: list[dict]) -> str:
+    """Markdown table of `summarize` rows; missing values print as '-'."""
+    def f(v, spec):
+        return "-" if v is None else format(v, spec)
+
+    lines = ["| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
+    for s in summaries:
+        params = "-" if s["params"] is None else f"{s['params'] / 1e6:.3f} M"
+        lines.append(f"| {s['framework']} | {params} | {f(s['sft_s'], '.1f')} | {f(s['grpo_s_per_step'], '.3f')} | "
+                     f"{f(s['reward_first_20pct'], '.3f')} | {f(s['reward_last_20pct'], '.3f')} | "
+                     f"{f(s['total_wall_s'], '.1f')} |")
+    return "\n".join(lines)
+
+
+def parse_sft_seconds(log_text: str) -> tuple[float | None, float | None]:
+    """(SFT loop seconds, final nll) from beamrl's last 'SFT step i/n: nll x (t s)' line; (None, None) if absent."""
+    found = _SFT_LINE.findall(log_text)
+    if not found:
+        return None, None
+    _, _, nll, secs = found[-1]
+    return float(secs), float(nll)
+
+
+# ---------------------------------------------------------------------------------------------- orchestration
+def _run_logged(cmd: list[str], log_path: Path, timeout_s: float, env: dict | None = None) -> tuple[int, float]:
+    """Run cmd, echo its output with a prefix and save it to log_path; returns (exit code, wall seconds)."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    tag = f"[{log_path.parent.name}]"
+    t0 = time.perf_counter()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env=env, start_new_session=True)
+        try:
+            for line in proc.stdout:  # progress output; the deadline is checked per line and by wait()
+                log.write(line)
+                if "Warning" not in line and "warnings.warn" not in line:
+                    print(tag, line.rstrip(), flush=True)
+                if time.perf_counter() - t0 > timeout_s:
+                    raise subprocess.TimeoutExpired(cmd, timeout_s)
+            rc = proc.wait(timeout=max(1.0, timeout_s - (time.perf_counter() - t0)))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)  # its own session: ends the side's Ray workers too
+            proc.wait()
+            print(f"{tag} timed out after {timeout_s:.0f} s", flush=True)
+            rc = 124
+    return rc, time.perf_counter() - t0
+
+
+def beam_tiny_params(vocab_size: int) -> int:
+    """Total parameters of the quickstart's tiny Beam (all experts counted), from the checkpoint layout."""
+    import dataclasses
+    import math
+
+    from beamrl.models.beam.presets import preset
+    from beamrl.models.beam.weights import expected_tensors
+
+    cfg = dataclasses.replace(preset("tiny"), vocab_size=vocab_size)
+    return sum(math.prod(spec.shape) for spec in expected_tensors(cfg).values())
+
+
+def run_beamrl(s: TaskSettings, out: Path, timeout_s: float) -> dict:
+    d = out / "beamrl"
+    cmd = [str(ROOT / ".venv" / "bin" / "beamrl"), "train", str(RECIPE), f"run.num_steps={s.steps}",
+           f"sft.steps={s.sft_steps}", f"run.output_dir={d}", "logging.plot_reward_curve=false"]
+    print("beamrl:", " ".join(cmd), flush=True)
+    rc, wall = _run_logged(cmd, d / "stdout.log", timeout_s)
+    if rc != 0:
+        tail = (d / "stdout.log").read_text().splitlines()[-15:]
+        raise RuntimeError(f"beamrl exited {rc}; last lines of {d / 'stdout.log'}:\n" + "\n".join(tail))
+    sft_s, sft_nll = parse_sft_seconds((d / "stdout.log").read_text())
+    row = summarize("beamrl", read_metrics(d / "metrics.jsonl"), s.target_params, sft_s, wall)
+    row["sft_final_nll"] = sft_nll
+    return row
+
+
+def run_trl(s: TaskSettings, out: Path, python: Path, timeout_s: float) -> dict:
+    if not python.exists():
+        raise FileNotFoundError(f"{python} not found: build the TRL venv with `bash benchmarks/trl_env.sh`")
+    d = out / "trl"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "settings.json").write_text(json.dumps(asdict(s), indent=2) + "\n")
+    env = dict(os.environ, OMP_NUM_THREADS=str(s.threads), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    # -m from the repo root: running the file would put benchmarks/ first on sys.path, where kernels.py shadows
+    # the `kernels` package that transformers imports.
+    cmd = [str(python), "-m", "benchmarks.trl_vs_beamrl", "--trl-worker", str(d / "settings.json")]
+    print("trl:", " ".join(cmd), flush=True)
+    rc, wall = _run_logged(cmd, d / "stdout.log", timeout_s, env)
+    if rc != 0:
+        tail = (d / "stdout.log").read_text().splitlines()[-15:]
+        raise RuntimeError(f"TRL worker exited {rc}; last lines of {d / 'stdout.log'}:\n" + "\n".join(tail))
+    info = json.loads((d / "worker.json").read_text())
+    row = summarize("trl", read_metrics(d / "metrics.jsonl"), info["params"], info["sft_s"], wall)
+    row["sft_final_nll"] = info["sft_final_nll"]
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.trl_worker is not None:
+        return trl_worker(args.trl_worker)
+    import yaml
+
+    from beamrl.data.digit_tokenizer import DigitTokenizer
+
+    vocab = DigitTokenizer.vocab
+    recipe = yaml.safe_load(RECIPE.read_text())
+    s = settings_from_recipe(recipe, args.steps, args.sft_steps, vocab, beam_tiny_params(len(vocab)),
+                             args.trl_threads)
+    args.out.mkdir(parents=True, exist_ok=True)
+    load_before = os.getloadavg()
+    rows, errors = [], {}
+    for name, skip, fn in (("beamrl", args.skip_beamrl, lambda: run_beamrl(s, args.out, args.timeout_s)),
+                           ("trl", args.skip_trl, lambda: run_trl(s, args.out, args.trl_python, args.timeout_s))):
+        if skip:
+            continue
+        try:
+            rows.append(fn())
+        except (RuntimeError, FileNotFoundError, ValueError) as e:  # report the other side anyway
+            errors[name] = str(e)
+            print(f"{name} FAILED: {e}", file=sys.stderr, flush=True)
+    result = {"date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu_count": os.cpu_count(),
+              "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "command": " ".join(sys.argv),
+              "settings": asdict(s), "rows": rows, "errors": errors}
+    (args.out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(f"\n{s.steps} GRPO steps x {s.prompts_per_step} prompts x {s.generations} generations, "
+          f"SFT {s.sft_steps} x {s.sft_batch}; load average {load_before[0]:.1f} -> {os.getloadavg()[0]:.1f}")
+    print(format_table(rows))
+    print(f"results: {args.out / 'results.json'}")
+    return 1 if errors else 0
+
+
+# ---------------------------------------------------------------------------------------------- TRL side
+def trl_worker(settings_path: Path) -> int:
+    """Runs inside .venv-trl: digit tokenizer, Qwen2 model, torch SFT loop, then trl.GRPOTrainer."""
+    import random
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    import torch
+    from datasets import Dataset
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, TrainerCallback
+    from transformers.trainer_callback import PrinterCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    raw = json.loads(Path(settings_path).read_text())
+    s = TaskSettings(**{**raw, "vocab": tuple(raw["vocab"])})
+    out = Path(settings_path).parent
+    torch.set_num_threads(s.threads)
+    random.seed(s.seed)
+    torch.manual_seed(s.seed)
+
+    # Same ids as beamrl's DigitTokenizer: every character is one token, specials first.
+    eos, pad, bos = s.vocab[:3]
+    core = Tokenizer(models.WordLevel({t: i for i, t in enumerate(s.vocab)}, unk_token=pad))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token=eos, pad_token=pad, bos_token=bos)
+    assert tok("3+4=")["input_ids"] == [s.vocab.index(c) for c in "3+4="], tok("3+4=")
+
+    # Same seeded rows as beamrl's synthetic-addition source.
+    rng = random.Random(s.data_seed)
+    rows = []
+    for _ in range(s.num_samples):
+        a, b = rng.randint(0, s.max_operand), rng.randint(0, s.max_operand)
+        rows.append({"prompt": f"{a}+{b}=", "answer": str(a + b)})
+
+    ffn = qwen2_ffn_for(s.target_params, len(s.vocab))
+    cfg = Qwen2Config(vocab_size=len(s.vocab), hidden_size=QWEN_HIDDEN, intermediate_size=ffn,
+                      num_hidden_layers=QWEN_LAYERS, num_attention_heads=QWEN_HEADS, num_key_value_heads=QWEN_KV_HEADS,
+                      max_position_embeddings=64, tie_word_embeddings=False, eos_token_id=tok.eos_token_id,
+                      pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id)
+    model = Qwen2ForCausalLM(cfg).float()
+    params = sum(p.numel() for p in model.parameters())
+    print(f"Qwen2 hidden {QWEN_HIDDEN} x {QWEN_LAYERS} layers, FFN {ffn}: {params:,} params "
+          f"(tiny Beam: {s.target_params:,})", flush=True)
+
+    # SFT: beamrl's warm start (prompt + answer + eos, loss on answer + eos, token mean, Adam, clip, epochs of
+    # a seeded shuffle), as a plain torch loop.
+    opt = torch.optim.Adam(model.parameters(), lr=s.sft_lr)
+    order_rng, order = random.Random(s.seed + 1), []
+    t0, nll = time.perf_counter(), float("nan")
+    model.train()
+    for i in range(s.sft_steps):
+        batch = []
+        while len(batch) < s.sft_batch:
+            if not order:
+                order = list(range(len(rows)))
+                order_rng.shuffle(order)
+            batch.append(rows[order.pop()])
+        seqs, masks = [], []
+        for r in batch:
+            p = tok(r["prompt"])["input_ids"]
+            ans = tok(r["answer"])["input_ids"] + [tok.eos_token_id]
+            seqs.append(p + ans)
+            masks.append([0] * len(p) + [1] * len(ans))
+        n = max(map(len, seqs))
+        ids = torch.tensor([q + [tok.pad_token_id] * (n - len(q)) for q in seqs])
+        att = torch.tensor([[1] * len(q) + [0] * (n - len(q)) for q in seqs])
+        lm = torch.tensor([m + [0] * (n - len(m)) for m in masks], dtype=torch.float32)
+        logits = model(input_ids=ids, attention_mask=att).logits[:, :-1].float()
+        lp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+        loss = -(lp * lm[:, 1:]).sum() / lm[:, 1:].sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)
+        opt.step()
+        nll = loss.item()
+        if i % max(1, s.sft_steps // 10) == 0 or i == s.sft_steps - 1:
+            print(f"SFT step {i + 1}/{s.sft_steps}: nll {nll:.4f} ({time.perf_counter() - t0:.0f} s)", flush=True)
+    sft_s = time.perf_counter() - t0
+
+    def exact_match(completions, answer, **_):
+        return [1.0 if c.strip() == a.strip() else 0.0 for c, a in zip(completions, answer)]
+
+    class StepMetrics(TrainerCallback):
+        """metrics.jsonl in beamrl's keys: one row per optimizer step (generation + update)."""
+
+        def __init__(self):
+            self.rows, self.t = [], 0.0
+
+        def on_step_begin(self, args, state, control, **kw):
+            self.t = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            self.rows.append({"step": state.global_step - 1, "time/step_s": time.perf_counter() - self.t})
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "reward" in logs and self.rows:
+                self.rows[-1]["reward/mean"] = float(logs["reward"])
+                if len(self.rows) % max(1, s.steps // 10) == 0:
+                    print(f"GRPO step {len(self.rows)}/{s.steps}: reward {logs['reward']:.3f}", flush=True)
+
+    cb = StepMetrics()
+    gcfg = GRPOConfig(
+        output_dir=str(out / "trainer"), use_cpu=True, bf16=False, report_to="none", save_strategy="no",
+        disable_tqdm=True, logging_steps=1, seed=s.seed, data_seed=s.seed, max_steps=s.steps,
+        per_device_train_batch_size=s.prompts_per_step * s.generations, gradient_accumulation_steps=1,
+        num_generations=s.generations, max_completion_length=s.max_new_tokens, temperature=s.temperature,
+        learning_rate=s.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+        max_grad_norm=s.grad_clip, beta=0.0, epsilon=s.eps_clip, num_iterations=1, loss_type="dapo",
+        scale_rewards="group", optim="adamw_torch")
+    trainer = GRPOTrainer(model=model, reward_funcs=exact_match, args=gcfg, processing_class=tok,
+                          train_dataset=Dataset.from_list(rows), callbacks=[cb])
+    trainer.remove_callback(PrinterCallback)  # its per-step dicts drown the progress lines
+    trainer.train()
+    with open(out / "metrics.jsonl", "w") as f:
+        for r in cb.rows:
+            f.write(json.dumps(r) + "\n")
+    (out / "worker.json").write_text(json.dumps({"params": params, "ffn": ffn, "sft_s": sft_s,
+                                                 "sft_final_nll": nll}) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""Pure parts of benchmarks/trl_vs_beamrl.py: arguments, recipe -> settings, parameter matching, summary math and
+the table. TRL itself never runs here (it lives in its own venv; the benchmark is a script, not a test)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import yaml
+
+from benchmarks import trl_vs_beamrl as bench
+
+
+def test_parse_args_defaults_and_skips(tmp_path):
+    a = bench.parse_args(["--steps", "12", "--sft-steps", "0", "--out", str(tmp_path), "--skip-trl"])
+    assert (a.steps, a.sft_steps, a.out, a.skip_trl, a.skip_beamrl) == (12, 0, tmp_path, True, False)
+    assert a.trl_worker is None
+
+
+@pytest.mark.parametrize("argv", [["--steps", "0"], ["--sft-steps", "-1"], ["--skip-trl", "--skip-beamrl"]])
+def test_parse_args_rejects_bad_values(argv, capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(argv)
+    assert "--" in capsys.readouterr().err  # the message names the option
+
+
+def test_settings_follow_the_quickstart_recipe():
+    recipe = yaml.safe_load(bench.RECIPE.read_text())
+    s = bench.settings_from_recipe(recipe, steps=7, sft_steps=3, vocab=("a", "b"), target_params=10, threads=1)
+    assert (s.steps, s.sft_steps) == (7, 3)
+    assert s.prompts_per_step == recipe["rollout"]["prompts_per_step"]
+    assert s.generations == recipe["rollout"]["n_samples_per_prompt"]
+    assert s.max_new_tokens == recipe["rollout"]["max_new_tokens"]
+    assert (s.lr, s.sft_lr, s.sft_batch) == (recipe["trainer"]["lr"], recipe["sft"]["lr"], recipe["sft"]["batch"])
+    del recipe["sft"]["batch"]
+    with pytest.raises(KeyError, match="sft.batch"):
+        bench.settings_from_recipe(recipe, 1, 1, ("a",), 1, 1)
+
+
+def test_qwen2_param_formula_and_ffn_match():
+    # Hand count for hidden 4, 1 layer, 2 heads / 1 kv head (head_dim 2), FFN 3, vocab 5:
+    # q 4*4+4, k and v 4*2+2 each, o 4*4, mlp 3*4*3, 2 norms of 4; embed + lm_head 2*5*4; final norm 4.
+    assert bench.qwen2_params(5, 4, 1, 2, 1, 3) == (20 + 10 + 10 + 16 + 36 + 8) + 40 + 4
+    target = 623_336
+    ffn = bench.qwen2_ffn_for(target, 15)
+    got = bench.qwen2_params(15, bench.QWEN_HIDDEN, bench.QWEN_LAYERS, bench.QWEN_HEADS, bench.QWEN_KV_HEADS, ffn)
+    step = 3 * bench.QWEN_HIDDEN * bench.QWEN_LAYERS  # one more FFN unit
+    assert abs(got - target) <= step / 2
+
+
+def _write_metrics(path, rewards, times):
+    with open(path, "w") as f:
+        for i, (r, t) in enumerate(zip(rewards, times)):
+            f.write(json.dumps({"step": i, "reward/mean": r, "time/step_s": t, "other": 1}) + "\n")
+
+
+def test_summarize_from_synthetic_metrics(tmp_path):
+    rewards = [0.1 * i for i in range(10)]
+    times = [50.0] + [1.0, 3.0, 2.0, 2.0, 4.0, 2.0, 1.0, 2.0, 3.0]  # the first step carries set-up
+    p = tmp_path / "metrics.jsonl"
+    _write_metrics(p, rewards, times)
+    lines = p.read_text().splitlines()
+    p.write_text("\n".join(reversed(lines)) + "\n\n")  # order and blank lines must not matter
+    s = bench.summarize("x", bench.read_metrics(p), 1000, 5.0, 99.0)
+    assert s["steps"] == 10
+    assert s["grpo_s_per_step"] == 2.0  # median without the first step
+    assert math.isclose(s["reward_first_20pct"], (0.0 + 0.1) / 2)
+    assert math.isclose(s["reward_last_20pct"], (0.8 + 0.9) / 2)
+    assert (s["params"], s["sft_s"], s["total_wall_s"]) == (1000, 5.0, 99.0)
+
+
+def test_summarize_single_step_and_missing_keys():
+    s = bench.summarize("x", [{"step": 0, "reward/mean": 0.5, "time/step_s": 7.0}], None, None, None)
+    assert (s["grpo_s_per_step"], s["reward_first_20pct"], s["reward_last_20pct"]) == (7.0, 0.5, 0.5)
+    with pytest.raises(ValueError, match="reward/mean"):
+        bench.summarize("x", [{"step": 0, "time/step_s": 1.0}], None, None, None)
+
+
+def test_table_has_one_row_per_framework_and_dashes_for_missing():
+    rows = [bench.summarize("beamrl", [{"step": 0, "reward/mean": 0.25, "time/step_s": 3.0}], 623_336, 12.0, 80.5),
+            bench.summarize("trl", [{"step": 0, "reward/mean": 0.5, "time/step_s": 0.5}], None, None, 40.0)]
+    table = bench.format_table(rows).splitlines()
+    assert len(table) == 4 and table[0].count("|") == len(bench.HEADERS) + 1
+    assert table[2].split("|")[1:3] == [" beamrl ", " 0.623 M "]
+    assert " - " in table[3]  # params / SFT s unknown
+
+
+def test_parse_sft_seconds_reads_beamrl_log():
+    log = ("[beamrl] SFT step 1/20: nll 3.0800 (2 s)\nnoise\n"
+           "[beamrl] SFT step 20/20: nll 1.1303 (41 s)\n[beamrl] rollout: ready\n")
+    assert bench.parse_sft_seconds(log) == (41.0, 1.1303)
+    assert bench.parse_sft_seconds("no sft here") == (None, None)
