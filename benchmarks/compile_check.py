@@ -16,7 +16,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from beamrl.kernels import output_gate, qk_norm, router_topk, sandwich_residual
+from beamrl.kernels import moe_combine, output_gate, qk_norm, router_topk, sandwich_residual, swiglu
 
 BF = "*bf16"
 F32 = "*fp32"
@@ -34,7 +34,7 @@ def _cases():
     yield ("sandwich fwd", sandwich_residual._fwd_kernel,
            {"branch_ptr": BF, "residual_ptr": BF, "post_w_ptr": BF, "pre_w_ptr": BF, "out_res_ptr": BF,
             "out_pre_ptr": BF, "rstd_post_ptr": F32, "rstd_pre_ptr": F32, "inv_h": "fp32", "eps": "fp32",
-            "s_branch": "fp32", "s_res": "fp32"}, {"HAS_PRE": True, "BLOCK": 8192, **flags}, 16, False)
+            "s_branch": "fp32", "s_res": "fp32"}, {"HAS_PRE": True, "CHUNK": 1024, **flags}, 4, False)
     yield ("sandwich bwd", sandwich_residual._bwd_kernel,
            {"branch_ptr": BF, "h_ptr": BF, "g_res_ptr": BF, "g_pre_ptr": BF, "post_w_ptr": BF, "pre_w_ptr": BF,
             "rstd_post_ptr": F32, "rstd_pre_ptr": F32, "d_branch_ptr": BF, "d_res_ptr": BF, "dw_post_ptr": F32,
@@ -53,6 +53,15 @@ def _cases():
     yield ("output_gate bwd", output_gate._bwd_kernel,
            {"o_ptr": BF, "g_ptr": BF, "b_ptr": BF, "gy_ptr": BF, "do_ptr": BF, "dg_ptr": BF, "db_ptr": F32},
            {"D": 128, "HB": 64, **flags}, 8, True)
+    yield ("swiglu fwd", swiglu._fwd_kernel, {"gu_ptr": BF, "act_ptr": BF}, {"BLOCK": 1024, **flags}, 4, True)
+    yield ("swiglu bwd", swiglu._bwd_kernel, {"gu_ptr": BF, "da_ptr": BF, "dgu_ptr": BF},
+           {"BLOCK": 1024, "INTERPRET": False}, 4, True)
+    yield ("moe_combine fwd", moe_combine._fwd_kernel,
+           {"y_ptr": BF, "pos_ptr": "*i64", "w_ptr": F32, "out_ptr": BF, "scaling": "fp32"},
+           {"K": 8, "BLOCK": 1024, **flags}, 4, False)
+    yield ("moe_combine bwd", moe_combine._bwd_kernel,
+           {"y_ptr": BF, "pos_ptr": "*i64", "w_ptr": F32, "g_ptr": BF, "dy_ptr": BF, "dw_ptr": F32, "scaling": "fp32"},
+           {"K": 8, "BLOCK": 8192}, 16, True)
     yield ("router top-k", router_topk._topk_kernel,
            {"z_ptr": F32, "bias_ptr": F32, "w_ptr": F32, "id_ptr": "*i64", "eps": "fp32"},
            {"E": 256, "G": 8, "K": 8, "KG": 4, "KP": 8, "BT": 16, "ROUND_BF16": False, "INTERPRET": False}, 4, True)
@@ -61,7 +70,7 @@ def _cases():
 # Integer arguments that are multiples of 16 at real sizes; the JIT specialises them (and 16-byte aligned
 # pointers) as divisible by 16, which is what lets loads vectorise. Mirror that here.
 _DIVISIBLE_INTS = {"stride_b", "stride_r", "stride_o", "stride_p", "H", "stride_t", "stride_h", "so_t", "so_h",
-                   "sg_t", "sg_h"}
+                   "sg_t", "sg_h", "I", "stride_gu"}
 
 
 def main() -> int:

@@ -50,9 +50,15 @@ _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 def bit_checksum(t: torch.Tensor) -> tuple[int, int]:
     """Exact, order-independent checksum of the raw bits: (sum, position-weighted sum) in int64."""
-    bits = t.detach().contiguous().view(-1).view(_INT_OF_SIZE[t.element_size()]).to(torch.int64)
-    weights = torch.arange(bits.numel(), device=bits.device, dtype=torch.int64) % 1009 + 1
-    return int(bits.sum()), int((bits * weights).sum())
+    flat = t.detach().contiguous().view(-1).view(_INT_OF_SIZE[t.element_size()])
+    total = weighted = 0
+    step = 1 << 26  # chunks keep the int64 temporaries small (the embedding has ~0.8 G elements)
+    for start in range(0, flat.numel(), step):
+        bits = flat[start:start + step].to(torch.int64)
+        pos = torch.arange(start, start + bits.numel(), device=bits.device, dtype=torch.int64) % 1009 + 1
+        total += int(bits.sum())
+        weighted += int((bits * pos).sum())
+    return total, weighted
 
 
 class BenchReceiver(NativeEngine):
@@ -153,6 +159,9 @@ def main() -> int:
     p.add_argument("--json", default=None, help="also write the rows as JSON here")
     args = p.parse_args()
 
+    if args.repeats < 1:
+        print(f"error: --repeats must be >= 1, got {args.repeats}")
+        return 2
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
         print("error: --device cuda but no GPU is visible (use --device cpu for the smoke run)")
@@ -221,7 +230,7 @@ def main() -> int:
 
     print()
     ref_cols = list(rows[0])[9:] if rows else []
-    header = f"| mode | bucket MiB | buckets | GB | s | sync GB/s | " + " | ".join(ref_cols) + " |"
+    header = "| mode | bucket MiB | buckets | GB | s | sync GB/s | " + " | ".join(ref_cols) + " |"
     print(header)
     print("|" + "---|" * (6 + len(ref_cols)))
     for r in rows:

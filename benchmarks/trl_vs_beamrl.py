@@ -27,6 +27,7 @@ import re
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -61,6 +62,7 @@ class TaskSettings:
     vocab: tuple[str, ...]
     target_params: int
     threads: int
+    trl_init: str = "beam"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -74,6 +76,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="python of the TRL venv (bash benchmarks/trl_env.sh builds it)")
     ap.add_argument("--trl-threads", type=int, default=1,
                     help="torch threads of the TRL process (beamrl's CPU actors get one core each)")
+    ap.add_argument("--trl-init", choices=("beam", "hf"), default="beam",
+                    help="TRL model init: 'beam' = beamrl's random-checkpoint rule (embeddings N(0,1), linears "
+                         "N(0,1/fan_in), norms ~1), the same scheme the beamrl side starts from; 'hf' = "
+                         "transformers' default (N(0,0.02)), which learns the SFT far more slowly here")
     ap.add_argument("--timeout-s", type=float, default=1200.0, help="wall-clock limit of each side")
     ap.add_argument("--trl-worker", type=Path, default=None, help=argparse.SUPPRESS)  # internal: settings json
     args = ap.parse_args(argv)
@@ -86,7 +92,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def settings_from_recipe(recipe: dict, steps: int, sft_steps: int, vocab: tuple[str, ...], target_params: int,
-                         threads: int) -> TaskSettings:
+                         threads: int, trl_init: str = "beam") -> TaskSettings:
     """The shared budget from a parsed quickstart recipe; a missing field raises KeyError naming it."""
     def get(path: str):
         node = recipe
@@ -106,7 +112,7 @@ def settings_from_recipe(recipe: dict, steps: int, sft_steps: int, vocab: tuple[
         grad_clip=float(get("trainer.grad_clip")), seed=int(get("run.seed")),
         num_samples=int(get("data.synthetic.num_samples")), max_operand=int(get("data.synthetic.max_operand")),
         data_seed=int(get("data.synthetic.seed")), vocab=tuple(vocab), target_params=int(target_params),
-        threads=threads)
+        threads=threads, trl_init=trl_init)
 
 
 def qwen2_params(vocab: int, hidden: int, layers: int, heads: int, kv_heads: int, ffn: int) -> int:
@@ -148,11 +154,11 @@ def summarize(framework: str, rows: list[dict], params: int | None, sft_s: float
 
 
 HEADERS = ["framework", "params", "SFT s", "GRPO s/step (median, steady)", "mean reward first 20%",
-           "mean reward last 20%", "total wall s"]
+           "mean reward last 20%", "total wall s", "SFT final nll"]
 
 
 def format_table(summaries: list[dict]) -> str:
-    """Markdown table of `summarize` rows; missing values print as '-'."""
+    """Markdown table of `summarize` rows (plus `sft_final_nll` when present); missing values print as '-'."""
     def f(v, spec):
         return "-" if v is None else format(v, spec)
 
@@ -161,7 +167,7 @@ def format_table(summaries: list[dict]) -> str:
         params = "-" if s["params"] is None else f"{s['params'] / 1e6:.3f} M"
         lines.append(f"| {s['framework']} | {params} | {f(s['sft_s'], '.1f')} | {f(s['grpo_s_per_step'], '.3f')} | "
                      f"{f(s['reward_first_20pct'], '.3f')} | {f(s['reward_last_20pct'], '.3f')} | "
-                     f"{f(s['total_wall_s'], '.1f')} |")
+                     f"{f(s['total_wall_s'], '.1f')} | {f(s.get('sft_final_nll'), '.3f')} |")
     return "\n".join(lines)
 
 
@@ -175,6 +181,24 @@ def parse_sft_seconds(log_text: str) -> tuple[float | None, float | None]:
 
 
 # ---------------------------------------------------------------------------------------------- orchestration
+class LoadSampler(threading.Thread):
+    """1-minute load average every `every_s` seconds while the benchmark runs (the machine is shared)."""
+
+    def __init__(self, every_s: float = 10.0):
+        super().__init__(daemon=True)
+        self.every_s, self.samples, self._done = every_s, [os.getloadavg()[0]], threading.Event()
+
+    def run(self) -> None:
+        while not self._done.wait(self.every_s):
+            self.samples.append(os.getloadavg()[0])
+
+    def stop(self) -> dict:
+        self._done.set()
+        self.join(timeout=self.every_s + 1)
+        return {"min": min(self.samples), "mean": statistics.fmean(self.samples), "max": max(self.samples),
+                "n": len(self.samples)}
+
+
 def _run_logged(cmd: list[str], log_path: Path, timeout_s: float, env: dict | None = None) -> tuple[int, float]:
     """Run cmd, echo its output with a prefix and save it to log_path; returns (exit code, wall seconds)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -187,7 +211,7 @@ def _run_logged(cmd: list[str], log_path: Path, timeout_s: float, env: dict | No
             for line in proc.stdout:  # progress output; the deadline is checked per line and by wait()
                 log.write(line)
                 if "Warning" not in line and "warnings.warn" not in line:
-                    print(tag, line.rstrip(), flush=True)
+                    print(line.rstrip() if line.startswith(tag) else f"{tag} {line.rstrip()}", flush=True)
                 if time.perf_counter() - t0 > timeout_s:
                     raise subprocess.TimeoutExpired(cmd, timeout_s)
             rc = proc.wait(timeout=max(1.0, timeout_s - (time.perf_counter() - t0)))
@@ -252,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.trl_worker is not None:
         return trl_worker(args.trl_worker)
+    args.out = args.out.resolve()
     import yaml
 
     from beamrl.data.digit_tokenizer import DigitTokenizer
@@ -259,9 +284,10 @@ def main(argv: list[str] | None = None) -> int:
     vocab = DigitTokenizer.vocab
     recipe = yaml.safe_load(RECIPE.read_text())
     s = settings_from_recipe(recipe, args.steps, args.sft_steps, vocab, beam_tiny_params(len(vocab)),
-                             args.trl_threads)
+                             args.trl_threads, args.trl_init)
     args.out.mkdir(parents=True, exist_ok=True)
-    load_before = os.getloadavg()
+    load = LoadSampler()
+    load.start()
     rows, errors = [], {}
     for name, skip, fn in (("beamrl", args.skip_beamrl, lambda: run_beamrl(s, args.out, args.timeout_s)),
                            ("trl", args.skip_trl, lambda: run_trl(s, args.out, args.trl_python, args.timeout_s))):
@@ -272,18 +298,38 @@ def main(argv: list[str] | None = None) -> int:
         except (RuntimeError, FileNotFoundError, ValueError) as e:  # report the other side anyway
             errors[name] = str(e)
             print(f"{name} FAILED: {e}", file=sys.stderr, flush=True)
+    load_stats = load.stop()
     result = {"date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu_count": os.cpu_count(),
-              "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "command": " ".join(sys.argv),
+              "loadavg_1min_during_run": load_stats, "command": " ".join([sys.executable, *sys.argv]),
               "settings": asdict(s), "rows": rows, "errors": errors}
     (args.out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
     print(f"\n{s.steps} GRPO steps x {s.prompts_per_step} prompts x {s.generations} generations, "
-          f"SFT {s.sft_steps} x {s.sft_batch}; load average {load_before[0]:.1f} -> {os.getloadavg()[0]:.1f}")
+          f"SFT {s.sft_steps} x {s.sft_batch}; {os.cpu_count()} CPUs, 1-min load average during the run "
+          f"{load_stats['min']:.1f}-{load_stats['max']:.1f} (mean {load_stats['mean']:.1f})")
     print(format_table(rows))
     print(f"results: {args.out / 'results.json'}")
     return 1 if errors else 0
 
 
 # ---------------------------------------------------------------------------------------------- TRL side
+def beam_style_init_(model, generator) -> None:
+    """Re-draw a Qwen2 model's weights by the rule of beamrl's random Beam checkpoint (models/beam/weights.py):
+    norms 1 + 0.1 N(0,1), embeddings N(0,1), every other matrix N(0, 1/fan_in); biases zero. Both sides then
+    start from the same init scheme, so the SFT comparison is about the frameworks, not about init scales."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=generator))
+            elif name.endswith("bias"):
+                p.zero_()
+            elif name == "model.embed_tokens.weight":
+                p.copy_(torch.randn(p.shape, generator=generator))
+            else:
+                p.copy_(torch.randn(p.shape, generator=generator) / p.shape[-1] ** 0.5)
+
+
 def trl_worker(settings_path: Path) -> int:
     """Runs inside .venv-trl: digit tokenizer, Qwen2 model, torch SFT loop, then trl.GRPOTrainer."""
     import random
@@ -325,8 +371,10 @@ def trl_worker(settings_path: Path) -> int:
                       max_position_embeddings=64, tie_word_embeddings=False, eos_token_id=tok.eos_token_id,
                       pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id)
     model = Qwen2ForCausalLM(cfg).float()
+    if s.trl_init == "beam":
+        beam_style_init_(model, torch.Generator().manual_seed(s.seed))
     params = sum(p.numel() for p in model.parameters())
-    print(f"Qwen2 hidden {QWEN_HIDDEN} x {QWEN_LAYERS} layers, FFN {ffn}: {params:,} params "
+    print(f"Qwen2 hidden {QWEN_HIDDEN} x {QWEN_LAYERS} layers, FFN {ffn}, {s.trl_init} init: {params:,} params "
           f"(tiny Beam: {s.target_params:,})", flush=True)
 
     # SFT: beamrl's warm start (prompt + answer + eos, loss on answer + eos, token mean, Adam, clip, epochs of

@@ -24,7 +24,7 @@ def _fwd_kernel(y_ptr, pos_ptr, w_ptr, out_ptr, H, scaling, K: tl.constexpr, BLO
                 ROUND_BF16: tl.constexpr, INTERPRET: tl.constexpr):
     scaling = tl.cast(scaling, tl.float32)
     t = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = cols < H
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for k in tl.static_range(K):
@@ -60,10 +60,10 @@ class _Combine(torch.autograd.Function):
         t, k = weights.shape
         h = y_sorted.shape[1]
         out = torch.empty(t, h, device=y_sorted.device, dtype=y_sorted.dtype)
-        block = triton.next_power_of_2(h)
+        block = min(1024, triton.next_power_of_2(h))  # (token, column block) programs: many small ones
         if t:
-            _fwd_kernel[(t,)](y_sorted, positions, weights, out, h, scaling, K=k, BLOCK=block, num_warps=_warps(block),
-                              **kernel_flags(y_sorted.dtype), **LAUNCH_OPTIONS)
+            _fwd_kernel[(t, triton.cdiv(h, block))](y_sorted, positions, weights, out, h, scaling, K=k, BLOCK=block,
+                                                    num_warps=4, **kernel_flags(y_sorted.dtype), **LAUNCH_OPTIONS)
         ctx.save_for_backward(y_sorted, positions, weights)
         ctx.scaling = scaling
         return out

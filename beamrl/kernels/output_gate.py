@@ -2,8 +2,8 @@
 
     y = bf16(o * bf16(sigmoid(bf16(g + b_h))))        # three roundings, as SGLang's gate kernel
 
-o, g: [T, H, D] (any token/head strides, unit last stride); bias: [H]. One program per token reads o and g
-once and writes y once. The backward pass recomputes the gate from g and writes d_o, d_g and per-program
+o, g: [T, H, D] (any token/head strides, unit last stride); bias: [H]. One program per (token, block of heads)
+reads o and g once and writes y once. The backward pass recomputes the gate from g and writes d_o, d_g and per-program
 bias-gradient partials (summed by torch). The sigmoid is PyTorch's `1 / (1 + expf(-x))` with libdevice expf
 and an IEEE division, so the BF16 forward equals the eager reference bit for bit.
 """
@@ -22,7 +22,7 @@ from beamrl.kernels._triton_utils import (LAUNCH_OPTIONS, kernel_flags, num_prog
 def _fwd_kernel(o_ptr, g_ptr, b_ptr, y_ptr, H, so_t, so_h, sg_t, sg_h, D: tl.constexpr, HB: tl.constexpr,
                 ROUND_BF16: tl.constexpr, INTERPRET: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
-    h = tl.arange(0, HB)
+    h = tl.program_id(1) * HB + tl.arange(0, HB)
     d = tl.arange(0, D)
     hm = h < H
     m2 = hm[:, None]
@@ -40,7 +40,7 @@ def _bwd_kernel(o_ptr, g_ptr, b_ptr, gy_ptr, do_ptr, dg_ptr, db_ptr, T, H, so_t,
                 rows_per_prog, D: tl.constexpr, HB: tl.constexpr, ROUND_BF16: tl.constexpr,
                 INTERPRET: tl.constexpr):
     pid = tl.program_id(0)
-    h = tl.arange(0, HB)
+    h = tl.program_id(1) * HB + tl.arange(0, HB)
     d = tl.arange(0, D)
     hm = h < H
     b = tl.load(b_ptr + h, mask=hm, other=0.0).to(tl.float32)[:, None]
@@ -60,13 +60,20 @@ def _bwd_kernel(o_ptr, g_ptr, b_ptr, gy_ptr, do_ptr, dg_ptr, db_ptr, T, H, so_t,
     tl.store(db_ptr + pid * H + h, acc, mask=hm)
 
 
+def _head_block(heads: int, d: int) -> int:
+    """Heads per program: ~2K elements per program, and a divisor-friendly power of two (48 heads -> 3 x 16)."""
+    return min(triton.next_power_of_2(heads), max(1, 2048 // d))
+
+
 class _OutputGate(torch.autograd.Function):
     @staticmethod
     def forward(ctx, o, g, bias):
         t, heads, d = o.shape
         y = torch.empty((t, heads, d), device=o.device, dtype=o.dtype)
-        _fwd_kernel[(t,)](o, g, bias, y, heads, o.stride(0), o.stride(1), g.stride(0), g.stride(1), D=d,
-                          HB=triton.next_power_of_2(heads), num_warps=8, **kernel_flags(o.dtype), **LAUNCH_OPTIONS)
+        hb = _head_block(heads, d)
+        _fwd_kernel[(t, triton.cdiv(heads, hb))](o, g, bias, y, heads, o.stride(0), o.stride(1), g.stride(0),
+                                                 g.stride(1), D=d, HB=hb, num_warps=4, **kernel_flags(o.dtype),
+                                                 **LAUNCH_OPTIONS)
         ctx.save_for_backward(o, g, bias)
         return y
 
@@ -79,9 +86,11 @@ class _OutputGate(torch.autograd.Function):
         d_o = torch.empty((t, heads, d), device=o.device, dtype=o.dtype)
         d_g = torch.empty((t, heads, d), device=o.device, dtype=g.dtype)
         db = torch.empty(progs, heads, device=o.device, dtype=torch.float32)
-        _bwd_kernel[(progs,)](o, g, bias, gy.contiguous(), d_o, d_g, db, t, heads, o.stride(0), o.stride(1),
-                              g.stride(0), g.stride(1), per_prog, D=d, HB=triton.next_power_of_2(heads),
-                              num_warps=8, **kernel_flags(o.dtype), **LAUNCH_OPTIONS)
+        hb = _head_block(heads, d)
+        _bwd_kernel[(progs, triton.cdiv(heads, hb))](o, g, bias, gy.contiguous(), d_o, d_g, db, t, heads,
+                                                     o.stride(0), o.stride(1), g.stride(0), g.stride(1), per_prog,
+                                                     D=d, HB=hb, num_warps=4, **kernel_flags(o.dtype),
+                                                     **LAUNCH_OPTIONS)
         return d_o, d_g, db.sum(0).to(bias.dtype)
 
 

@@ -42,9 +42,19 @@ def init_local_ray(num_cpus: int, temp_dir: Path, object_store_mb: int = 512) ->
     os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     temp_dir.mkdir(parents=True, exist_ok=True)
-    ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level="ERROR", log_to_driver=True,
-             object_store_memory=object_store_mb << 20, _temp_dir=str(temp_dir.resolve()),
-             configure_logging=True)
+    # On a heavily loaded machine the raylet can miss Ray's start-up deadline; that is worth a second try,
+    # and the error after the last try is Ray's own.
+    for attempt in range(3):
+        try:
+            ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level="ERROR", log_to_driver=True,
+                     object_store_memory=object_store_mb << 20, _temp_dir=str(temp_dir.resolve()),
+                     configure_logging=True)
+            return
+        except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception for this
+            if "timed out during startup" not in str(e) or attempt == 2:
+                raise
+            print(f"[beamrl] Ray start-up timed out (machine overloaded?); retrying ({attempt + 2}/3)", flush=True)
+            ray.shutdown()
 
 
 def connect_cluster_ray() -> None:

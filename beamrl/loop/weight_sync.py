@@ -55,8 +55,8 @@ class ActorReceiver(WeightReceiver):
     def update_weights_from_disk(self, path, timeout):
         return self._call("update_weights_from_disk", timeout, path)
 
-    def set_weight_version(self, new_version, timeout):
-        return self._call("set_weight_version", timeout, new_version)
+    def update_weight_version(self, new_version, timeout):
+        return self._call("update_weight_version", timeout, new_version)
 
     def end_weight_update(self, new_version, timeout):
         return self._call("end_weight_update", timeout, new_version)

@@ -110,7 +110,17 @@ def run_megatron_parity(checkpoint: Path, layout: MegatronLayout, dtype: str = "
     for the same prompts are given). Returns the comparison rows."""
     if dtype not in DTYPES:
         raise ParityInputError(f"--dtype {dtype!r}; allowed: {sorted(DTYPES)}")
-    config = check_checkpoint(checkpoint)
+    from beamrl.models.beam.config import BeamConfig
+
+    from beamrl.trainer.megatron.parallel import ParallelConfigError
+
+    check_checkpoint(checkpoint)
+    config = BeamConfig.from_json_file(checkpoint)
+    try:  # refuse a layout the model cannot take before spawning anything
+        layout.parallel_config().check_model(config.num_hidden_layers, config.num_experts, config.num_attention_heads,
+                                             config.num_key_value_heads, bool(config.moe_layers))
+    except ParallelConfigError as e:
+        raise ParityInputError(f"--trainer megatron layout {layout.describe()}: {e}") from None
     prompts = random_prompts(config.vocab_size, num_sequences, seq_len, seed)
     log(f"Megatron {layout.describe()} scoring {num_sequences} x {seq_len} tokens in {dtype}...")
     meg_lp, meg_routes = megatron_side(checkpoint, layout, dtype, prompts, timeout_s)

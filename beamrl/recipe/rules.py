@@ -86,6 +86,10 @@ def _check_trainer_parallelism(r: "Recipe") -> None:
     if tr.num_gpus % (tr.tp * tr.pp):
         raise RecipeError("trainer.num_gpus", tr.num_gpus, f"must be a multiple of tp * pp = {tr.tp} * {tr.pp} "
                           f"= {tr.tp * tr.pp} (dp = num_gpus / (tp * pp))")
+    if tr.etp != 1:
+        raise RecipeError("trainer.etp", tr.etp, "Beam's trainer supports only 1 (whole experts per rank: the engine "
+                          "rounds each expert's weighted down-projection once, which a TP-split expert cannot match); "
+                          "scale experts with trainer.ep instead")
     expert_grid = tr.ep * tr.expert_tp * tr.pp
     if tr.num_gpus % expert_grid:
         raise RecipeError("trainer.ep", tr.ep, f"ep * etp = {tr.ep} * {tr.expert_tp} must divide tp * dp = "

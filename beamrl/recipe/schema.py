@@ -65,7 +65,9 @@ class TrainerSection(Section):
     tp: int = Field(1, gt=0)
     sp: bool = False
     ep: int = Field(1, gt=0)
-    etp: int | None = Field(None, gt=0, description="expert tensor parallel size; null = tp (Megatron default)")
+    # Beam's trainer keeps whole experts per rank (expert tensor parallel 1): the engine rounds each expert's
+    # weighted down-projection to BF16 once, which a TP-split expert cannot reproduce (docs/trainer.md).
+    etp: int = Field(1, gt=0, description="expert tensor parallel size; Beam supports 1")
     pp: int = Field(1, gt=0)
     vpp: int | None = Field(None, gt=0)
     micro_batch_size: int = Field(1, gt=0)
@@ -88,7 +90,7 @@ class TrainerSection(Section):
 
     @property
     def expert_tp(self) -> int:
-        return self.tp if self.etp is None else self.etp
+        return self.etp
 
     @property
     def dp(self) -> int:

@@ -32,32 +32,43 @@ def _check_reply(reply: object) -> None:
 
 
 def run_concurrently(what: str, calls: Sequence[tuple[str, Callable[[], object]]], timeout: float) -> None:
-    """Run every `(who, fn)` concurrently; wait at most `timeout` s in total; raise `ReceiverCallError` if any fail."""
+    """Run every `(who, fn)` concurrently; raise `ReceiverCallError` if any fail or are still running after
+    `timeout` s. Returns early once one call has failed (the sync is lost anyway; a dead engine must not cost
+    the whole timeout): calls still running then are reported as abandoned."""
     if timeout <= 0:
         raise ValueError(f"timeout for {what} must be > 0 s, got {timeout}")
     errors: dict[str, str] = {}
-    lock = threading.Lock()
+    done = threading.Condition()
+    completed: set[str] = set()
 
     def target(who: str, fn: Callable[[], object]) -> None:
         try:
             _check_reply(fn())
         except BaseException as exc:  # reported to the caller, never swallowed
-            with lock:
-                errors[who] = f"{type(exc).__name__}: {exc}" if not isinstance(exc, WeightSyncError) else str(exc)
+            with done:
+                errors[who] = str(exc) if isinstance(exc, WeightSyncError) else f"{type(exc).__name__}: {exc}"
+        finally:
+            with done:
+                completed.add(who)
+                done.notify_all()
 
     threads = [threading.Thread(target=target, args=call, name=f"beamrl-sync:{what}:{call[0]}", daemon=True)
                for call in calls]
     for t in threads:
         t.start()
     deadline = time.monotonic() + timeout
-    for t in threads:
-        t.join(max(0.0, deadline - time.monotonic()))
-    failures: dict[str, str] = {}
-    with lock:
-        for (who, _), t in zip(calls, threads):
-            if t.is_alive():
-                failures[who] = f"no reply to {what} within {timeout:g} s (engine dead or wedged)"
-            elif who in errors:
+    with done:
+        while len(completed) < len(threads) and not errors:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            done.wait(remaining)
+        failures: dict[str, str] = {}
+        for who, _ in calls:
+            if who in errors:
                 failures[who] = errors[who]
+            elif who not in completed:
+                failures[who] = (f"abandoned {what} after another party failed" if errors else
+                                 f"no reply to {what} within {timeout:g} s (engine dead or wedged)")
     if failures:
         raise ReceiverCallError(what, failures)

@@ -78,7 +78,8 @@ class FlatBucket:
 
     def __init__(self, buffer: torch.Tensor, metas: list[TensorMeta]) -> None:
         if buffer.dtype != torch.uint8 or buffer.dim() != 1:
-            raise ValueError(f"FlatBucket buffer must be 1-D uint8, got {buffer.dtype} with shape {tuple(buffer.shape)}")
+            raise ValueError(f"FlatBucket buffer must be 1-D uint8, got {buffer.dtype} with shape "
+                             f"{tuple(buffer.shape)}")
         if not metas:
             raise ValueError("FlatBucket needs at least one tensor")
         if metas[-1].end != buffer.numel():

@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from beamrl.sync.flat_bucket import FlatBucket
 
 
 class WeightSyncError(RuntimeError):

@@ -92,7 +92,7 @@ class WeightSyncManager:
     def __init__(self, transport: WeightTransport, engines: Sequence[RolloutEngine] = (),
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, verify: ProbeCheck | None = None,
                  timeouts: SyncTimeouts = SyncTimeouts(), initial_version: int = 0,
-                 progress: Callable[[str], None] | None = _stderr) -> None:
+                 progress: Callable[[str], None] | None = _stderr, progress_every_s: float = 5.0) -> None:
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
         self.transport = transport
@@ -101,7 +101,8 @@ class WeightSyncManager:
         self.verify = verify
         self.timeouts = timeouts
         self.version = initial_version
-        self.progress = progress
+        self.progress = progress  # None: silent; otherwise a line per `progress_every_s` and one at the end
+        self.progress_every_s = progress_every_s
         self.unhealthy: dict[str, str] = {}  # engine-level failures found after finalize (version, verify)
 
     def _engine_label(self, i: int) -> str:
@@ -123,19 +124,23 @@ class WeightSyncManager:
         first = next(buckets)  # an empty export raises here, before any engine is touched
         self.transport.connect(self.timeouts.connect)
         if self.engines:
-            run_concurrently("abort_all (pause)", [(self._engine_label(i), (lambda e=e: e.abort_all(self.timeouts.call)))
-                                                   for i, e in enumerate(self.engines)], self.timeouts.call)
+            pause = [(self._engine_label(i), (lambda e=e: e.abort_all(self.timeouts.call)))
+                     for i, e in enumerate(self.engines)]
+            run_concurrently("abort_all (pause)", pause, self.timeouts.call)
         est = math.ceil(total_bytes / self.bucket_bytes) if total_bytes else None
         nbytes = count = 0
-        t0 = time.perf_counter()
+        t0 = last_said = time.perf_counter()
         self.transport.begin(new_version, self.timeouts.call)
         try:
             for bucket in itertools.chain([first], buckets):
                 self.transport.send_bucket(bucket, self.timeouts.bucket)
                 count += 1
                 nbytes += bucket.nbytes
-                self._say(f"[weight sync v{new_version}] bucket {count}{f'/~{est}' if est else ''}: "
-                          f"{bucket.nbytes / 2**20:.1f} MiB, {nbytes / 2**30:.3f} GiB sent")
+                now = time.perf_counter()
+                if count == 1 or now - last_said >= self.progress_every_s:  # a 500B sync has ~2000 buckets
+                    last_said = now
+                    self._say(f"[weight sync v{new_version}] bucket {count}{f'/~{est}' if est else ''}: "
+                              f"{nbytes / 2**30:.3f} GiB sent, {now - t0:.1f} s")
             self.transport.finalize(self.timeouts.call)
         except BaseException as exc:
             self.transport.abort(f"{type(exc).__name__}: {exc}")

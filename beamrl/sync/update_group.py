@@ -34,6 +34,11 @@ def init_update_group(backend: str, master_address: str, master_port: int, world
         raise ValueError(f"update group backend must be 'gloo' or 'nccl', got {backend!r}")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside the update group of world_size {world_size}")
+    if backend == "nccl" and dist.is_initialized() and dist.distributed_c10d._get_default_group().bound_device_id:
+        # torch would then build the group by ncclCommSplit of this process's world communicator, which the
+        # engines are not part of: the join would hang. Refuse instead.
+        raise ValueError("the weight-update group cannot be created in a process whose default process group is "
+                         "bound to a device (init_process_group(device_id=...)); initialise it without device_id")
     td = timedelta(seconds=timeout)
     store, rank, world_size = next(dist.rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size,
                                                    timeout=td))

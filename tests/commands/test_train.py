@@ -9,7 +9,7 @@ from beamrl.cli import main
 def test_dry_run_grpo_dapo_math_passes(capsys):
     assert main(["train", "recipes/grpo_dapo_math.yaml", "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert "TP8 x PP1 x DP8 (SP)" in out and "EP8 x ETP8" in out and "2 x sglang engine(s) of TP16" in out
+    assert "TP8 x PP1 x DP8 (SP)" in out and "EP64 x ETP1" in out and "2 x sglang engine(s) of TP16" in out
     assert "dry-run: OK" in out
 
 

@@ -106,3 +106,27 @@ def test_sequence_parallel_norm_is_marked_for_tp_allreduce():
     x = torch.randn(3, 8)
     ref = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
     torch.testing.assert_close(norm(x), ref)
+
+
+def test_split_sizes_become_numpy_for_gloo():
+    import numpy as np
+
+    megatron_cpu.activate()
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    for ns in (moe_utils, token_dispatcher):
+        out = ns.maybe_move_tensor_to_cpu(torch.tensor([69, 62]), as_numpy=True)
+        assert isinstance(out, np.ndarray) and out.tolist() == [69, 62]
+
+
+def test_triton_free_paged_stash_stub():
+    """W0 (only installed when triton is missing): the one triton-importing module is served as raising stubs."""
+    import importlib.util
+
+    spec = megatron_cpu._PagedStashStubFinder().find_spec(megatron_cpu.PAGED_STASH_OPS)
+    assert megatron_cpu._PagedStashStubFinder().find_spec("triton") is None  # never a global fake triton
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.GLOBAL_BLOCK_SIZE == 1024
+    with pytest.raises(megatron_cpu.MegatronCpuError, match="paged stash"):
+        module.paged_stash_copy_kernel()

@@ -48,10 +48,10 @@ def _check_grouped(checks, t, h, e, i, k, device, seed):
         assert checks.rel_err(b.grad, a.grad) < 2e-2
 
 
-def test_grouped_mm_path_tiny(checks):
+def test_grouped_mm_path_tiny(checks, kernel_device):
     if not hasattr(torch, "_grouped_mm"):
         pytest.skip(f"torch {torch.__version__} has no _grouped_mm")
-    _check_grouped(checks, 9, 32, 4, 16, 2, "cpu", seed=1)
+    _check_grouped(checks, 9, 32, 4, 16, 2, kernel_device, seed=1)
 
 
 @CUDA
@@ -59,7 +59,7 @@ def test_grouped_mm_path_real_width(checks):
     _check_grouped(checks, 1024, 5120, 16, 2560, 8, torch.device("cuda"), seed=2)
 
 
-def test_grouped_path_refuses_fp32(checks):
-    x, ids, w, wgu, wd = _inputs(3, 32, 4, 16, 2, "cpu")
+def test_grouped_path_refuses_fp32(kernel_device):
+    x, ids, w, wgu, wd = _inputs(3, 32, 4, 16, 2, kernel_device)
     with pytest.raises(TypeError, match="BF16"):
         ops.grouped_experts(x.float(), ids, w, wgu.float(), wd.float(), 2.5, backend="triton")

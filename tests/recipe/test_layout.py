@@ -14,7 +14,6 @@ def _recipe(raw, *overrides):
 @pytest.mark.parametrize("overrides,model_changes,path,words", [
     (["trainer.tp=8", "trainer.ep=1", "trainer.global_batch_size=8"], {}, "trainer.tp", "head counts"),
     ([], {"num_experts": 6, "n_group": 2, "topk_group": 2, "num_experts_per_tok": 4}, "trainer.ep", "num_experts=6"),
-    (["trainer.etp=2", "trainer.ep=2"], {"moe_intermediate_size": 33}, "trainer.etp", "moe_intermediate_size"),
     (["trainer.pp=4", "trainer.tp=1", "trainer.sp=false", "trainer.ep=2", "trainer.global_batch_size=16"], {},
      "trainer.pp", "num_hidden_layers=6"),
     (["trainer.pp=2", "trainer.vpp=2", "trainer.tp=1", "trainer.sp=false", "trainer.ep=1",
@@ -86,7 +85,7 @@ def test_grpo_dapo_math_layout():
 
     r = load_recipe("grpo_dapo_math")
     lay = plan_layout(r, preset("beam-501b"))
-    assert (lay.trainer_gpus, lay.tp, lay.sp, lay.ep, lay.etp, lay.pp, lay.dp) == (64, 8, True, 8, 8, 1, 8)
+    assert (lay.trainer_gpus, lay.tp, lay.sp, lay.ep, lay.etp, lay.pp, lay.dp) == (64, 8, True, 64, 1, 1, 8)
     assert (lay.num_engines, lay.engine_tp, lay.nodes_per_engine, lay.rollout_gpus) == (2, 16, 2, 32)
     assert lay.trainer_gpus + lay.rollout_gpus == 96
 

@@ -74,7 +74,7 @@ def test_recompute_full_saves_activations(base_raw):
     full = trainer_memory(r, c, lay)[0].activations
     r.trainer.recompute = "none"
     none = trainer_memory(r, c, lay)[0].activations
-    assert none > 10 * full
+    assert none > 5 * full  # 52 layers of saved activations vs inputs + one recomputed layer
 
 
 def test_hybrid_swa_kv_bytes_match_sglang_note():

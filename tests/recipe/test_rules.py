@@ -20,7 +20,7 @@ CASES = [
      "rollout.engine_tp", "whole nodes"),
     (["trainer.tp=3"], "trainer.num_gpus", "tp * pp"),
     (["trainer.ep=16"], "trainer.ep", "must divide tp * dp"),
-    (["trainer.etp=4", "trainer.ep=4"], "trainer.ep", "must divide tp * dp"),
+    (["trainer.etp=2", "trainer.ep=2"], "trainer.etp", "supports only 1"),
     (["trainer.vpp=2"], "trainer.vpp", "pp >= 2"),
     (["trainer.tp=1", "trainer.ep=1", "trainer.global_batch_size=32"], "trainer.sp", "tp=1"),
     (["trainer.sp=false"], "trainer.sp", "requires sp"),
@@ -71,8 +71,6 @@ CPU_CASES = [
     (["sync.transport=disk", "rollout.engine=sglang", "rollout.deterministic=true", "rollout.attention_backend=fa3"],
      "rollout.deterministic", "CPU engine"),
     (["rollout.engine=sglang", "rollout.attention_backend=fa3"], "rollout.attention_backend", "cpu"),
-    (["placement.mode=disaggregated", "sync.transport=distributed", "cluster.gpus_per_node=2", "trainer.num_gpus=1"],
-     "sync.transport", "cuda"),
 ]
 
 

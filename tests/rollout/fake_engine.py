@@ -73,7 +73,8 @@ class FakeEngine(RolloutEngine, WeightReceiver):
             for _ in range(sp.max_new_tokens):
                 tok = int(rng.integers(1, self.config.vocab_size))
                 ids.append(tok)
-                if tok in sp.stop_token_ids:
+                # SGLang semantics: ignore_eos disables every token stop, stop_token_ids included.
+                if not sp.ignore_eos and (tok in sp.stop_token_ids or tok == self.config.eos_token_id):
                     finish = "stop"
                     break
             lps = (-rng.exponential(3.0, len(ids)) - 1e-3).tolist()

@@ -90,10 +90,10 @@ def _kill(engine) -> None:
         engine.kill()
 
 
-def _req(prompt, n=4, temperature=1.0, seed=None, routes=True, stop=()):
+def _req(prompt, n=4, temperature=1.0, seed=None, routes=True, stop=(), ignore_eos=True):
     return GenerateRequest(prompt_ids=list(prompt), return_routed_experts=routes,
                            sampling=SamplingParams(max_new_tokens=n, temperature=temperature, seed=seed,
-                                                   ignore_eos=True, stop_token_ids=tuple(stop)))
+                                                   ignore_eos=ignore_eos, stop_token_ids=tuple(stop)))
 
 
 def test_generate_shapes_and_alignment(engine):
@@ -140,9 +140,12 @@ def test_seeded_sampling_is_reproducible(engine, request):
 
 
 def test_stop_token_finishes_with_stop(engine):
-    first = engine.generate([_req([41, 42, 43], 6, temperature=0.0, routes=False)], timeout=T)[0]
-    stop = first.output_ids[2]
-    res = engine.generate([_req([41, 42, 43], 6, temperature=0.0, routes=True, stop=[stop])], timeout=T)[0]
+    # ignore_eos=False: SGLang 0.5.23 skips *all* token stops (stop_token_ids too) when ignore_eos is set
+    # (schedule_batch.py:1856-1858).
+    first = engine.generate([_req([41, 42, 43], 6, temperature=0.0, routes=False, ignore_eos=False)], timeout=T)[0]
+    stop = first.output_ids[min(2, len(first.output_ids) - 1)]
+    res = engine.generate([_req([41, 42, 43], 6, temperature=0.0, routes=True, stop=[stop], ignore_eos=False)],
+                          timeout=T)[0]
     assert res.finish_reason == "stop"
     assert res.output_ids[-1] == stop and res.output_ids == first.output_ids[: res.output_ids.index(stop) + 1]
     assert len(res.output_logprobs) == len(res.output_ids)
@@ -155,7 +158,7 @@ def test_update_outside_session_fails(engine):
         engine.update_weights_from_tensor(bucket, timeout=T)
 
 
-def test_flat_bucket_update_matches_reference_and_bumps_version(engine, checkpoint):
+def test_flat_bucket_update_matches_reference_and_bumps_version(engine, checkpoint, tmp_path):
     if engine.contract_name not in REAL_NUMERICS:
         pytest.skip("the fake engine has no model")
     from beamrl.models.beam.model import BeamForCausalLM
@@ -177,11 +180,30 @@ def test_flat_bucket_update_matches_reference_and_bumps_version(engine, checkpoi
     seqs = [[1, 5, 9, 13, 17, 21, 25, 29], [100, 3, 200, 7]]
     before = engine.score(seqs, timeout=T)
     v = engine.weight_version
-    engine.begin_weight_update(timeout=T)
-    try:
-        engine.update_weights_from_tensor(FlatBucket.from_named_tensors(list(new.items())), timeout=T)
-    finally:
-        engine.end_weight_update(v + 1, timeout=T)
+    bucket = FlatBucket.from_named_tensors(list(new.items()))
+    if engine.contract_name == "sglang-http":
+        # Over HTTP the tensor path carries CUDA-IPC handles: a CPU bucket is refused by name, the server lives,
+        # and the same weights go in through the disk path instead.
+        engine.begin_weight_update(timeout=T)
+        try:
+            with pytest.raises(WeightSyncError, match="CUDA"):
+                engine.update_weights_from_tensor(bucket, timeout=T)
+        finally:
+            engine.end_weight_update(v, timeout=T)
+        assert engine.health(timeout=T)
+        from beamrl.models.beam.checkpoint import save_checkpoint
+
+        updated = {**state, **new}
+        out = tmp_path / "updated"
+        save_checkpoint(ref.config.replace(dtype="float32"), {k: v_.contiguous() for k, v_ in updated.items()}, out)
+        engine.update_weights_from_disk(str(out), timeout=T)
+        engine.update_weight_version(v + 1, timeout=T)
+    else:
+        engine.begin_weight_update(timeout=T)
+        try:
+            engine.update_weights_from_tensor(bucket, timeout=T)
+        finally:
+            engine.end_weight_update(v + 1, timeout=T)
     assert engine.weight_version == v + 1
     after = engine.score(seqs, timeout=T)
     ref.load_hf_tensors(new)

@@ -75,7 +75,8 @@ def test_oversized_tensor_gets_its_own_bucket():
 
 def test_atomic_group_rule_names():
     assert beam_atomic_group("model.layers.3.self_attn.k_proj.weight") == ("model.layers.3.self_attn.qkv_gate", 4)
-    assert beam_atomic_group("model.layers.3.mlp.experts.7.up_proj.weight") == ("model.layers.3.mlp.experts.7.gate_up", 2)
+    expert = "model.layers.3.mlp.experts.7."
+    assert beam_atomic_group(expert + "up_proj.weight") == (expert + "gate_up", 2)
     assert beam_atomic_group("model.layers.3.mlp.experts.7.down_proj.weight") is None
     assert beam_atomic_group("model.layers.3.self_attn.o_proj.weight") is None
 

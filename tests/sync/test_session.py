@@ -85,3 +85,18 @@ def test_empty_export_raises_before_touching_engines(hosted_engine):
 def test_timeouts_must_be_finite():
     with pytest.raises(ValueError, match="SyncTimeouts.bucket"):
         SyncTimeouts(bucket=float("inf"))
+
+
+def test_progress_lines_say_bucket_i_of_n_and_the_rate(trainer_model):
+    from beamrl.sync.local_receiver import model_receiver
+
+    lines = []
+    receiver = model_receiver(trainer_model, name="local")
+    total = sum(p.numel() * p.element_size() for p in trainer_model.parameters())
+    manager = WeightSyncManager(TRANSPORTS.get("colocated")([receiver]), bucket_bytes=256 * 1024,
+                                progress=lines.append, progress_every_s=0.0)
+    report = manager.sync(export(trainer_model), total_bytes=total)
+    assert report.version == 1 == receiver.weight_version
+    assert len(lines) == report.buckets + 1
+    assert lines[0].startswith(f"[weight sync v1] bucket 1/~{-(-total // (256 * 1024))}:")
+    assert "GB/s" in lines[-1] and f"in {report.buckets} buckets" in lines[-1]

@@ -89,10 +89,10 @@ class NativeEngine(RolloutEngine, WeightReceiver):
     # ------------------------------------------------------------------ generation
     def generate(self, requests: list[GenerateRequest], timeout: float) -> list[GenerateResult]:
         deadline = time.monotonic() + timeout
+        epoch = self._abort_epoch  # taken before queueing on the lock: abort_all also aborts queued calls
         with self._locked("generate", timeout):
             self._require_serving("generate")
             self._validate(requests)
-            epoch = self._abort_epoch
             results: list[GenerateResult] = []
             bs = self.config.max_batch_size
             for start in range(0, len(requests), bs):

@@ -134,6 +134,7 @@ def _wait(procs: list, result_dir: Path, timeout_s: float, poll_s: float) -> lis
             if path.exists():
                 status, value = _read(path)
                 if status == "error":
+                    r, value = _first_error(result_dir, world)
                     raise LaunchError(f"rank {r} of {world} raised", rank=r, remote_traceback=value)
                 results[r] = value
             elif not p.is_alive():
@@ -149,6 +150,21 @@ def _wait(procs: list, result_dir: Path, timeout_s: float, poll_s: float) -> lis
                               f"(a collective probably hangs)")
         time.sleep(poll_s)
     return [results[r] for r in range(world)]
+
+
+def _first_error(result_dir: Path, world: int, settle_s: float = 1.0) -> tuple[int, str]:
+    """The root-cause failure: when one rank raises, its peers soon fail too ("connection closed by peer") and
+    may be polled first. Wait briefly, then report the error written first."""
+    time.sleep(settle_s)
+    errors = []
+    for r in range(world):
+        path = result_dir / f"rank{r}.pkl"
+        if path.exists():
+            status, value = _read(path)
+            if status == "error":
+                errors.append((path.stat().st_mtime_ns, r, value))
+    _, rank, value = min(errors)
+    return rank, value
 
 
 def _teardown(procs: list, grace_s: float = 5.0) -> None:

@@ -45,3 +45,25 @@ def test_engine_that_never_joins_the_group_fails_within_timeout(trainer_model):
             transport.send_bucket(None, timeout=1)
     finally:
         wedged.release.set()
+
+
+def test_engine_killed_mid_sync_fails_fast_and_leaves_the_group(tiny_checkpoint, trainer_model):
+    from beamrl.sync.protocol import Bucket
+
+    from ..conftest import hosted_native_engine
+
+    engine = hosted_native_engine(tiny_checkpoint, "native-doomed")
+    try:
+        transport = TRANSPORTS.get("distributed")([engine], teardown_timeout=2)
+        transport.connect(timeout=60)
+        transport.begin(1, timeout=30)
+        engine.kill()
+        named = [(n, p.detach()) for n, p in trainer_model.named_parameters()][:4]
+        t0 = time.monotonic()
+        with pytest.raises(WeightSyncError, match=r"native-doomed: .*receiver process is (dead|gone)"):
+            transport.send_bucket(Bucket([n for n, _ in named], [t for _, t in named]), timeout=60)
+        assert time.monotonic() - t0 < 10  # the dead engine is noticed at once, not after the 60 s timeout
+        transport.abort("engine died")
+        assert transport.group_name is None and "native-doomed" in transport.unhealthy
+    finally:
+        engine.shutdown(timeout=2)

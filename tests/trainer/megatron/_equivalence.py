@@ -122,9 +122,27 @@ def resume(parallel: dict, directory: str) -> dict:
     resumed = [t.train_step(mbs, loss_fn).loss]
     t.save_checkpoint(directory)
     t.shutdown()
+    wrong_layout = _load_error(cfg, directory)
     t = MegatronTrainer(cfg)  # random init: everything must come from the checkpoint
     t.load_checkpoint(directory)
     step_after_load = t.step
     resumed += [t.train_step(mbs, loss_fn).loss for _ in range(2)]
     t.shutdown()
-    return {"straight": straight, "resumed": resumed, "step_after_load": step_after_load}
+    return {"straight": straight, "resumed": resumed, "step_after_load": step_after_load,
+            "wrong_layout_error": wrong_layout}
+
+
+def _load_error(cfg, directory: str) -> str:
+    """The message of loading the checkpoint into another layout (checked before any tensor is touched)."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from beamrl.trainer.megatron import checkpoint
+    from beamrl.trainer.megatron.parallel import ParallelConfig
+
+    other = SimpleNamespace(config=dataclasses.replace(cfg, parallel=ParallelConfig(tp=2, sp=True)))
+    try:
+        checkpoint.load(other, directory)
+    except checkpoint.CheckpointError as e:
+        return str(e)
+    return ""

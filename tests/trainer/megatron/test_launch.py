@@ -39,7 +39,7 @@ def _sleeps():
 
 
 def test_results_in_rank_order_with_env():
-    out = launch(_env_and_allreduce, 2, (10,), timeout_s=60)
+    out = launch(_env_and_allreduce, 2, (10,), timeout_s=300)
     assert [o["rank"] for o in out] == [0, 1]
     assert all(o["world"] == 2 and o["sum"] == 21.0 for o in out)
     assert all(o["threads"] == "1" and o["dynamo"] == "1" for o in out)
@@ -48,14 +48,14 @@ def test_results_in_rank_order_with_env():
 def test_a_raising_rank_fails_the_run_with_its_traceback():
     t0 = time.monotonic()
     with pytest.raises(LaunchError, match="boom on rank one") as info:
-        launch(_rank1_raises, 2, timeout_s=60)
+        launch(_rank1_raises, 2, timeout_s=300)
     assert info.value.rank == 1 and "ValueError" in info.value.remote_traceback
-    assert time.monotonic() - t0 < 30  # did not wait for the timeout
+    assert time.monotonic() - t0 < 150  # did not wait for the timeout (generous: start-up on a loaded machine)
 
 
 def test_a_dying_rank_fails_the_run():
     with pytest.raises(LaunchError, match="rank 0 of 2 died with exit code 3"):
-        launch(_rank0_dies, 2, timeout_s=60)
+        launch(_rank0_dies, 2, timeout_s=300)
 
 
 def test_timeout_kills_all_ranks():

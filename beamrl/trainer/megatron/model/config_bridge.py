@@ -125,7 +125,7 @@ def beam_transformer_config(config: BeamConfig, parallel: ParallelSettings = Par
             moe_router_score_function="sigmoid", moe_router_num_groups=c.n_group,
             moe_router_group_topk=c.topk_group, moe_router_topk_scaling_factor=c.routed_scaling_factor,
             moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_router_dtype="fp32",
-            moe_router_enable_expert_bias=False, moe_token_dispatcher_type="allgather",
+            moe_router_enable_expert_bias=False, moe_token_dispatcher_type="alltoall",
         )
     if recompute == "full":
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)

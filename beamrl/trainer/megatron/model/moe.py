@@ -6,12 +6,16 @@ the 2.5 scale; SGLang applies the FP32 weight to the down GEMM's FP32 accumulato
 BF16, and applies 2.5 once at the combine (beam-numerics §3.10.7-8). Stock also casts the router weight to
 params_dtype (router.py:81). This module owns all three.
 
-Token exchange (EP > 1): an all-gather dispatcher over the expert-parallel group. Every EP rank gathers the
-tokens, ids and weights of the group (padded to the group's longest microbatch), runs its local experts, and
-the FP32 partial sums (each the sum of the rank's BF16-rounded `y_k`) are reduce-scattered back; the combine
-`bf16(2.5 * sum)` then runs on the token's own rank. The FP32 sum order differs from SGLang's slot order only
-across ranks (last-bit FP32 differences; exact in float32 tests). With EP = 1 the whole computation is
-`beamrl.kernels.ops.grouped_experts` (slot-order combine). Only etp = 1 is supported.
+Token exchange (EP > 1), `config.moe_token_dispatcher_type`:
+- "alltoall" (the bridge's default): every (token, slot) pair is sent to its expert's EP rank, the BF16 expert
+  output comes back, and the combine runs on the token's rank in slot order — SGLang's exact combine.
+- "allgather": every EP rank gathers the tokens, ids and weights of the group (padded to the group's longest
+  microbatch), runs its local experts, and the FP32 partial sums (each the sum of the rank's BF16-rounded `y_k`)
+  are reduce-scattered back; `bf16(2.5 * sum)` runs on the token's rank. The FP32 sum order differs from
+  SGLang's slot order across ranks (last-bit FP32 differences; exact in float32 tests).
+EP ranks may hold microbatches of different lengths. With EP = 1 the whole computation is
+`beamrl.kernels.ops.grouped_experts` (slot-order combine); with EP > 1 the local experts run eagerly, or as two
+`torch._grouped_mm` GEMMs with fused kernels (`BeamExperts.pair_outputs`). Only etp = 1 is supported.
 
 Parameter layout (packed, per local expert e = global id - ep_rank * E_local):
 - `router.weight` FP32 [E, H] (kept FP32 through `.bfloat16()` / `.to(dtype)`; flagged `sequence_parallel`
@@ -29,6 +33,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.mappings import (
+    all_to_all,
     gather_from_sequence_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
@@ -98,20 +103,43 @@ class BeamExperts(MegatronModule):
         return ops.grouped_experts(x, ids, weights, self.gate_up_weight, self.down_weight, scaling,
                                    backend=self.config.kernel_backend)
 
-    def partial_fp32(self, x, ids, weights) -> torch.Tensor:
-        """FP32 [T, H]: sum over the (token, slot) pairs routed to a local expert of `fp32(y_k)`, where
-        `y_k = bf16(w * acc_fp32(down(bf16(silu(g) * u))))` (`numerics.expert_output`)."""
+    def pair_outputs(self, x, local_expert, weights) -> torch.Tensor:
+        """Per (token, slot) pair routed to a local expert: `y = bf16(w * acc_fp32(down(bf16(silu(g) * u))))`
+        (`numerics.expert_output`). x [m, H] (the pair's token), local_expert int [m] in [0, E_local), weights
+        FP32 [m]. Returns [m, H] in x's dtype. With fused kernels: two `torch._grouped_mm` GEMMs, whose BF16 output
+        rounds the down accumulator once before the weight (the deviation documented for
+        `ops.grouped_experts(backend="triton")`)."""
         I = self.gate_up_weight.shape[1] // 2
-        out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+        order = torch.argsort(local_expert, stable=True)
+        xs, es, ws = x[order], local_expert[order], weights[order]
+        counts = torch.bincount(es, minlength=self.num_local)
+        if self.config.use_fused_kernels:
+            offs = torch.cumsum(counts, 0).to(torch.int32)
+            gate_up = torch._grouped_mm(xs, self.gate_up_weight.transpose(-2, -1), offs=offs)
+            act = numerics.swiglu(gate_up[:, :I], gate_up[:, I:])
+            down = torch._grouped_mm(act, self.down_weight.transpose(-2, -1), offs=offs)
+            ys = (down.float() * ws.float().unsqueeze(-1)).to(x.dtype)
+        else:
+            parts, start = [], 0
+            for e, n in enumerate(counts.tolist()):
+                if n:
+                    gu = self.gate_up_weight[e]
+                    parts.append(numerics.expert_output(xs[start:start + n], gu[:I], gu[I:], self.down_weight[e],
+                                                        ws[start:start + n]))
+                start += n
+            ys = torch.cat(parts) if parts else x.new_zeros(0, x.shape[1])
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        return ys[inverse]
+
+    def partial_fp32(self, x, ids, weights) -> torch.Tensor:
+        """FP32 [T, H]: sum of `fp32(y_k)` over the (token, slot) pairs whose expert is local (ids are global;
+        pairs of other EP ranks' experts, or -1, contribute nothing)."""
         local = ids - self.first
-        for e in range(self.num_local):
-            tok, slot = torch.nonzero(local == e, as_tuple=True)
-            if tok.numel() == 0:
-                continue
-            gu = self.gate_up_weight[e]
-            y = numerics.expert_output(x[tok], gu[:I], gu[I:], self.down_weight[e], weights[tok, slot])
-            out = out.index_add(0, tok, y.float())
-        return out
+        tok, slot = torch.nonzero((local >= 0) & (local < self.num_local), as_tuple=True)
+        y = self.pair_outputs(x[tok], local[tok, slot], weights[tok, slot])
+        out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+        return out.index_add(0, tok, y.float())
 
 
 class BeamMoELayer(MegatronModule):
@@ -164,9 +192,35 @@ class BeamMoELayer(MegatronModule):
             packed_seq_params.recorded[self.layer] = ids.detach().clone()
         if self.ep_size == 1:
             out = self.experts.combined(x, ids, weights, self.scaling)
+        elif self.config.moe_token_dispatcher_type == "alltoall":
+            out = self._expert_parallel_alltoall(x, ids, weights)
         else:
             out = self._expert_parallel(x, ids, weights)
         return out.view(s, b, h)
+
+    def _expert_parallel_alltoall(self, x, ids, weights):
+        """All-to-all exchange: each (token, slot) pair goes to its expert's EP rank and its BF16 output comes
+        back, so the combine `bf16(2.5 * sum_k fp32(y_k))` runs in slot order, exactly as SGLang's."""
+        n, k = ids.shape
+        e_local = self.experts.num_local
+        flat = ids.reshape(-1)
+        dest = torch.div(flat, e_local, rounding_mode="floor")
+        order = torch.argsort(dest, stable=True)
+        send = torch.bincount(dest, minlength=self.ep_size)
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=self.ep_group)
+        in_splits, out_splits = send.tolist(), recv.tolist()
+        tok = torch.div(order, k, rounding_mode="floor")
+        x_recv = all_to_all(self.ep_group, x[tok], out_splits, in_splits)
+        w_recv = all_to_all(self.ep_group, weights.reshape(-1, 1)[order], out_splits, in_splits).reshape(-1)
+        e_send = (flat[order] - dest[order] * e_local).contiguous()
+        e_recv = e_send.new_empty(sum(out_splits))
+        dist.all_to_all_single(e_recv, e_send, output_split_sizes=out_splits, input_split_sizes=in_splits,
+                               group=self.ep_group)
+        y_back = all_to_all(self.ep_group, self.experts.pair_outputs(x_recv, e_recv, w_recv), in_splits, out_splits)
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        return numerics.moe_combine(y_back[inverse].view(n, k, -1), self.scaling)
 
     def _expert_parallel(self, x, ids, weights):
         n = x.shape[0]

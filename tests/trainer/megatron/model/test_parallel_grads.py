@@ -21,7 +21,8 @@ def _grads_worker(rank, world, port, layouts):
 
     from beamrl.models.beam.model import BeamForCausalLM
     from beamrl.trainer.megatron.mapping import load_hf_weights
-    from beamrl.trainer.megatron.model import build_beam_gpt_model, packed_seq_params
+    from beamrl.trainer.megatron.model import (beam_transformer_config, build_beam_gpt_model,
+                                               current_parallel_settings, packed_seq_params)
 
     config = preset("tiny")
     state = random_state_dict(config, seed=SEED, dtype=torch.float32)
@@ -34,9 +35,13 @@ def _grads_worker(rank, world, port, layouts):
     (ref(ids, cu_seqlens=cu).logits[0] * probe).sum().backward()
     ref_grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in ref.named_parameters()}
     for layout in layouts:
+        layout = dict(layout)
+        dispatcher = layout.pop("dispatcher", "alltoall")
         init_megatron(rank, world, port, **layout)
         tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
-        model = build_beam_gpt_model(config, params_dtype=torch.float32)
+        tconfig = beam_transformer_config(config, current_parallel_settings(), dtype=torch.float32,
+                                          moe_token_dispatcher_type=dispatcher)
+        model = build_beam_gpt_model(config, transformer_config=tconfig)
         load_hf_weights(model, state)
         expected = build_beam_gpt_model(config, params_dtype=torch.float32)
         load_hf_weights(expected, ref_grads)  # the reference gradient, sharded exactly like the parameters
@@ -56,9 +61,11 @@ def _grads_worker(rank, world, port, layouts):
             scale = world // tp if expert else 1
             target = scale * want[name]
             err = ((grad - target).abs().max() / target.abs().max().clamp(min=1e-6)).item()
-            assert err <= 1e-5, f"{layout} {name}: gradient differs from the reference by {err} (relative)"
+            assert err <= 1e-5, f"{layout} {dispatcher} {name}: gradient differs from the reference by {err} (relative)"
 
 
 @pytest.mark.slow
 def test_gradients_match_reference_under_tp2_sp_and_ep2():
-    spawn(_grads_worker, 2, [dict(tp=2), dict(ep=2), dict(tp=2, ep=2)], timeout=240)
+    """EP2 with both token exchanges (alltoall, allgather); TP2+SP; TP2+SP x EP2 on the same ranks."""
+    spawn(_grads_worker, 2, [dict(tp=2), dict(ep=2), dict(ep=2, dispatcher="allgather"), dict(tp=2, ep=2)],
+          timeout=300)
