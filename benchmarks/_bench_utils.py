@@ -59,7 +59,9 @@ def matmul_tflops(n: int = 8192, device: str = "cuda") -> float:
 
 def markdown_table(headers: list[str], rows: list[list[object]]) -> str:
     def fmt(v):
-        return f"{v:,.3f}" if isinstance(v, float) and abs(v) < 10 else (f"{v:,.1f}" if isinstance(v, float) else str(v))
+        if not isinstance(v, float):
+            return str(v)
+        return f"{v:,.3f}" if abs(v) < 10 else f"{v:,.1f}"
 
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(fmt(v) for v in r) + " |" for r in rows]

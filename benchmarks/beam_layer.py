@@ -101,7 +101,8 @@ def main(argv=None) -> int:
     if dev.type == "cpu":  # smoke: same code path at toy width
         hidden, hq, hkv, d, window, inter = 64, 4, 2, 16, 8, 32
     peak = matmul_tflops(8192 if dev.type == "cuda" else 256, device=str(dev))
-    print(f"device: {torch.cuda.get_device_name() if dev.type == 'cuda' else 'cpu'}  torch {torch.__version__}  bf16 matmul {peak:.0f} TFLOP/s",
+    name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
+    print(f"device: {name}  torch {torch.__version__}  bf16 matmul {peak:.0f} TFLOP/s",
           flush=True)
     p, corr = make_params(hidden, hq, hkv, d, e, inter, dev)
     pos = torch.arange(t, device=dev)
@@ -158,7 +159,8 @@ def main(argv=None) -> int:
             tflops = flops / (ms * 1e-3) / 1e12
             results.append(dict(variant=name, ms=ms, tokens_per_s=t / (ms * 1e-3), tflops=tflops, mfu=tflops / peak,
                                 first_call_s=first,
-                                peak_mem_gib=torch.cuda.max_memory_allocated() / 2 ** 30 if dev.type == "cuda" else 0.0))
+                                peak_mem_gib=(torch.cuda.max_memory_allocated() / 2 ** 30
+                                              if dev.type == "cuda" else 0.0)))
             print(f"done: {name} {ms:.1f} ms, {t / (ms * 1e-3):,.0f} tokens/s, MFU {tflops / peak:.3f} "
                   f"(first call {first:.1f} s)", flush=True)
         except Exception as err:  # report and keep measuring the other variants

@@ -169,7 +169,8 @@ def main(argv=None) -> int:
                       r["fwd_frac_copy"],
                       eager["fwd_ms"] / r["fwd_ms"], r["fwdbwd_ms"], r["fwdbwd_frac_copy"],
                       eager["fwdbwd_ms"] / r["fwdbwd_ms"] if r["fwdbwd_ms"] == r["fwdbwd_ms"] else float("nan"), mm])
-    print(markdown_table(["op", "backend", "fwd ms", "fwd ms incl. host", "fwd GB/s", "fwd / copy", "fwd speed-up", "fwd+bwd ms",
+    print(markdown_table(["op", "backend", "fwd ms", "fwd ms incl. host", "fwd GB/s", "fwd / copy", "fwd speed-up",
+                          "fwd+bwd ms",
                           "fwd+bwd / copy", "fwd+bwd speed-up", "fwd bit mismatches vs eager"], table))
     if args.json:
         with open(args.json, "w") as f:

@@ -32,6 +32,9 @@ def check_model_fit(r: "Recipe", c: BeamConfig) -> None:
     if c.num_attention_heads % tr.tp or c.num_key_value_heads % tr.tp:
         raise RecipeError("trainer.tp", tr.tp, f"must divide both head counts ({heads}); Megatron shards query "
                           f"groups over TP")
+    if c.vocab_size % tr.tp:
+        raise RecipeError("trainer.tp", tr.tp, f"must divide vocab_size={c.vocab_size} (the vocab-parallel embedding "
+                          "and head)")
     if has_dense and c.intermediate_size % tr.tp:
         raise RecipeError("trainer.tp", tr.tp, f"must divide intermediate_size={c.intermediate_size}")
     if has_moe:

@@ -40,7 +40,7 @@ class ModelSection(Section):
     checkpoint: str | None = None
     seed: int | None = None
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
-    # BeamConfig fields changed on top of the preset (random init only), e.g. {vocab_size: 15} for the digit
+    # BeamConfig fields changed on top of the preset (random init only), e.g. {vocab_size: 16} for the digit
     # tokenizer; validated by BeamConfig itself (errors name the field).
     config_overrides: dict[str, Any] = Field(default_factory=dict)
 

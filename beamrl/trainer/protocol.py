@@ -197,7 +197,8 @@ class TrainerWorker(abc.ABC):
     def export_hf(self, bucket_bytes: int) -> Iterator[HFBucket]:
         """Stream the current weights as full HF tensors in buckets of about `bucket_bytes`.
 
-        Collective: every rank must iterate it to the end; buckets are yielded on every rank."""
+        Collective: every rank must iterate it to the end; the tensors arrive on global rank 0, other ranks
+        get empty buckets."""
 
     @abc.abstractmethod
     def set_routing_replay(self, enabled: bool) -> None:

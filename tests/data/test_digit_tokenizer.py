@@ -10,7 +10,7 @@ def test_round_trip_and_ids():
     assert tok.decode(ids + [tok.eos_token_id, 7]) == "3+5=8"  # eos ends the text
     assert tok.decode([tok.bos_token_id, 4, tok.pad_token_id]) == "1"
     assert tok.encode("7", add_bos=True) == [2, 10]
-    assert len(tok) == tok.vocab_size == 15
+    assert len(tok) == tok.vocab_size == 16
 
 
 def test_errors_name_the_bad_input():

@@ -39,9 +39,10 @@ class Checks:
     @staticmethod
     def assert_near_bit_equal(a: torch.Tensor, b: torch.Tensor, max_frac: float) -> None:
         """Bit-equal except for a fraction <= max_frac of elements, each off by at most one BF16 ulp of a value at
-        the tensor's scale (2^-7 of max |b|). This is the normalising kernels' contract: their FP32 sum of squares runs in another
-        order than torch's reduction, which flips a BF16 rounding of the normed value in a few elements per
-        million; a later cancellation (RoPE, the residual add) can make that many ulps of a small output."""
+        the tensor's scale (2^-7 of max |b|). This is the normalising kernels' contract: their FP32 sum of
+        squares runs in another order than torch's reduction, which flips a BF16 rounding of the normed value
+        in a few elements per million; a later cancellation (RoPE, the residual add) can make that many ulps of
+        a small output."""
         n, _ = Checks.bit_mismatch(a, b)
         scale = float(b.float().abs().max())
         max_abs = float((a.float() - b.float()).abs().max())

@@ -25,8 +25,8 @@ def _recipe(raw, *overrides):
     (["rollout.engine_tp=2", "rollout.num_engines=4", "trainer.tp=1", "trainer.sp=false", "trainer.ep=1",
       "trainer.global_batch_size=16"], {"intermediate_size": 129}, "rollout.engine_tp", "intermediate_size=129"),
     (["rollout.max_new_tokens=5000"], {}, "rollout.max_new_tokens", "max_position_embeddings"),
-    (["data.tokenizer=digit"], {"eos_token_id": 5, "vocab_size": 15}, "data.tokenizer", "eos"),
-    (["data.tokenizer=digit"], {"vocab_size": 10}, "data.tokenizer", "vocab_size == 15"),
+    (["data.tokenizer=digit"], {"eos_token_id": 5, "vocab_size": 16}, "data.tokenizer", "eos"),
+    (["data.tokenizer=digit"], {"vocab_size": 10}, "data.tokenizer", "vocab_size == 16"),
     (["data.tokenizer=digit"], {"vocab_size": 512}, "data.tokenizer", "config_overrides.vocab_size"),
 ])
 def test_model_rules(base_raw, overrides, model_changes, path, words):
@@ -112,9 +112,9 @@ def test_model_spec_errors(base_raw, tmp_path):
 def test_config_overrides(base_raw):
     from beamrl.recipe.model_spec import model_config_if_available
 
-    r = _recipe(base_raw, "model.config_overrides={vocab_size: 15, pad_token_id: 1}")
+    r = _recipe(base_raw, "model.config_overrides={vocab_size: 16, pad_token_id: 1}")
     c = model_config_if_available(r)
-    assert (c.vocab_size, c.pad_token_id, c.hidden_size) == (15, 1, preset("tiny").hidden_size)
+    assert (c.vocab_size, c.pad_token_id, c.hidden_size) == (16, 1, preset("tiny").hidden_size)
     with pytest.raises(RecipeError) as e:
         model_config_if_available(_recipe(base_raw, "model.config_overrides={vocab_sise: 15}"))
     assert e.value.path == "model.config_overrides.vocab_sise" and "vocab_size" in str(e.value)

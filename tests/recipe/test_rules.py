@@ -9,7 +9,7 @@ CASES = [
     (["model.preset=null"], "model", "model.checkpoint"),
     (["model.checkpoint=/ckpt"], "model.seed", "random init"),
     (["model.seed=null"], "model.seed", "explicit integer seed"),
-    (["model.checkpoint=/ckpt", "model.seed=null", "model.config_overrides={vocab_size: 15}"],
+    (["model.checkpoint=/ckpt", "model.seed=null", "model.config_overrides={vocab_size: 16}"],
      "model.config_overrides", "random init"),
     (["trainer.num_gpus=16"], "trainer.num_gpus", "add up to the cluster"),
     (["placement.mode=colocated", "sync.transport=colocated"], "trainer.num_gpus", "every GPU"),

@@ -153,9 +153,12 @@ def test_stop_token_finishes_with_stop(engine):
 
 
 def test_update_outside_session_fails(engine):
-    bucket = FlatBucket.from_named_tensors([("model.norm.weight", torch.ones(64))])
     with pytest.raises(WeightSyncError, match="begin_weight_update"):
-        engine.update_weights_from_tensor(bucket, timeout=T)
+        engine.update_weights_from_distributed(["model.norm.weight"], ["float32"], [[64]], "no_such_group", timeout=T)
+    if engine.contract_name != "sglang-http":  # over HTTP a CPU bucket is refused earlier (needs CUDA-IPC)
+        bucket = FlatBucket.from_named_tensors([("model.norm.weight", torch.ones(64))])
+        with pytest.raises(WeightSyncError, match="begin_weight_update"):
+            engine.update_weights_from_tensor(bucket, timeout=T)
 
 
 def test_flat_bucket_update_matches_reference_and_bumps_version(engine, checkpoint, tmp_path):

@@ -47,25 +47,31 @@ def make_loss(total_tokens: int):
     return loss_fn
 
 
-def trainer_config(parallel: dict, distributed_optimizer: bool = False, dtype: str = "float32"):
+def trainer_config(parallel: dict, distributed_optimizer: bool = False, dtype: str = "float32",
+                   recompute: bool = False):
     from beamrl.trainer.megatron.parallel import ParallelConfig
     from beamrl.trainer.megatron.worker import OptimizerSettings, TrainerConfig
 
-    return TrainerConfig(model=model_config(), parallel=ParallelConfig(**parallel), dtype=dtype,
+    return TrainerConfig(model=model_config(), parallel=ParallelConfig(**parallel), dtype=dtype, recompute=recompute,
                          optimizer=OptimizerSettings(lr=3e-3, clip_grad=1.0, weight_decay=0.01,
                                                      use_distributed_optimizer=distributed_optimizer))
 
 
-def run_layout(parallel: dict, distributed_optimizer: bool = False, with_grads: bool = True) -> dict:
+def run_layout(parallel: dict, distributed_optimizer: bool = False, with_grads: bool = True,
+               recompute: bool = False) -> dict:
     """Train STEPS steps in this layout; rank 0 returns losses, step-0 HF gradients and logprobs."""
     import torch.distributed as dist
 
     from beamrl.models.beam.weights import random_state_dict
     from beamrl.trainer.megatron.worker import MegatronTrainer
 
-    cfg = trainer_config(parallel, distributed_optimizer)
+    cfg = trainer_config(parallel, distributed_optimizer, recompute=recompute)
     trainer = MegatronTrainer(cfg)
-    trainer.load_hf_state_dict(random_state_dict(cfg.model, WEIGHT_SEED, torch.float32))
+    weights = random_state_dict(cfg.model, WEIGHT_SEED, torch.float32)
+    trainer.load_hf_state_dict(weights)
+    exported = {k: v for bucket in trainer.export_hf(bucket_bytes=1 << 16) for k, v in bucket.tensors.items()}
+    export_ok = dist.get_rank() != 0 or (exported.keys() == weights.keys()
+                                         and all(torch.equal(exported[k], weights[k]) for k in weights))
     mbs = micro_batches()
     loss_fn = make_loss(sum(b.num_loss_tokens for b in mbs))
     dp = cfg.parallel.dp(dist.get_world_size())
@@ -92,7 +98,8 @@ def run_layout(parallel: dict, distributed_optimizer: bool = False, with_grads: 
         entropies.append(sums["entropy"])
     trainer.shutdown()
     return {"losses": losses, "entropies": entropies, "grads": grads, "logprobs": lp.logprobs,
-            "entropy": lp.entropy, "recorded": recorded, "replayed": replayed, "free": free, "forced": forced_lp}
+            "entropy": lp.entropy, "recorded": recorded, "replayed": replayed, "free": free, "forced": forced_lp,
+            "export_round_trip": export_ok}
 
 
 def run_layouts(layouts: list[tuple[dict, bool, bool]]) -> list[dict]:

@@ -19,7 +19,7 @@ LOSS_TOL = 1e-5
 GRAD_REL_TOL = 1e-5
 LOGPROB_TOL = 1e-5
 
-# (parallel layout, distributed optimizer, compare gradients)
+# (parallel layout, distributed optimizer, compare gradients[, full recompute])
 LAYOUTS = [
     ({"tp": 2, "sp": True}, False, True),
     ({"pp": 2}, False, True),
@@ -27,6 +27,7 @@ LAYOUTS = [
     ({"ep": 2}, False, True),
     ({"tp": 2, "sp": True, "ep": 2}, False, True),
     ({"ep": 2}, True, False),  # distributed optimizer (DP-sharded Adam state) + clipping: losses only
+    ({"tp": 2, "sp": True}, False, True, True),  # full activation recompute (re-forward under the RNG tracker)
 ]
 
 
@@ -46,10 +47,11 @@ def _grad_errors(ref: dict, got: dict) -> dict[str, float]:
             if not k.endswith("e_score_correction_bias")}  # a frozen buffer, exported as its value
 
 
-@pytest.mark.parametrize("index", range(len(LAYOUTS)), ids=[f"{l}{'-distopt' if d else ''}" for l, d, _ in LAYOUTS])
+@pytest.mark.parametrize("index", range(len(LAYOUTS)), ids=[f"{l[0]}{'-distopt' if l[1] else ''}{'-recompute' if l[3:] else ''}" for l in LAYOUTS])
 def test_layout_matches_world1(world1, layouts, index):
-    layout, _, with_grads = LAYOUTS[index]
+    layout, with_grads = LAYOUTS[index][0], LAYOUTS[index][2]
     got = layouts[index]
+    assert got["export_round_trip"], f"{layout}: export_hf did not return the loaded HF weights bit for bit"
     loss_delta = max(abs(a - b) for a, b in zip(got["losses"], world1["losses"]))
     assert loss_delta <= LOSS_TOL, f"{layout}: losses {got['losses']} vs world-1 {world1['losses']}"
     assert torch.allclose(torch.tensor(got["entropies"]), torch.tensor(world1["entropies"]), atol=LOSS_TOL)
@@ -70,6 +72,7 @@ def test_world1_run_is_not_degenerate(world1):
     """The comparison means something: the loss moves, every gradient is finite and non-zero, recorded routes
     are valid expert ids on MoE layers (-1 on dense ones), and forcing other routes changes the logprobs."""
     cfg = E.model_config()
+    assert world1["export_round_trip"]
     routes = world1["recorded"]
     assert routes.shape == (E.micro_batches()[1].num_tokens, cfg.num_hidden_layers, cfg.num_experts_per_tok)
     assert (routes[:, 0] == -1).all() and ((routes[:, 1:] >= 0) & (routes[:, 1:] < cfg.num_experts)).all()

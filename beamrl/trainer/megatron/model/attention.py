@@ -88,6 +88,9 @@ class BeamSelfAttention(MegatronModule):
         set_tensor_model_parallel_attributes(self.gate_bias, is_parallel=True, dim=0, stride=1)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, packed_seq_params=None, **_unused):
+        if attention_mask is not None:
+            raise ValueError("Beam attention takes no attention_mask (it would be ignored): pack the sequences and "
+                             "pass packed_seq_params(cu_seqlens); padding is a sequence of its own")
         backend = self.config.kernel_backend
         qkv, _ = self.linear_qkv(hidden_states)
         s, b = qkv.shape[0], qkv.shape[1]

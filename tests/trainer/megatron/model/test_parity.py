@@ -59,3 +59,10 @@ def test_softcap_applies(setup):
     with torch.no_grad():
         logits = model(ids, None, None)
     assert logits.abs().max().item() < config.final_logit_softcapping
+
+
+def test_attention_mask_is_refused_not_ignored(setup):
+    config, _, _, model = setup
+    ids = torch.randint(1, config.vocab_size, (1, 8))
+    with pytest.raises(ValueError, match="attention_mask"):
+        model(ids, None, torch.ones(1, 1, 8, 8, dtype=torch.bool))

@@ -1,0 +1,37 @@
+"""rne_bf16: the kernels' explicit FP32 -> BF16 rounding equals torch's cast on hard cases."""
+
+import torch
+import triton
+import triton.language as tl
+
+from beamrl.kernels._triton_utils import kernel_flags, rne_bf16
+
+
+@triton.jit
+def _round_kernel(x_ptr, y_ptr, N, BLOCK: tl.constexpr, ROUND_BF16: tl.constexpr, INTERPRET: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < N, other=0.0)
+    tl.store(y_ptr + offs, rne_bf16(x, ROUND_BF16), mask=offs < N)
+
+
+def test_rne_bf16_matches_torch_cast(kernel_device):
+    g = torch.Generator().manual_seed(0)
+    bf = torch.randn(256, generator=g).to(torch.bfloat16).float()
+    ulp = bf.abs() * 2.0 ** -8
+    hard = torch.cat([
+        bf + ulp / 2,  # exact ties: round to even
+        bf - ulp / 2,
+        bf + ulp * 0.4999, bf + ulp * 0.5001,
+        torch.randn(256, generator=g) * 1e-39,  # FP32 subnormals
+        torch.tensor([3.3895e38, 3.4e38, float("inf"), -float("inf"), 0.0, -0.0, 1.0, -1.0]),
+        torch.randn(1024, generator=g) * 1e4,
+    ])
+    x = hard.to(kernel_device)
+    y = torch.empty_like(x)
+    _round_kernel[(triton.cdiv(x.numel(), 256),)](x, y, x.numel(), BLOCK=256, **kernel_flags(torch.bfloat16))
+    ref = x.to(torch.bfloat16).float()
+    assert torch.equal(y.view(torch.int32), ref.view(torch.int32))
+    # NaN stays NaN
+    nan = torch.full((4,), float("nan"), device=kernel_device)
+    _round_kernel[(1,)](nan, y, 4, BLOCK=256, **kernel_flags(torch.bfloat16))
+    assert torch.isnan(y[:4]).all()
