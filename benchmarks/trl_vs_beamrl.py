@@ -12,7 +12,7 @@ length, temperature, number of steps, lr (constant), Adam, grad clip, eps-clip, 
   so that the total matches tiny Beam's), a plain torch SFT loop, then trl.GRPOTrainer.
 
     bash benchmarks/trl_env.sh
-    .venv/bin/python benchmarks/trl_vs_beamrl.py --steps 40 --sft-steps 150 --out runs/trl_vs_beamrl
+    .venv/bin/python benchmarks/trl_vs_beamrl.py --steps 100 --sft-steps 8 --out runs/trl_vs_beamrl_sft8
 
 Prints one table (framework | params | SFT s | GRPO s/step | reward first/last 20% | total wall s) and writes
 results.json to --out. CPU timings of one run on a shared machine are ratios, not absolutes.
@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -207,19 +208,28 @@ def _run_logged(cmd: list[str], log_path: Path, timeout_s: float, env: dict | No
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 env=env, start_new_session=True)
+        expired = threading.Event()
+
+        def kill() -> None:  # the side runs in its own session: this ends its Ray workers too
+            expired.set()
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+        watchdog = threading.Timer(timeout_s, kill)  # fires even when the side hangs without output
+        watchdog.start()
         try:
-            for line in proc.stdout:  # progress output; the deadline is checked per line and by wait()
+            for line in proc.stdout:  # progress output
                 log.write(line)
                 if "Warning" not in line and "warnings.warn" not in line:
                     print(line.rstrip() if line.startswith(tag) else f"{tag} {line.rstrip()}", flush=True)
-                if time.perf_counter() - t0 > timeout_s:
-                    raise subprocess.TimeoutExpired(cmd, timeout_s)
-            rc = proc.wait(timeout=max(1.0, timeout_s - (time.perf_counter() - t0)))
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)  # its own session: ends the side's Ray workers too
-            proc.wait()
-            print(f"{tag} timed out after {timeout_s:.0f} s", flush=True)
-            rc = 124
+            rc = proc.wait()
+        finally:
+            watchdog.cancel()
+    if expired.is_set():
+        print(f"{tag} killed after the {timeout_s:.0f} s limit (--timeout-s)", flush=True)
+        rc = 124
     return rc, time.perf_counter() - t0
 
 
@@ -286,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     s = settings_from_recipe(recipe, args.steps, args.sft_steps, vocab, beam_tiny_params(len(vocab)),
                              args.trl_threads, args.trl_init)
     args.out.mkdir(parents=True, exist_ok=True)
+    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     load = LoadSampler()
     load.start()
     rows, errors = [], {}
@@ -299,7 +310,8 @@ def main(argv: list[str] | None = None) -> int:
             errors[name] = str(e)
             print(f"{name} FAILED: {e}", file=sys.stderr, flush=True)
     load_stats = load.stop()
-    result = {"date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu_count": os.cpu_count(),
+    result = {"started_utc": started, "finished_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+              "cpu_count": os.cpu_count(),
               "loadavg_1min_during_run": load_stats, "command": " ".join([sys.executable, *sys.argv]),
               "settings": asdict(s), "rows": rows, "errors": errors}
     (args.out / "results.json").write_text(json.dumps(result, indent=2) + "\n")

@@ -18,9 +18,10 @@ This module is one of the two places in beamrl allowed to patch third-party code
    engine (`srt/utils/common.py:is_cpu`), read when SGLang decides the device.
 
 Spawned SGLang processes (scheduler, detokenizer) start fresh interpreters, so in-process import hooks do not
-reach them. `activate()` therefore prepends `beamrl/compat/_sglang_cpu_boot` to `PYTHONPATH`; that folder's
-`sitecustomize.py` calls `activate()` again at the child's interpreter start-up. An HTTP server subprocess gets
-the same through `child_env()`.
+reach them. While an in-process engine starts, `spawn_env()` prepends `beamrl/compat/_sglang_cpu_boot` to
+`PYTHONPATH` (restored afterwards, so unrelated subprocesses are unaffected); that folder's `sitecustomize.py`
+calls `activate()` again at the child's interpreter start-up. An HTTP server subprocess gets the same through
+`child_env()`.
 
 `activate()` raises `SglangCpuCompatError` when CUDA is available: the shims would hide real kernels.
 """
@@ -33,7 +34,9 @@ import importlib.util
 import os
 import sys
 import types
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 BOOT_DIR = Path(__file__).resolve().parent / "_sglang_cpu_boot"
 _HOST_POOL_MODULE = "sglang.srt.mem_cache.pool_host.common"
@@ -206,5 +209,21 @@ def activate() -> None:
             raise SglangCpuCompatError(f"{name} was imported before the CPU shims were activated ({mod!r})")
     sys.meta_path.insert(0, _StubFinder())
     sys.meta_path.insert(0, _HostPoolFinder())
-    os.environ.update({k: v for k, v in child_env().items() if k in ("PYTHONPATH", "SGLANG_USE_CPU_ENGINE")})
+    os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
     _active = True
+
+
+@contextmanager
+def spawn_env() -> Iterator[None]:
+    """While active, processes spawned from this one get the shims (boot dir first on PYTHONPATH)."""
+    if not _active:
+        raise SglangCpuCompatError("spawn_env() needs activate() first")
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = child_env()["PYTHONPATH"]
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = saved

@@ -255,19 +255,13 @@ class RLDriver:
         a = r.algorithm
         t0 = time.perf_counter()
         micro = self._micro_batches(rollouts)
-        diffs, ents, kls, toks = [], [], [], 0.0
-        for mb in micro:
-            res = self.trainer.compute_logprobs(mb, r.rollout.temperature, self.replay, return_entropy=True)
-            mb.fields["old_logprobs"] = res.logprobs.detach().float()
-            mask = mb.loss_mask > 0
-            diffs.append((res.logprobs - mb.fields["rollout_logprobs"]).abs()[mask].sum().item())
-            if res.entropy is not None:
-                ents.append((res.entropy * mb.loss_mask).sum().item())
-            toks += float(mask.sum())
-            if self.reference is not None:
+        kls, toks = [], float(sum(mb.num_loss_tokens for mb in micro))
+        if self.reference is not None:  # the only extra forward: old logprobs come from the train forward itself
+            for mb in micro:
                 ref = self.reference.compute_logprobs(mb, r.rollout.temperature, self.replay)
                 mb.fields["ref_logprobs"] = ref.logprobs.detach().float()
-                kl = token_kl(mb.fields["old_logprobs"], mb.fields["ref_logprobs"],
+                cur = self.trainer.compute_logprobs(mb, r.rollout.temperature, self.replay)
+                kl = token_kl(cur.logprobs, mb.fields["ref_logprobs"],
                               KLConfig(coef=a.kl.coef, estimator=a.kl.estimator))
                 kls.append((kl * mb.loss_mask).sum().item())
         logprob_s = time.perf_counter() - t0
@@ -286,9 +280,9 @@ class RLDriver:
         result = self.trainer.train_step(micro, PolicyLoss(a.loss, cfg, normalizer, toks), self.replay)
         train_s = time.perf_counter() - t1
         out = {f"train/{k}": float(v) for k, v in result.as_dict().items()}
-        out["train_rollout_logprob_abs_diff"] = sum(diffs) / max(toks, 1.0)
-        if ents:
-            out["entropy"] = sum(ents) / max(toks, 1.0)
+        for key in ("train_rollout_logprob_abs_diff", "entropy"):
+            if f"train/{key}" in out:
+                out[key] = out.pop(f"train/{key}")
         out.update({"time/logprob_s": logprob_s, "time/train_s": train_s,
                     "throughput/train_tokens_per_s": float(sum(mb.num_tokens for mb in micro)) / max(train_s, 1e-9)})
         if kls:

@@ -30,8 +30,11 @@ class PolicyLoss:
     def __call__(self, logprobs: torch.Tensor, entropy: torch.Tensor | None, batch: PackedBatch):
         f = batch.fields
         mask = batch.loss_mask > 0
+        # One optimizer step per rollout batch: the policy that sampled-then-was-recomputed is the policy of this
+        # forward, so pi_old = pi_theta detached (ratio 1, as TRL and verl do); no separate logprob pass.
+        old = f["old_logprobs"].to(logprobs.dtype) if "old_logprobs" in f else logprobs.detach()
         inputs = LossInputs(
-            logprobs=logprobs, old_logprobs=f["old_logprobs"].to(logprobs.dtype),
+            logprobs=logprobs, old_logprobs=old,
             advantages=f["advantages"].to(logprobs.dtype), loss_mask=mask, seq_ids=_local_seq_ids(batch),
             rollout_logprobs=f.get("rollout_logprobs"), ref_logprobs=f.get("ref_logprobs"),
             normalizer=self.normalizer)
@@ -41,6 +44,9 @@ class PolicyLoss:
         metrics = {k: torch.as_tensor(v, dtype=torch.float32).detach() * share for k, v in out.metrics.items()}
         if entropy is not None:
             metrics["entropy"] = (entropy.detach().float() * mask).sum() / max(self.total_loss_tokens, 1.0)
+        if "rollout_logprobs" in f:
+            diff = (old.detach().float() - f["rollout_logprobs"].float()).abs()
+            metrics["train_rollout_logprob_abs_diff"] = (diff * mask).sum() / max(self.total_loss_tokens, 1.0)
         return out.loss, metrics
 
 

@@ -30,7 +30,7 @@ micro-batches and data-parallel ranks, without any further division; gradients a
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol

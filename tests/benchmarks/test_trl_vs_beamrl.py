@@ -91,3 +91,10 @@ def test_parse_sft_seconds_reads_beamrl_log():
            "[beamrl] SFT step 20/20: nll 1.1303 (41 s)\n[beamrl] rollout: ready\n")
     assert bench.parse_sft_seconds(log) == (41.0, 1.1303)
     assert bench.parse_sft_seconds("no sft here") == (None, None)
+
+
+def test_run_logged_kills_a_silent_side_at_its_limit(tmp_path):
+    # A side that hangs without printing must still end at --timeout-s (the watchdog, not the output loop).
+    rc, wall = bench._run_logged(["bash", "-c", "echo started; sleep 60"], tmp_path / "side" / "stdout.log", 1.0)
+    assert rc == 124 and wall < 30
+    assert (tmp_path / "side" / "stdout.log").read_text() == "started\n"

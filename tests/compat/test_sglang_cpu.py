@@ -61,3 +61,13 @@ def test_spawned_interpreter_gets_the_shims_through_sitecustomize():
                          timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().endswith("ok")
+
+
+def test_spawn_env_is_scoped(monkeypatch):
+    sglang_cpu.activate()
+    monkeypatch.setenv("PYTHONPATH", "/x")
+    with sglang_cpu.spawn_env():
+        import os
+
+        assert os.environ["PYTHONPATH"].split(":")[0] == str(sglang_cpu.BOOT_DIR)
+    assert os.environ["PYTHONPATH"] == "/x"

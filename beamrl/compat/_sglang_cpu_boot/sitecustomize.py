@@ -1,15 +1,15 @@
 """Interpreter start-up hook for SGLang processes spawned by a beamrl process running SGLang on CPU.
 
-`beamrl.compat.sglang_cpu.activate()` puts this folder first on PYTHONPATH; Python imports `sitecustomize` at
-start-up, so every spawned scheduler/detokenizer (fresh interpreters) installs the same CPU shims before it
-imports sglang. A `sitecustomize` that this one shadows is still run afterwards.
+`beamrl.compat.sglang_cpu.spawn_env()` / `child_env()` put this folder first on PYTHONPATH; Python imports
+`sitecustomize` at start-up, so every spawned scheduler/detokenizer (a fresh interpreter) installs the same CPU
+shims before it imports sglang. A `sitecustomize` that this one shadows is still run afterwards.
 """
 
 import importlib.util
 import os
 import sys
 
-from beamrl.compat.sglang_cpu import BOOT_DIR, activate
+from beamrl.compat.sglang_cpu import activate
 
 activate()
 
@@ -24,4 +24,3 @@ for _entry in sys.path:
         _module = importlib.util.module_from_spec(_spec)
         _spec.loader.exec_module(_module)
         break
-del BOOT_DIR

@@ -103,7 +103,7 @@ class SGLangEngine(RolloutEngine, WeightReceiver):
 
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         t0 = time.monotonic()
-        with _stderr_to(self.log_path):
+        with _stderr_to(self.log_path), _spawn_env(self.config.device):
             thread = threading.Thread(target=launch, name="sglang-engine-owner", daemon=True)
             thread.start()
             started.wait(self.start_timeout)
@@ -382,6 +382,18 @@ class SGLangEngine(RolloutEngine, WeightReceiver):
                 self._in_session = False
             raise
         self.end_weight_update(new_version, timeout)
+
+
+@contextmanager
+def _spawn_env(device: str) -> Iterator[None]:
+    """On CPU, SGLang's spawned processes need the compat shims (beamrl.compat.sglang_cpu.spawn_env)."""
+    if device != "cpu":
+        yield
+        return
+    from beamrl.compat.sglang_cpu import spawn_env
+
+    with spawn_env():
+        yield
 
 
 @contextmanager

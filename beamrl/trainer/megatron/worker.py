@@ -12,7 +12,6 @@ All ranks must make the same calls in the same order. Each data-parallel rank pa
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,7 +55,7 @@ class OptimizerSettings:
             raise TrainerConfigError(f"OptimizerSettings.min_lr={self.min_lr!r} must be in [0, lr={self.lr}]")
         if self.clip_grad < 0:
             raise TrainerConfigError(f"OptimizerSettings.clip_grad={self.clip_grad!r} must be >= 0 (0 = off)")
-        if self.warmup_steps < 0 or self.decay_steps < 1 or self.warmup_steps > self.decay_steps + self.warmup_steps:
+        if self.warmup_steps < 0 or self.decay_steps < 1:
             raise TrainerConfigError("OptimizerSettings: warmup_steps must be >= 0 and decay_steps >= 1")
         if self.decay_style not in ("constant", "linear", "cosine"):
             raise TrainerConfigError(f"OptimizerSettings.decay_style={self.decay_style!r}; allowed: constant, "
