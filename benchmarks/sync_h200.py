@@ -134,14 +134,18 @@ def raw_broadcast_gbps(transport, engine: HostedEngine, nbytes: int, iters: int,
     buf = torch.empty(nbytes, dtype=torch.uint8, device=transport.device)
     group, pg = transport.group_name, transport._pg
 
-    def trainer_side() -> None:
-        for _ in range(iters):
-            broadcast_from_rank0(pg, buf)
+    def both(n: int) -> None:
+        def trainer_side() -> None:
+            for _ in range(n):
+                broadcast_from_rank0(pg, buf)
 
+        run_concurrently("raw broadcast", [
+            (engine.name, lambda: engine.call("raw_broadcast_recv", group, nbytes, n, timeout=timeout)),
+            ("trainer", trainer_side)], timeout)
+
+    both(1)  # warm-up: the first NCCL op on a communicator sets up its channels
     t0 = time.perf_counter()
-    run_concurrently("raw broadcast", [
-        (engine.name, lambda: engine.call("raw_broadcast_recv", group, nbytes, iters, timeout=timeout)),
-        ("trainer", trainer_side)], timeout)
+    both(iters)
     return nbytes * iters / (time.perf_counter() - t0) / 1e9
 
 

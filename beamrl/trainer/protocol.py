@@ -117,6 +117,14 @@ class PackedBatch:
         packed_routes = None if routes is None else torch.cat([torch.as_tensor(r) for r in routes])
         return cls(torch.cat(toks), cu, mask, packed_fields, packed_routes)
 
+    def to(self, device: torch.device | str) -> "PackedBatch":
+        """This batch with every tensor on `device` (the loss function sees its fields where the logprobs are)."""
+        if self.tokens.device == torch.device(device):
+            return self
+        return PackedBatch(self.tokens.to(device), self.cu_seqlens.to(device), self.loss_mask.to(device),
+                           {k: v.to(device) for k, v in self.fields.items()},
+                           None if self.routes is None else self.routes.to(device))
+
     def sequences(self) -> list[torch.Tensor]:
         """The token ids of each sequence."""
         return [self.tokens[a:b] for a, b in zip(self.cu_seqlens[:-1].tolist(), self.cu_seqlens[1:].tolist())]

@@ -23,7 +23,9 @@ from beamrl.sync.protocol import WeightSyncError
 
 from .fake_engine import FakeEngine
 
-ENGINES = ["sglang", "sglang-http", "native", "fake"]
+# The SGLang engines take ~20-25 s to start on an idle 2-core machine (minutes when it is loaded): slow.
+ENGINES = [pytest.param("sglang", marks=pytest.mark.slow), pytest.param("sglang-http", marks=pytest.mark.slow),
+           "native", "fake"]
 T = 180.0  # generous call timeout: the CPU is shared
 # Engines whose logprobs come from a real Beam forward (the fake's are pseudo-random).
 REAL_NUMERICS = {"sglang", "sglang-http", "native"}

@@ -93,7 +93,7 @@ def _loss_func(spec: LogitsSpec, output_fn: OutputFn, mb: MicroBatch, logits: to
                                       spec.vocab_start, spec.return_entropy)
     lp = mb.thd.to_tokens(lp)
     ent = None if ent is None else mb.thd.to_tokens(ent)
-    loss, collected = output_fn(lp, ent, mb.source)
+    loss, collected = output_fn(lp, ent, mb.source.to(lp.device))
     if not torch.is_tensor(loss) or loss.dim() != 0:
         raise TypeError(f"the loss function must return a scalar tensor as its loss, got {type(loss).__name__} "
                         f"{getattr(loss, 'shape', '')}")
