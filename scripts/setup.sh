@@ -7,7 +7,8 @@ PY=${PYTHON:-python3}
 VENV=.venv
 STAMP=$VENV/.beamrl-setup-v3
 if [ -f "$STAMP" ] && [ "${BEAMRL_SETUP_FORCE:-0}" != 1 ]; then
-  "$VENV/bin/python" -m pip install -q --no-deps --no-build-isolation -e . >/dev/null
+  "$VENV/bin/python" -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || {
+    echo "setup: re-installing beamrl (editable) failed" >&2; exit 1; }
   echo "setup: $VENV is up to date ($STAMP)"; exit 0
 fi
 echo "setup: creating $VENV with $($PY --version)"

@@ -14,7 +14,7 @@ import torch
 
 @dataclass(frozen=True)
 class TrainerRankSpec:
-    """What a trainer rank needs to join its job."""
+    """What a trainer rank needs to join its job (the rendezvous is rank 0's node, found at start-up)."""
 
     rank: int
     world_size: int
@@ -25,27 +25,44 @@ class TrainerRankSpec:
 
 @ray.remote
 class TrainerActor:
-    """One Megatron trainer rank (`beamrl.trainer.megatron.MegatronTrainer`)."""
+    """One Megatron trainer rank (`beamrl.trainer.megatron.MegatronTrainer`). Created first, then `start`ed
+    once rank 0's node address is known, so ranks on other nodes can reach the rendezvous."""
 
-    def __init__(self, spec: TrainerRankSpec, trainer_config, hf_checkpoint: str | None):
+    def __init__(self, num_threads: int = 1):
+        torch.set_num_threads(num_threads)
+        self.trainer = None
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        """This node's address and a free port on it (asked of rank 0)."""
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def start(self, spec: TrainerRankSpec, trainer_config, hf_checkpoint: str | None) -> bool:
         os.environ.update(RANK=str(spec.rank), WORLD_SIZE=str(spec.world_size), LOCAL_RANK="0",
                           MASTER_ADDR=spec.master_addr, MASTER_PORT=str(spec.master_port))
-        torch.set_num_threads(spec.num_threads)
         from beamrl.trainer.megatron.worker import MegatronTrainer
 
         self.rank = spec.rank
         self.trainer = MegatronTrainer(trainer_config, hf_checkpoint=hf_checkpoint)
-
-    def ready(self) -> bool:
         return True
+
+    def data_parallel_rank(self) -> tuple[int, int]:
+        """(dp rank, dp size) of this rank: which share of a step's micro-batches it trains on."""
+        from megatron.core import parallel_state as ps
+
+        return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
 
     def compute_logprobs(self, batch, temperature: float, return_entropy: bool, replay: bool):
         self.trainer.set_routing_replay(replay)
         return self.trainer.compute_logprobs(batch, temperature=temperature, return_entropy=return_entropy)
 
-    def train_step(self, micro_batches, loss_fn, replay: bool):
+    def train_step(self, micro_batches, loss_fn, replay: bool, temperature: float = 1.0):
         self.trainer.set_routing_replay(replay)
-        return self.trainer.train_step(micro_batches, loss_fn)
+        return self.trainer.train_step(micro_batches, loss_fn, temperature=temperature)
 
     def save_checkpoint(self, directory: str) -> str:
         return str(self.trainer.save_checkpoint(directory))
@@ -53,12 +70,12 @@ class TrainerActor:
     def load_checkpoint(self, directory: str) -> None:
         self.trainer.load_checkpoint(directory)
 
-    def sync_weights(self, receivers: list, engine_names: list[str], version: int, transport: str,
-                     bucket_bytes: int, timeout: float, progress: bool = False):
+    def sync_weights(self, receivers: list, engine_names: list[str], engine_tp: list[int], version: int,
+                     transport: str, bucket_bytes: int, timeout: float, progress: bool = False):
         """Collective over trainer ranks: every rank streams the HF export; rank 0 ships the buckets."""
         from beamrl.loop.weight_sync import push_weights
 
-        return push_weights(self.trainer, self.rank, receivers, engine_names, version, transport,
+        return push_weights(self.trainer, self.rank, receivers, engine_names, engine_tp, version, transport,
                             bucket_bytes, timeout, progress)
 
     def export_hf_checkpoint(self, out_dir: str, bucket_bytes: int) -> str | None:
@@ -80,6 +97,9 @@ class EngineActor:
 
     def ready(self) -> bool:
         return True
+
+    def tp_size(self) -> int:
+        return self.engine.tp_size
 
     def call(self, method: str, *args, **kwargs):
         """Forward one protocol call (`generate`, `score`, `health`, `begin_weight_update`, ...)."""

@@ -46,7 +46,9 @@ def trainer_config(recipe, config: BeamConfig, lr: float | None = None):
     parallel = ParallelConfig(tp=t.tp, sp=t.sp, ep=t.ep, etp=t.expert_tp, pp=t.pp, vpp=t.vpp)
     opt = OptimizerSettings(lr=lr if lr is not None else t.lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1,
                             adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, clip_grad=t.grad_clip,
-                            use_distributed_optimizer=t.distributed_optimizer)
+                            use_distributed_optimizer=t.distributed_optimizer,
+                            cpu_offload_fraction=t.optimizer_offload_fraction,
+                            grad_reduce_in_fp32=t.main_grads_dtype == "fp32")
     seed = t.seed if t.seed is not None else recipe.run.seed
     return TrainerConfig(model=config, parallel=parallel, optimizer=opt, dtype=recipe.model.dtype, seed=seed,
                          use_fused_kernels=t.use_fused_kernels, recompute=t.recompute == "full",
@@ -96,6 +98,7 @@ class SGLangEngineFactory:
             dtype=self.dtype, device="cuda", attention_backend=r["attention_backend"],
             enable_return_routed_experts=bool(r["return_routed_experts"]),
             enable_deterministic_inference=r["deterministic"], swa_full_tokens_ratio=r["swa_full_tokens_ratio"],
+            enable_memory_saver=bool(r["memory_saver"]),
             random_seed=self.seed, port=self.port, extra_args=dict(r["server_args"]))
 
     def __call__(self):
@@ -111,7 +114,9 @@ class SGLangEngineFactory:
 def engine_factories(recipe, checkpoint: str, return_routes: bool) -> list:
     r = recipe.rollout
     device = "cpu" if recipe.cluster.device == "cpu" else "cuda"
-    rollout = dict(r.model_dump(mode="json"), return_routed_experts=return_routes)
+    # Colocated GPU engines release weights / KV cache while the trainer runs (needs SGLang's memory saver).
+    rollout = dict(r.model_dump(mode="json"), return_routed_experts=return_routes,
+                   memory_saver=recipe.placement.mode == "colocated" and device == "cuda")
     out = []
     for i in range(r.num_engines):
         name = f"{r.engine}-{i}"

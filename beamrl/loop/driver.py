@@ -17,7 +17,7 @@ from beamrl.algorithms import ImportanceConfig, KLConfig, PolicyLossConfig, loss
 from beamrl.loop import components, step as S
 from beamrl.loop.groups import EngineGroup, TrainerGroup
 from beamrl.loop.losses import PolicyLoss, SFTLoss
-from beamrl.loop.ray_utils import connect_cluster_ray, free_port, init_local_ray
+from beamrl.loop.ray_utils import connect_cluster_ray, init_local_ray
 from beamrl.loop.rollouts import build_packed_batch, split_micro_batches
 from beamrl.loop.run_state import latest_checkpoint, load_driver_state, save_driver_state
 from beamrl.trainer.protocol import PackedBatch
@@ -41,6 +41,7 @@ class RLDriver:
         self.rewards = None
         self.logger = None
         self.version = 0
+        self._data_state_at: dict[int, dict] = {}
         self._ray_started = False
         self._ray_tmp: Path | None = None
 
@@ -52,17 +53,16 @@ class RLDriver:
         self.close()
 
     def close(self) -> None:
-        for name in ("engines", "trainer", "reference"):
-            group = getattr(self, name)
-            if group is not None:
-                group.shutdown()
-                setattr(self, name, None)
-        if self.rewards is not None:
-            self.rewards.close()
-            self.rewards = None
-        if self.logger is not None:
-            self.logger.close()
-            self.logger = None
+        """Release everything, each piece on its own: one failing teardown must not leak the others."""
+        for name in ("engines", "trainer", "reference", "rewards", "logger"):
+            obj = getattr(self, name)
+            if obj is None:
+                continue
+            setattr(self, name, None)
+            try:
+                obj.shutdown() if hasattr(obj, "shutdown") else obj.close()
+            except Exception as e:  # noqa: BLE001 - report and go on releasing the rest
+                _log(f"warning: closing {name} failed: {type(e).__name__}: {e}")
         if self._ray_started:
             import ray
 
@@ -76,19 +76,36 @@ class RLDriver:
     def cpu(self) -> bool:
         return self.recipe.cluster.device == "cpu"
 
-    def _actor_options(self, n: int) -> list[dict]:
-        # CPU: one core-slot per actor. GPU: one GPU per trainer rank; engines get their TP GPUs (disaggregated)
-        # or a fraction of the trainer's (colocated). The cluster (launch/) provides the GPUs.
+    # GPU shares when actors share a GPU: policy rank + reference rank + colocated engine <= 1.
+    _POLICY_SHARE, _REFERENCE_SHARE, _ENGINE_SHARE = 0.6, 0.2, 0.2
+
+    def _actor_options(self, n: int, reference: bool = False) -> list[dict]:
+        # CPU: one core-slot per actor. GPU: a trainer rank per GPU; the KL reference ranks and colocated
+        # engines share those GPUs. The cluster (launch/) provides the GPUs.
         if self.cpu:
             return [{"num_cpus": 1} for _ in range(n)]
-        return [{"num_cpus": 1, "num_gpus": 1} for _ in range(n)]
+        share = self._REFERENCE_SHARE if reference else self._POLICY_SHARE
+        return [{"num_cpus": 1, "num_gpus": share} for _ in range(n)]
 
     def _engine_options(self, n: int) -> list[dict]:
         if self.cpu:
             return [{"num_cpus": 1} for _ in range(n)]
         r = self.recipe
-        gpus = 0.2 if r.placement.mode == "colocated" else r.rollout.engine_tp
+        gpus = self._ENGINE_SHARE if r.placement.mode == "colocated" else r.rollout.engine_tp
         return [{"num_cpus": 1, "num_gpus": gpus} for _ in range(n)]
+
+    def _check_launchable(self) -> None:
+        """Layouts that `--dry-run` plans but this loop cannot launch yet fail here, by name, before any actor."""
+        r = self.recipe
+        if self.cpu:
+            return
+        if r.rollout.engine_tp > r.cluster.gpus_per_node:
+            raise NotImplementedError(
+                f"rollout.engine_tp={r.rollout.engine_tp} spans several nodes (cluster.gpus_per_node="
+                f"{r.cluster.gpus_per_node}); beamrl does not launch multi-node SGLang engines yet (docs/rl-loop.md)")
+        if r.placement.mode == "colocated" and r.rollout.engine_tp != 1:
+            raise NotImplementedError(f"placement.mode=colocated with rollout.engine_tp={r.rollout.engine_tp}: "
+                                      f"colocated GPU engines are launched one GPU each (engine_tp 1) for now")
 
     def _setup(self) -> None:
         r = self.recipe
@@ -125,10 +142,13 @@ class RLDriver:
         self.logger = build_metrics_logger(r, self.out_dir)
 
         n_trainer = r.trainer.num_gpus
+        self._check_launchable()
+        self._staged_memory = r.placement.mode == "colocated" and not self.cpu
         if self.cpu:
             # A private, short temp dir: parallel runs must not share Ray's sockets (and socket paths are short).
             self._ray_tmp = Path(tempfile.mkdtemp(prefix="beamrl-ray-", dir="/tmp"))
-            init_local_ray(num_cpus=n_trainer + r.rollout.num_engines + 2, temp_dir=self._ray_tmp)
+            n_reference = n_trainer if r.algorithm.kl.reference else 0
+            init_local_ray(num_cpus=n_trainer + n_reference + r.rollout.num_engines + 2, temp_dir=self._ray_tmp)
         else:
             connect_cluster_ray()
         self._ray_started = True
@@ -137,11 +157,11 @@ class RLDriver:
         self.return_routes = bool(r.rollout.return_routed_experts if r.rollout.return_routed_experts is not None
                                   else self.replay)
 
-    def _start_trainer(self, hf_checkpoint: str, lr: float | None = None) -> TrainerGroup:
+    def _start_trainer(self, hf_checkpoint: str, lr: float | None = None, reference: bool = False) -> TrainerGroup:
         r = self.recipe
         t0 = time.perf_counter()
         group = TrainerGroup(components.trainer_config(r, self.config, lr), hf_checkpoint, r.trainer.num_gpus,
-                             free_port(), r.timeouts.train_step_s, self._actor_options(r.trainer.num_gpus))
+                             r.timeouts.train_step_s, self._actor_options(r.trainer.num_gpus, reference))
         _log(f"trainer: {r.trainer.num_gpus} Megatron rank(s) ready in {time.perf_counter() - t0:.1f} s")
         return group
 
@@ -162,8 +182,10 @@ class RLDriver:
         if resume_dir is None and r.sft is not None:
             policy_ckpt = self._sft_warm_start()
         self.trainer = self._start_trainer(policy_ckpt)
-        if r.algorithm.kl.reference:
-            self.reference = self._start_trainer(policy_ckpt)
+        if r.algorithm.kl.reference:  # the reference is the policy's starting point (after SFT, also on resume)
+            sft_ckpt = self.out_dir / "sft_checkpoint"
+            ref_ckpt = str(sft_ckpt) if r.sft is not None and (sft_ckpt / "config.json").exists() else policy_ckpt
+            self.reference = self._start_trainer(ref_ckpt, reference=True)
         self._start_engines(policy_ckpt)
         if resume_dir is not None:
             self.trainer.load_checkpoint(str(resume_dir / "trainer"))
@@ -183,11 +205,18 @@ class RLDriver:
             pending = None
             if r.placement.off_policy_steps == 1 and step + 1 < r.run.num_steps:
                 pending = self._start_rollout(step + 1)  # overlaps the train step below
+            staged = self._staged_memory
+            if staged:  # colocated GPU: the engines give their memory to training (anchors' staged order)
+                self.engines.call_all("release_memory", r.timeouts.sync_s, None)
             metrics.update(self._train(rollouts))
             if pending is not None:
                 # Engines must be idle to update: collect the overlapped rollout first (it used version k).
                 pending = ("done", self._finish_rollout(pending, step + 1))
+            if staged:
+                self.engines.call_all("resume_memory", r.timeouts.sync_s, ["weights"])
             metrics.update(self._sync(step + 1))
+            if staged:  # KV cache last, to keep the peak low during the weight update
+                self.engines.call_all("resume_memory", r.timeouts.sync_s, ["kv_cache", "cuda_graph"])
             metrics["time/step_s"] = time.perf_counter() - t_step
             self.logger.log(step, metrics)
             if r.checkpoint.every_n_steps and (step + 1) % r.checkpoint.every_n_steps == 0 and step + 1 < r.run.num_steps:
@@ -197,7 +226,9 @@ class RLDriver:
 
     # ------------------------------------------------------------------------------------------ pieces
     def _start_rollout(self, step: int):
-        groups = None
+        # The data position before this step's prompts: a checkpoint taken while this rollout is in flight
+        # must resume *before* it, or its prompts would be skipped.
+        self._data_state_at[step] = self.data.state_dict()
         prompts = self.data.next_batch(self.recipe.rollout.prompts_per_step)
         groups = S.make_requests(prompts, self.recipe, step, 0, self.stop_ids, self.return_routes)
         t0 = time.perf_counter()
@@ -209,9 +240,10 @@ class RLDriver:
         _, prompts, handle, t0, _ = pending
         r = self.recipe
         results = self.engines.collect(handle)
-        rollouts = S.to_rollouts(prompts, results, 0)
+        rollouts, n_aborted = S.drop_aborted(S.to_rollouts(prompts, results, 0))
         gen_s = time.perf_counter() - t0
         metrics = S.score(rollouts, self.tokenizer, self.rewards, r.timeouts.reward_s)
+        metrics["rollout/aborted_groups"] = float(n_aborted)
         metrics["reward/mean"] = sum(x.raw_reward for x in rollouts) / len(rollouts)
         metrics.update(S.rollout_metrics(rollouts, r.rollout.max_new_tokens))
         if r.algorithm.dynamic_sampling.enabled:
@@ -235,7 +267,8 @@ class RLDriver:
                 break
             more = self.data.next_batch(max(1, res.suggested_num_prompts))
             groups = S.make_requests(more, r, step, round_, self.stop_ids, self.return_routes)
-            extra = S.to_rollouts(more, self.engines.generate(groups, r.timeouts.generate_s), next_group)
+            extra, _ = S.drop_aborted(S.to_rollouts(more, self.engines.generate(groups, r.timeouts.generate_s),
+                                                    next_group))
             next_group += len(more)
             S.score(extra, self.tokenizer, self.rewards, r.timeouts.reward_s)
             new, res = S.keep_informative_groups(extra, target, len({x.group for x in kept}))
@@ -246,30 +279,40 @@ class RLDriver:
         return kept, metrics
 
     def _micro_batches(self, rollouts) -> list[PackedBatch]:
+        """Micro-batches of about `micro_batch_size` samples, their number a multiple of the DP size (each DP
+        rank trains on an equal share)."""
         t = self.recipe.trainer
+        dp = self.trainer.dp_size
+        if len(rollouts) < dp:
+            raise ValueError(f"{len(rollouts)} samples left after filtering cannot feed {dp} data-parallel ranks")
         n_micro = max(1, len(rollouts) // t.micro_batch_size)
+        n_micro = max(dp, n_micro - n_micro % dp)
         return [build_packed_batch(chunk, self.config, self.replay) for chunk in split_micro_batches(rollouts, n_micro)]
 
     def _train(self, rollouts) -> dict[str, float]:
+        """Train on one rollout batch in `samples / trainer.global_batch_size` optimizer steps.
+
+        With one step, pi_old is the policy of the train forward itself (no extra pass). With several, the
+        old logprobs of every sample are computed first, before the first update."""
         r = self.recipe
         a = r.algorithm
         t0 = time.perf_counter()
-        micro = self._micro_batches(rollouts)
-        kls, toks = [], float(sum(mb.num_loss_tokens for mb in micro))
-        if self.reference is not None:  # the only extra forward: old logprobs come from the train forward itself
+        n_steps = max(1, len(rollouts) // r.trainer.global_batch_size)
+        chunks = split_micro_batches(rollouts, n_steps)
+        steps = [self._micro_batches(chunk) for chunk in chunks]
+        kls = []
+        for micro in steps:
             for mb in micro:
-                ref = self.reference.compute_logprobs(mb, r.rollout.temperature, self.replay)
-                mb.fields["ref_logprobs"] = ref.logprobs.detach().float()
-                cur = self.trainer.compute_logprobs(mb, r.rollout.temperature, self.replay)
-                kl = token_kl(cur.logprobs, mb.fields["ref_logprobs"],
-                              KLConfig(coef=a.kl.coef, estimator=a.kl.estimator))
-                kls.append((kl * mb.loss_mask).sum().item())
+                if n_steps > 1 or self.reference is not None:
+                    cur = self.trainer.compute_logprobs(mb, r.rollout.temperature, self.replay)
+                    mb.fields["old_logprobs"] = cur.logprobs.detach().float()
+                if self.reference is not None:
+                    ref = self.reference.compute_logprobs(mb, r.rollout.temperature, self.replay)
+                    mb.fields["ref_logprobs"] = ref.logprobs.detach().float()
+                    kl = token_kl(mb.fields["old_logprobs"], mb.fields["ref_logprobs"],
+                                  KLConfig(coef=a.kl.coef, estimator=a.kl.estimator))
+                    kls.append((kl * mb.loss_mask).sum().item())
         logprob_s = time.perf_counter() - t0
-        all_mask = torch.cat([mb.loss_mask for mb in micro])
-        all_seq = torch.cat([torch.repeat_interleave(torch.arange(mb.num_sequences) + 10**6 * i,
-                                                     mb.cu_seqlens[1:] - mb.cu_seqlens[:-1])
-                             for i, mb in enumerate(micro)])
-        normalizer = loss_normalizer(all_mask > 0, all_seq, a.loss_agg)
         imp = None
         if a.importance.mode != "none":
             knobs = {k: getattr(a.importance, k) for k in ("cap", "lo", "hi") if getattr(a.importance, k) is not None}
@@ -277,16 +320,31 @@ class RLDriver:
         cfg = PolicyLossConfig(eps_low=a.eps_clip_low, eps_high=a.eps_clip_high, aggregation=a.loss_agg,
                                importance=imp, kl=KLConfig(coef=a.kl.coef, estimator=a.kl.estimator))
         t1 = time.perf_counter()
-        result = self.trainer.train_step(micro, PolicyLoss(a.loss, cfg, normalizer, toks), self.replay)
+        sums: dict[str, float] = {}
+        all_toks = 0.0
+        for micro in steps:
+            toks = float(sum(mb.num_loss_tokens for mb in micro))
+            all_toks += toks
+            all_mask = torch.cat([mb.loss_mask for mb in micro])
+            all_seq = torch.cat([torch.repeat_interleave(torch.arange(mb.num_sequences) + 10**6 * i,
+                                                         mb.cu_seqlens[1:] - mb.cu_seqlens[:-1])
+                                 for i, mb in enumerate(micro)])
+            normalizer = loss_normalizer(all_mask > 0, all_seq, a.loss_agg)
+            result = self.trainer.train_step(micro, PolicyLoss(a.loss, cfg, normalizer, toks), self.replay,
+                                             temperature=r.rollout.temperature)
+            for k, v in result.as_dict().items():
+                sums[k] = sums.get(k, 0.0) + float(v)
         train_s = time.perf_counter() - t1
-        out = {f"train/{k}": float(v) for k, v in result.as_dict().items()}
+        out = {f"train/{k}": v / len(steps) for k, v in sums.items()}  # mean over this rollout's steps
+        out["train/optimizer_steps"] = float(len(steps))
         for key in ("train_rollout_logprob_abs_diff", "entropy"):
             if f"train/{key}" in out:
                 out[key] = out.pop(f"train/{key}")
+        n_tokens = float(sum(mb.num_tokens for micro in steps for mb in micro))
         out.update({"time/logprob_s": logprob_s, "time/train_s": train_s,
-                    "throughput/train_tokens_per_s": float(sum(mb.num_tokens for mb in micro)) / max(train_s, 1e-9)})
+                    "throughput/train_tokens_per_s": n_tokens / max(train_s, 1e-9)})
         if kls:
-            out["kl"] = sum(kls) / max(toks, 1.0)
+            out["kl"] = sum(kls) / max(all_toks, 1.0)
         return out
 
     def _sync(self, version: int) -> dict[str, float]:
@@ -307,14 +365,15 @@ class RLDriver:
         """Engine prompt logprobs vs trainer logprobs on fixed probe sequences, free routing on both sides."""
         eos = int(self.tokenizer.eos_token_id)
         probe = [list(p.prompt_ids) + self.tokenizer.encode(str(p.ground_truth)) + [eos] for p in self.data.samples[:2]]
-        eng = self.engines.score(probe, self.recipe.timeouts.generate_s)
+        scores = self.engines.score(probe, self.recipe.timeouts.generate_s)
         batch = PackedBatch.from_sequences(probe)
         tr = self.trainer.compute_logprobs(batch, 1.0, replay=False).logprobs
         worst = 0.0
-        for i, (a, b) in enumerate(zip(batch.cu_seqlens[:-1].tolist(), batch.cu_seqlens[1:].tolist())):
-            t_lp = tr[a + 1:b]
-            e_lp = torch.tensor(eng[i][-len(t_lp):], dtype=torch.float32)
-            worst = max(worst, float((t_lp - e_lp).abs().max()))
+        for eng in scores.values():  # every engine, so one bad replica cannot hide behind another
+            for i, (a, b) in enumerate(zip(batch.cu_seqlens[:-1].tolist(), batch.cu_seqlens[1:].tolist())):
+                t_lp = tr[a + 1:b]
+                e_lp = torch.tensor(eng[i][-len(t_lp):], dtype=torch.float32)
+                worst = max(worst, float((t_lp - e_lp).abs().max()))
         tol = 1e-3 if self.recipe.model.dtype == "float32" else 0.5
         if worst > tol:
             raise RuntimeError(f"post-sync verification failed: engine vs trainer max |delta logprob| = {worst:.3g} "
@@ -328,7 +387,9 @@ class RLDriver:
             shutil.rmtree(d)
         d.mkdir(parents=True)
         self.trainer.save_checkpoint(str(d / "trainer"))
-        save_driver_state(d, step, self.version, self.data.state_dict())
+        data_state = self._data_state_at.get(step, self.data.state_dict())
+        save_driver_state(d, step, self.version, data_state)
+        self._data_state_at = {k: v for k, v in self._data_state_at.items() if k >= step}
         kept = sorted(self.ckpt_root.glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
         for old in kept[: -self.recipe.checkpoint.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
@@ -397,8 +458,10 @@ class RLDriver:
                     answer = self.tokenizer.encode(str(p.ground_truth)) + [eos]
                     seqs.append(list(p.prompt_ids) + answer)
                     masks.append([0.0] * len(p.prompt_ids) + [1.0] * len(answer))
-                pb = PackedBatch.from_sequences(seqs, loss_masks=masks)
-                res = trainer.train_step([pb], SFTLoss(float(pb.num_loss_tokens)), self.replay and False)
+                shares = split_micro_batches(list(zip(seqs, masks)), trainer.dp_size)
+                pbs = [PackedBatch.from_sequences([x for x, _ in sh], loss_masks=[m for _, m in sh]) for sh in shares]
+                total = float(sum(pb.num_loss_tokens for pb in pbs))
+                res = trainer.train_step(pbs, SFTLoss(total), replay=False)
                 if i % max(1, sft.steps // 10) == 0 or i == sft.steps - 1:
                     _log(f"SFT step {i + 1}/{sft.steps}: nll {res.loss:.4f} ({time.perf_counter() - t0:.0f} s)")
             trainer.export_hf_checkpoint(str(out), r.sync.bucket_mb << 20)

@@ -14,14 +14,17 @@ from beamrl.rollout.protocol import EngineError, GenerateRequest, GenerateResult
 class TrainerGroup:
     """All Megatron ranks of the policy. Every call goes to every rank (SPMD); rank 0's answer is returned."""
 
-    def __init__(self, trainer_config, hf_checkpoint: str, world_size: int, master_port: int, timeout: float,
+    def __init__(self, trainer_config, hf_checkpoint: str, world_size: int, timeout: float,
                  actor_options: list[dict], num_threads: int = 1):
         self.timeout = timeout
-        self.actors = [
-            TrainerActor.options(**actor_options[r]).remote(
-                TrainerRankSpec(r, world_size, "127.0.0.1", master_port, num_threads), trainer_config, hf_checkpoint)
-            for r in range(world_size)]
-        ray_get([a.ready.remote() for a in self.actors], timeout, "trainer start-up (building Megatron ranks)")
+        self.actors = [TrainerActor.options(**actor_options[r]).remote(num_threads) for r in range(world_size)]
+        addr, port = ray_get(self.actors[0].rendezvous_address.remote(), timeout, "trainer rank 0 address")
+        ray_get([a.start.remote(TrainerRankSpec(r, world_size, addr, port, num_threads), trainer_config,
+                                hf_checkpoint) for r, a in enumerate(self.actors)],
+                timeout, "trainer start-up (building Megatron ranks)")
+        dp = ray_get([a.data_parallel_rank.remote() for a in self.actors], timeout, "trainer.data_parallel_rank")
+        self.dp_ranks = [d for d, _ in dp]
+        self.dp_size = dp[0][1]
 
     def _all(self, what: str, timeout: float | None, fn):
         return ray_get([fn(a) for a in self.actors], timeout or self.timeout, f"trainer.{what}")
@@ -30,8 +33,17 @@ class TrainerGroup:
         return self._all("compute_logprobs", None,
                          lambda a: a.compute_logprobs.remote(batch, temperature, return_entropy, replay))[0]
 
-    def train_step(self, micro_batches, loss_fn, replay: bool):
-        return self._all("train_step", None, lambda a: a.train_step.remote(micro_batches, loss_fn, replay))[0]
+    def train_step(self, micro_batches, loss_fn, replay: bool, temperature: float = 1.0):
+        """One optimizer step over the step's micro-batches: data-parallel rank d trains on the d-th contiguous
+        share (ranks of one model-parallel group get the same share). The loss normaliser inside `loss_fn` is
+        the whole step's, so the sum over DP ranks is the full-batch loss."""
+        if len(micro_batches) % self.dp_size:
+            raise ValueError(f"{len(micro_batches)} micro-batches cannot be split evenly over {self.dp_size} "
+                             f"data-parallel ranks")
+        per = len(micro_batches) // self.dp_size
+        shares = [micro_batches[d * per:(d + 1) * per] for d in range(self.dp_size)]
+        return ray_get([a.train_step.remote(shares[d], loss_fn, replay, temperature)
+                        for a, d in zip(self.actors, self.dp_ranks)], self.timeout, "trainer.train_step")[0]
 
     def save_checkpoint(self, directory: str) -> None:
         self._all("save_checkpoint", None, lambda a: a.save_checkpoint.remote(directory))
@@ -42,7 +54,7 @@ class TrainerGroup:
     def sync_weights(self, engines: "EngineGroup", version: int, transport: str, bucket_bytes: int, timeout: float,
                      progress: bool) -> dict:
         out = self._all("sync_weights", timeout * 4, lambda a: a.sync_weights.remote(
-            engines.actors, engines.names, version, transport, bucket_bytes, timeout, progress))
+            engines.actors, engines.names, engines.tp_sizes, version, transport, bucket_bytes, timeout, progress))
         return out[0]
 
     def export_hf_checkpoint(self, out_dir: str, bucket_bytes: int) -> str:
@@ -55,7 +67,10 @@ class TrainerGroup:
                 ray_get(a.shutdown.remote(), 30, "trainer.shutdown")
             except Exception:  # noqa: BLE001 - best effort at teardown, the actor is killed next
                 pass
-            ray.kill(a)
+            try:
+                ray.kill(a)
+            except Exception:  # noqa: BLE001 - Ray itself may already be gone
+                pass
         self.actors = []
 
 
@@ -67,6 +82,7 @@ class EngineGroup:
         self.names = [f.name for f in factories]
         self.actors = [EngineActor.options(**actor_options[i]).remote(f, num_threads) for i, f in enumerate(factories)]
         ray_get([a.ready.remote() for a in self.actors], timeout, "rollout engine start-up")
+        self.tp_sizes = ray_get([a.tp_size.remote() for a in self.actors], timeout, "engines.tp_size")
 
     def generate_async(self, groups: list[list[GenerateRequest]], timeout: float):
         """Submit every group (round-robin over engines) and return a handle for `collect`."""
@@ -100,9 +116,11 @@ class EngineGroup:
     def versions(self) -> list[int]:
         return ray_get([a.weight_version.remote() for a in self.actors], self.timeout, "engines.weight_version")
 
-    def score(self, sequences: list[list[int]], timeout: float) -> list[list[float]]:
-        return ray_get(self.actors[0].call.remote("score", sequences, timeout=timeout), timeout + 30,
-                       f"{self.names[0]}.score")
+    def score(self, sequences: list[list[int]], timeout: float) -> dict[str, list[list[float]]]:
+        """Prompt logprobs of `sequences` on every engine, by engine name."""
+        out = ray_get([a.call.remote("score", sequences, timeout=timeout) for a in self.actors], timeout + 30,
+                      "engines.score")
+        return dict(zip(self.names, out))
 
     def shutdown(self) -> None:
         for a, n in zip(self.actors, self.names):
@@ -110,5 +128,8 @@ class EngineGroup:
                 ray_get(a.shutdown.remote(), 30, f"{n}.shutdown")
             except Exception:  # noqa: BLE001 - best effort at teardown, the actor is killed next
                 pass
-            ray.kill(a)
+            try:
+                ray.kill(a)
+            except Exception:  # noqa: BLE001 - Ray itself may already be gone
+                pass
         self.actors = []

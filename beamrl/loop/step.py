@@ -34,6 +34,17 @@ def to_rollouts(prompts, results: list[list[GenerateResult]], first_group: int) 
             for g, (p, group) in enumerate(zip(prompts, results)) for res in group]
 
 
+def drop_aborted(rollouts: list[Rollout]) -> tuple[list[Rollout], int]:
+    """Drop every group with an aborted or empty sample (its logprobs and routes are incomplete); returns the
+    kept rollouts and the number of dropped groups. A step where every group aborted is an error."""
+    bad = {r.group for r in rollouts if r.result.finish_reason == "abort" or not r.result.output_ids}
+    kept = [r for r in rollouts if r.group not in bad]
+    if rollouts and not kept:
+        raise RuntimeError(f"every one of {len({r.group for r in rollouts})} prompt groups came back aborted or "
+                           f"empty from the engines")
+    return kept, len(bad)
+
+
 def score(rollouts: list[Rollout], tokenizer, reward_manager, timeout: float) -> dict[str, float]:
     """Raw rewards from the plugins (never shaped here); returns the reward metrics."""
     samples = [RewardSample(prompt=r.prompt.prompt, completion=tokenizer.decode(r.result.output_ids),

@@ -3,6 +3,7 @@ the engines through a registered transport, with engines reached as Ray actors (
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -77,8 +78,8 @@ class WeightPusher:
             self.transport.connect(timeout)
             self.connected = True
         nbytes = n = 0
-        self.transport.begin(version, timeout)
         try:
+            self.transport.begin(version, timeout)
             for bucket in bucketize(([(k, v) for k, v in b.tensors.items()] for b in exporter), bucket_bytes):
                 self.transport.send_bucket(bucket, timeout)
                 nbytes += bucket.nbytes
@@ -97,8 +98,25 @@ class WeightPusher:
 _PUSHERS: dict[int, WeightPusher] = {}
 
 
-def push_weights(trainer, rank: int, receivers, engine_names, version: int, transport: str, bucket_bytes: int,
-                 timeout: float, progress: bool) -> dict | None:
+def _transport_kwargs(transport: str, trainer) -> dict:
+    """Where rank 0 packs buckets and, for the update group, the address engines on other nodes dial."""
+    import ray
+
+    device = trainer.device
+    if transport == "distributed":
+        return {"device": device, "master_address": ray.util.get_node_ip_address()}
+    if transport == "colocated":
+        return {"device": device}
+    if transport == "disk":  # engines must see this node's filesystem (same node, or a shared mount)
+        import tempfile
+        from pathlib import Path
+
+        return {"directory": Path(tempfile.gettempdir()) / f"beamrl-sync-{os.getpid()}", "config": trainer.config.model}
+    raise ValueError(f"sync.transport={transport!r} is not a transport the RL loop knows")
+
+
+def push_weights(trainer, rank: int, receivers, engine_names, engine_tp, version: int, transport: str,
+                 bucket_bytes: int, timeout: float, progress: bool) -> dict | None:
     """Run inside a trainer rank. Rank 0 returns the sync report; other ranks return None."""
     exporter = trainer.export_hf(bucket_bytes)
     if rank != 0:
@@ -107,8 +125,8 @@ def push_weights(trainer, rank: int, receivers, engine_names, version: int, tran
         return None
     pusher = _PUSHERS.get(id(trainer))
     if pusher is None:
-        proxies = [ActorReceiver(h, n) for h, n in zip(receivers, engine_names)]
-        pusher = _PUSHERS[id(trainer)] = WeightPusher(transport, proxies, {})
+        proxies = [ActorReceiver(h, n, tp) for h, n, tp in zip(receivers, engine_names, engine_tp)]
+        pusher = _PUSHERS[id(trainer)] = WeightPusher(transport, proxies, _transport_kwargs(transport, trainer))
     return pusher.push(exporter, version, bucket_bytes, timeout, progress)
 
 

@@ -190,8 +190,10 @@ class TrainerWorker(abc.ABC):
         `routes` (or `batch.routes`) replays the engine's routing (R3); otherwise the model routes itself."""
 
     @abc.abstractmethod
-    def train_step(self, micro_batches: list[PackedBatch], loss_fn: LossFn) -> TrainStepResult:
-        """Forward+backward over this data-parallel rank's micro-batches, then one optimizer step."""
+    def train_step(self, micro_batches: list[PackedBatch], loss_fn: LossFn,
+                   temperature: float = 1.0) -> TrainStepResult:
+        """Forward+backward over this data-parallel rank's micro-batches, then one optimizer step. The
+        logprobs given to `loss_fn` are taken at `temperature` (the rollout's sampling temperature)."""
 
     @abc.abstractmethod
     def save_checkpoint(self, directory: str | Path) -> Path:

@@ -52,3 +52,17 @@ def test_split_micro_batches_keeps_order_and_everything():
     parts = split_micro_batches(items, 3)
     assert [x for p in parts for x in p] == items and len(parts) == 3
     assert split_micro_batches(items, 50) == [[i] for i in items]
+
+
+def test_aborted_or_empty_groups_are_dropped_whole(tiny_config):
+    from beamrl.loop.step import drop_aborted
+
+    ok = _rollout(tiny_config, [1, 2], [3], 0.0)
+    aborted = _rollout(tiny_config, [1, 2], [3], 0.0)
+    aborted.group, aborted.result.finish_reason = 1, "abort"
+    sibling = _rollout(tiny_config, [1, 2], [4], 0.0)
+    sibling.group = 1
+    kept, n = drop_aborted([ok, aborted, sibling])
+    assert kept == [ok] and n == 1
+    with pytest.raises(RuntimeError, match="aborted"):
+        drop_aborted([aborted])

@@ -47,6 +47,12 @@ class OptimizerSettings:
     decay_steps: int = 1
     decay_style: str = "constant"
     use_distributed_optimizer: bool = True
+    #: Fraction of the optimizer state (and its update) kept in host memory (Megatron's HybridDeviceOptimizer,
+    #: `OptimizerConfig.optimizer_cpu_offload`/`optimizer_offload_fraction`); needs the distributed optimizer.
+    #: Not exercised by the CPU suite (it has no device memory to save); see docs/trainer.md.
+    cpu_offload_fraction: float = 0.0
+    #: Accumulate and reduce main gradients in FP32 (`DistributedDataParallelConfig.grad_reduce_in_fp32`).
+    grad_reduce_in_fp32: bool = True
 
     def __post_init__(self) -> None:
         if not (self.lr > 0 and math.isfinite(self.lr)):
@@ -57,6 +63,11 @@ class OptimizerSettings:
             raise TrainerConfigError(f"OptimizerSettings.clip_grad={self.clip_grad!r} must be >= 0 (0 = off)")
         if self.warmup_steps < 0 or self.decay_steps < 1:
             raise TrainerConfigError("OptimizerSettings: warmup_steps must be >= 0 and decay_steps >= 1")
+        if not 0.0 <= self.cpu_offload_fraction <= 1.0:
+            raise TrainerConfigError(f"OptimizerSettings.cpu_offload_fraction={self.cpu_offload_fraction!r} must be "
+                                     f"in [0, 1]")
+        if self.cpu_offload_fraction > 0 and not self.use_distributed_optimizer:
+            raise TrainerConfigError("OptimizerSettings.cpu_offload_fraction > 0 needs use_distributed_optimizer=True")
         if self.decay_style not in ("constant", "linear", "cosine"):
             raise TrainerConfigError(f"OptimizerSettings.decay_style={self.decay_style!r}; allowed: constant, "
                                      f"linear, cosine")
@@ -163,7 +174,7 @@ class MegatronTrainer(TrainerWorker):
 
         ps, vpp = self._ps, self.config.parallel.vpp
         ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+            grad_reduce_in_fp32=self.config.optimizer.grad_reduce_in_fp32, overlap_grad_reduce=False,
             use_distributed_optimizer=self.config.optimizer.use_distributed_optimizer,
             check_for_nan_in_grad=False, average_in_collective=False)
         chunks = []
@@ -189,7 +200,8 @@ class MegatronTrainer(TrainerWorker):
             optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
             adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad,
             bf16=self.config.params_dtype == torch.bfloat16, params_dtype=self.config.params_dtype,
-            use_distributed_optimizer=o.use_distributed_optimizer)
+            use_distributed_optimizer=o.use_distributed_optimizer,
+            optimizer_cpu_offload=o.cpu_offload_fraction > 0, optimizer_offload_fraction=o.cpu_offload_fraction)
         optimizer = get_megatron_optimizer(opt_config, [c for c in self.chunks])
         self.transformer_config.grad_scale_func = optimizer.scale_loss
         scheduler = OptimizerParamScheduler(
@@ -229,14 +241,16 @@ class MegatronTrainer(TrainerWorker):
         return self.config.parallel.tp if self.config.parallel.sp else 1
 
     # ----------------------------------------------------------------------------------------- train step
-    def train_step(self, micro_batches: list[PackedBatch], loss_fn: LossFn) -> TrainStepResult:
-        sums = self.forward_backward(micro_batches, loss_fn)
+    def train_step(self, micro_batches: list[PackedBatch], loss_fn: LossFn,
+                   temperature: float = 1.0) -> TrainStepResult:
+        sums = self.forward_backward(micro_batches, loss_fn, temperature)
         update_ok, grad_norm, lr = self.optimizer_step()
         loss = sums.pop("loss")
         return TrainStepResult(loss=loss, grad_norm=grad_norm, lr=lr, num_micro_batches=len(micro_batches),
                                skipped=not update_ok, metrics=sums)
 
-    def forward_backward(self, micro_batches: list[PackedBatch], loss_fn: LossFn) -> dict[str, float]:
+    def forward_backward(self, micro_batches: list[PackedBatch], loss_fn: LossFn,
+                         temperature: float = 1.0) -> dict[str, float]:
         """The first half of `train_step`: gradients of this step's loss in the DDP grad buffers (reduced over
         DP), no optimizer update. Returns the loss and metrics summed over micro-batches and DP ranks."""
         if len(micro_batches) < self._min_micro_batches():
@@ -257,7 +271,7 @@ class MegatronTrainer(TrainerWorker):
             return loss, collected
 
         mbs, length = self._prepare(micro_batches, record=False)
-        collected = schedule.run_schedule(self.chunks, mbs, length, self._logits_spec(1.0, True), output_fn,
+        collected = schedule.run_schedule(self.chunks, mbs, length, self._logits_spec(temperature, True), output_fn,
                                           forward_only=False)
         return self._reduce_collected(collected)
 
