@@ -154,6 +154,29 @@ def fused_kernels_available(device: str) -> tuple[bool, str]:
     return True, ""
 
 
+def fused_vs_eager(config, num_sequences: int, seq_len: int, seed: int = 0) -> dict:
+    """Trainer logprobs with `use_fused_kernels` vs the eager path, bf16, same weights and prompts (issue #6:
+    the fused GPU path must stay within bf16 tolerance of eager)."""
+    from beamrl.models.beam.weights import random_state_dict
+    from beamrl.trainer.protocol import PackedBatch
+
+    t0 = time.perf_counter()
+    weights = random_state_dict(config, seed, torch.bfloat16)
+    g = torch.Generator().manual_seed(seed + 1)
+    batch = PackedBatch.from_sequences(list(torch.randint(1, config.vocab_size, (num_sequences, seq_len), generator=g)))
+    out = {}
+    for fused in (False, True):
+        trainer = _trainer(config, use_fused_kernels=fused)
+        trainer.load_hf_state_dict(weights)
+        out[fused] = trainer.compute_logprobs(batch, temperature=1.0, return_entropy=False).logprobs.float().cpu()
+        trainer.shutdown()
+        del trainer
+        _free()
+    d = (out[True] - out[False]).abs()
+    return {"tokens": d.numel(), "max_abs_dlogprob": d.max().item(), "mean_abs_dlogprob": d.mean().item(),
+            "params": config.num_parameters(), "seconds": time.perf_counter() - t0}
+
+
 def sections(args) -> list[tuple[str, callable]]:
     dev = args.device
     if args.tiny:
@@ -171,6 +194,7 @@ def sections(args) -> list[tuple[str, callable]]:
     ok, why = fused_kernels_available(dev)
     if ok:
         out.append(("train_small_fused", lambda: train_throughput(train_cfg, True, **tr)))
+        out.append(("fused_vs_eager_2l", lambda: fused_vs_eager(two_layers, n, s)))
     else:
         out.append(("train_small_fused", lambda: {"skipped": why}))
     return out

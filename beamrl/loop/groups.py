@@ -11,6 +11,19 @@ from beamrl.loop.ray_utils import ray_get
 from beamrl.rollout.protocol import EngineError, GenerateRequest, GenerateResult
 
 
+def shutdown_actors(actors: list, names: list[str]) -> None:
+    """Ask each actor to release its resources (30 s each), then kill it; best effort at teardown."""
+    for a, n in zip(actors, names):
+        try:
+            ray_get(a.shutdown.remote(), 30, f"{n}.shutdown")
+        except Exception:  # noqa: BLE001 - the actor is killed next anyway
+            pass
+        try:
+            ray.kill(a)
+        except Exception:  # noqa: BLE001 - Ray itself may already be gone
+            pass
+
+
 class TrainerGroup:
     """All Megatron ranks of the policy. Every call goes to every rank (SPMD); rank 0's answer is returned."""
 
@@ -62,15 +75,7 @@ class TrainerGroup:
                          lambda a: a.export_hf_checkpoint.remote(out_dir, bucket_bytes))[0]
 
     def shutdown(self) -> None:
-        for a in self.actors:
-            try:
-                ray_get(a.shutdown.remote(), 30, "trainer.shutdown")
-            except Exception:  # noqa: BLE001 - best effort at teardown, the actor is killed next
-                pass
-            try:
-                ray.kill(a)
-            except Exception:  # noqa: BLE001 - Ray itself may already be gone
-                pass
+        shutdown_actors(self.actors, [f"trainer-{r}" for r in range(len(self.actors))])
         self.actors = []
 
 
@@ -123,13 +128,5 @@ class EngineGroup:
         return dict(zip(self.names, out))
 
     def shutdown(self) -> None:
-        for a, n in zip(self.actors, self.names):
-            try:
-                ray_get(a.shutdown.remote(), 30, f"{n}.shutdown")
-            except Exception:  # noqa: BLE001 - best effort at teardown, the actor is killed next
-                pass
-            try:
-                ray.kill(a)
-            except Exception:  # noqa: BLE001 - Ray itself may already be gone
-                pass
+        shutdown_actors(self.actors, self.names)
         self.actors = []
