@@ -57,9 +57,9 @@ def test_fresh_run_refuses_to_overwrite_checkpoints(tmp_path):
 def test_two_data_parallel_ranks_train_like_one(tmp_path):
     """EP2 over 2 ranks is data-parallel for the dense weights: each rank must train on its own half of the
     batch, so step 0's loss and gradient norm equal the single-rank run's (fp32)."""
-    common = ("run.num_steps=1", "cluster.gpus_per_node=3", "placement.mode=disaggregated",
+    common = ("run.num_steps=1", "placement.mode=disaggregated",
               "sync.transport=distributed", "sft={steps: 4, lr: 3.0e-3, batch: 32}")
-    _ok(run_train(tmp_path / "dp1", *common, "trainer.num_gpus=1"))
+    _ok(run_train(tmp_path / "dp1", *common, "trainer.num_gpus=1", "cluster.gpus_per_node=2"))
     _ok(run_train(tmp_path / "dp2", *common, "trainer.num_gpus=2", "trainer.ep=2", "cluster.gpus_per_node=3"))
     (one,), (two,) = metrics(tmp_path / "dp1"), metrics(tmp_path / "dp2")
     assert two["reward/mean"] == one["reward/mean"]
