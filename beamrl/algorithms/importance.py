@@ -78,6 +78,15 @@ def _base_metrics(log_ratio: torch.Tensor, mask: torch.Tensor) -> dict[str, torc
     }
 
 
+def _ratios(old: torch.Tensor, rollout: torch.Tensor, loss_mask: torch.Tensor, seq_ids: torch.Tensor):
+    """(bool mask, FP32 log ratio old - rollout (0 off the mask), ratio), detached: the corrections' shared start."""
+    _check(old, rollout, loss_mask, seq_ids)
+    mask = loss_mask.to(torch.bool)
+    log_ratio = (old - rollout).detach().to(torch.float32)
+    log_ratio = torch.where(mask, log_ratio, torch.zeros_like(log_ratio))
+    return mask, log_ratio, log_ratio.exp()
+
+
 @IMPORTANCE_CORRECTIONS.register("tis")
 def truncated_importance_weights(
     old_logprobs: torch.Tensor,
@@ -87,11 +96,7 @@ def truncated_importance_weights(
     cfg: ImportanceConfig,
 ) -> ImportanceResult:
     """TIS: weight_t = min(exp(old_t - rollout_t), cap)."""
-    _check(old_logprobs, rollout_logprobs, loss_mask, seq_ids)
-    mask = loss_mask.to(torch.bool)
-    log_ratio = (old_logprobs - rollout_logprobs).detach().to(torch.float32)
-    log_ratio = torch.where(mask, log_ratio, torch.zeros_like(log_ratio))
-    ratio = log_ratio.exp()
+    mask, log_ratio, ratio = _ratios(old_logprobs, rollout_logprobs, loss_mask, seq_ids)
     weights = torch.where(mask, ratio.clamp(max=cfg.cap), torch.zeros_like(ratio))
     metrics = _base_metrics(log_ratio, mask)
     metrics["truncated_fraction"] = masked_mean((ratio > cfg.cap).float(), mask)
@@ -108,11 +113,7 @@ def masked_importance_weights(
     cfg: ImportanceConfig,
 ) -> ImportanceResult:
     """MIS: weight_t = ratio_t if the token's (or its sequence's) ratio is in [lo, hi], else 0."""
-    _check(old_logprobs, rollout_logprobs, loss_mask, seq_ids)
-    mask = loss_mask.to(torch.bool)
-    log_ratio = (old_logprobs - rollout_logprobs).detach().to(torch.float32)
-    log_ratio = torch.where(mask, log_ratio, torch.zeros_like(log_ratio))
-    ratio = log_ratio.exp()
+    mask, log_ratio, ratio = _ratios(old_logprobs, rollout_logprobs, loss_mask, seq_ids)
     if cfg.level == "token":
         test_ratio = ratio
     else:
