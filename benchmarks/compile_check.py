@@ -30,32 +30,39 @@ def _sig(fn, types, constexprs):
 
 
 def _cases():
-    flags = {"ROUND_BF16": True, "INTERPRET": False}
+    flags = {"ROUND_BF16": 2, "INTERPRET": False}  # the hardware BF16 cast, as on a GPU
     yield ("sandwich fwd", sandwich_residual._fwd_kernel,
            {"branch_ptr": BF, "residual_ptr": BF, "post_w_ptr": BF, "pre_w_ptr": BF, "out_res_ptr": BF,
             "out_pre_ptr": BF, "rstd_post_ptr": F32, "rstd_pre_ptr": F32, "inv_h": "fp32", "eps": "fp32",
-            "s_branch": "fp32", "s_res": "fp32"}, {"HAS_PRE": True, "CHUNK": 1024, **flags}, 4, False)
+            "s_branch": "fp32", "s_res": "fp32"}, {"HAS_PRE": True, "CHUNK": 1024, "ONE_PASS": False, **flags}, 4, False)
+    yield ("sandwich fwd one pass", sandwich_residual._fwd_kernel,
+           {"branch_ptr": BF, "residual_ptr": BF, "post_w_ptr": BF, "pre_w_ptr": BF, "out_res_ptr": BF,
+            "out_pre_ptr": BF, "rstd_post_ptr": F32, "rstd_pre_ptr": F32, "inv_h": "fp32", "eps": "fp32",
+            "s_branch": "fp32", "s_res": "fp32"}, {"HAS_PRE": True, "CHUNK": 8192, "ONE_PASS": True, **flags}, 16,
+           False)
     yield ("sandwich bwd", sandwich_residual._bwd_kernel,
            {"branch_ptr": BF, "h_ptr": BF, "g_res_ptr": BF, "g_pre_ptr": BF, "post_w_ptr": BF, "pre_w_ptr": BF,
             "rstd_post_ptr": F32, "rstd_pre_ptr": F32, "d_branch_ptr": BF, "d_res_ptr": BF, "dw_post_ptr": F32,
             "dw_pre_ptr": F32, "inv_h": "fp32", "s_branch": "fp32", "s_res": "fp32"},
            {"HAS_PRE_GRAD": True, "HAS_RES_GRAD": True, "BLOCK": 8192}, 16, True)
-    for mode in (qk_norm.MODE_ROPE, qk_norm.MODE_SSMAX):
-        yield (f"qk_norm fwd mode {mode}", qk_norm._fwd_kernel,
-               {"x_ptr": BF, "w_ptr": BF, "cos_ptr": F32, "sin_ptr": F32, "scale_ptr": F32, "out_ptr": BF,
-                "inv_d": "fp32", "eps": "fp32"}, {"MODE": mode, "HALF": 64, "BR": 16, **flags}, 4, False)
-        yield (f"qk_norm bwd mode {mode}", qk_norm._bwd_kernel,
-               {"x_ptr": BF, "w_ptr": BF, "cos_ptr": F32, "sin_ptr": F32, "scale_ptr": F32, "go_ptr": BF,
-                "dx_ptr": BF, "dw_ptr": F32, "inv_d": "fp32", "eps": "fp32"},
-               {"MODE": mode, "HALF": 64, "BR": 16}, 4, True)
+    for mq, mk in ((qk_norm.MODE_ROPE, qk_norm.MODE_ROPE), (qk_norm.MODE_SSMAX, qk_norm.MODE_NORM)):
+        heads = {"HQ": 48, "HK": 8, "MODE_Q": mq, "MODE_K": mk, "HALF": 64, "HBQ": 16, "HBK": 8}
+        yield (f"qk_norm fwd modes {mq}/{mk}", qk_norm._fwd_kernel,
+               {"q_ptr": BF, "k_ptr": BF, "wq_ptr": BF, "wk_ptr": BF, "cos_ptr": F32, "sin_ptr": F32,
+                "scale_ptr": F32, "qo_ptr": BF, "ko_ptr": BF, "inv_d": "fp32", "eps": "fp32"},
+               {**heads, "TB": 2, **flags}, 4, False)
+        yield (f"qk_norm bwd modes {mq}/{mk}", qk_norm._bwd_kernel,
+               {"q_ptr": BF, "k_ptr": BF, "wq_ptr": BF, "wk_ptr": BF, "cos_ptr": F32, "sin_ptr": F32,
+                "scale_ptr": F32, "gq_ptr": BF, "gk_ptr": BF, "dq_ptr": BF, "dk_ptr": BF, "dw_ptr": F32,
+                "inv_d": "fp32", "eps": "fp32"}, heads, 4, True)
     yield ("output_gate fwd", output_gate._fwd_kernel, {"o_ptr": BF, "g_ptr": BF, "b_ptr": BF, "y_ptr": BF},
-           {"D": 128, "HB": 64, **flags}, 8, True)  # FMAs only inside libdevice expf (as CUDA's expf)
+           {"D": 128, "HB": 16, "TB": 1, **flags}, 4, True)  # FMAs only inside libdevice expf (as CUDA's expf)
     yield ("output_gate bwd", output_gate._bwd_kernel,
            {"o_ptr": BF, "g_ptr": BF, "b_ptr": BF, "gy_ptr": BF, "do_ptr": BF, "dg_ptr": BF, "db_ptr": F32},
            {"D": 128, "HB": 64, **flags}, 8, True)
-    yield ("swiglu fwd", swiglu._fwd_kernel, {"gu_ptr": BF, "act_ptr": BF}, {"BLOCK": 1024, **flags}, 4, True)
+    yield ("swiglu fwd", swiglu._fwd_kernel, {"gu_ptr": BF, "act_ptr": BF}, {"RB": 4, "BLOCK": 512, **flags}, 4, True)
     yield ("swiglu bwd", swiglu._bwd_kernel, {"gu_ptr": BF, "da_ptr": BF, "dgu_ptr": BF},
-           {"BLOCK": 1024, "INTERPRET": False}, 4, True)
+           {"RB": 2, "BLOCK": 512, "INTERPRET": False}, 4, True)
     yield ("moe_combine fwd", moe_combine._fwd_kernel,
            {"y_ptr": BF, "pos_ptr": "*i64", "w_ptr": F32, "out_ptr": BF, "scaling": "fp32"},
            {"K": 8, "BLOCK": 1024, **flags}, 4, False)
@@ -70,7 +77,7 @@ def _cases():
 # Integer arguments that are multiples of 16 at real sizes; the JIT specialises them (and 16-byte aligned
 # pointers) as divisible by 16, which is what lets loads vectorise. Mirror that here.
 _DIVISIBLE_INTS = {"stride_b", "stride_r", "stride_o", "stride_p", "H", "stride_t", "stride_h", "so_t", "so_h",
-                   "sg_t", "sg_h", "I", "stride_gu"}
+                   "sg_t", "sg_h", "I", "stride_gu", "sq_t", "sq_h", "sk_t", "sk_h"}
 
 
 def main() -> int:
@@ -89,7 +96,8 @@ def main() -> int:
             facts = {k: len(re.findall(p, ptx)) for k, p in
                      (("fma", r"\bfma\.rn\.f32"), ("rsqrt.approx", r"rsqrt\.approx"), ("ex2.approx", r"ex2\.approx"),
                       ("div.rn", r"div\.rn\.f32"), ("div.full", r"div\.full"), ("ld.v4", r"ld\.global\.v4"),
-                      ("ld.scalar16", r"ld\.global\.b16"),
+                      ("ld.scalar16", r"ld\.global\.b16"), ("cvt.bf16", r"cvt\.rn\.bf16"),
+                      ("ld.v2", r"ld\.global\.v2"), ("ld.b32", r"ld\.global\.b32"), ("st.v4", r"st\.global\.v4"),
                       ("local", r"\.local"))}
             if not fusion and facts["fma"]:
                 ok = False

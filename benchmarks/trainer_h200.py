@@ -155,26 +155,10 @@ def fused_kernels_available(device: str) -> tuple[bool, str]:
 
 
 def fused_vs_eager(config, num_sequences: int, seq_len: int, seed: int = 0) -> dict:
-    """Trainer logprobs with `use_fused_kernels` vs the eager path, bf16, same weights and prompts (issue #6:
-    the fused GPU path must stay within bf16 tolerance of eager)."""
-    from beamrl.models.beam.weights import random_state_dict
-    from beamrl.trainer.protocol import PackedBatch
+    """Fused vs eager trainer logprobs with FP32 as the yardstick (beamrl/parity/fused_vs_eager.py, issue #6)."""
+    from beamrl.parity.fused_vs_eager import compare
 
-    t0 = time.perf_counter()
-    weights = random_state_dict(config, seed, torch.bfloat16)
-    g = torch.Generator().manual_seed(seed + 1)
-    batch = PackedBatch.from_sequences(list(torch.randint(1, config.vocab_size, (num_sequences, seq_len), generator=g)))
-    out = {}
-    for fused in (False, True):
-        trainer = _trainer(config, use_fused_kernels=fused)
-        trainer.load_hf_state_dict(weights)
-        out[fused] = trainer.compute_logprobs(batch, temperature=1.0, return_entropy=False).logprobs.float().cpu()
-        trainer.shutdown()
-        del trainer
-        _free()
-    d = (out[True] - out[False]).abs()
-    return {"tokens": d.numel(), "max_abs_dlogprob": d.max().item(), "mean_abs_dlogprob": d.mean().item(),
-            "params": config.num_parameters(), "seconds": time.perf_counter() - t0}
+    return compare(config, num_sequences, seq_len, seed).to_dict()
 
 
 def sections(args) -> list[tuple[str, callable]]:
@@ -209,6 +193,8 @@ def format_table(results: dict) -> str:
             text = "ERROR " + r["error"].strip().splitlines()[-1][:74]
         elif "skipped" in r:
             text = "skipped: " + r["skipped"]
+        elif "criterion" in r:
+            text = ("PASS " if r["within_bf16_tolerance"] else "FAIL ") + r["criterion"][:74]
         elif "max_abs_dlogprob" in r:
             text = (f"max|dlp| {r['max_abs_dlogprob']:.3e}  mean|dlp| {r['mean_abs_dlogprob']:.3e}  "
                     f"tokens {r['tokens']}  params {r['params'] / 1e6:.1f}M")

@@ -2,7 +2,7 @@
 
     y = bf16(o * bf16(sigmoid(bf16(g + b_h))))        # three roundings, as SGLang's gate kernel
 
-o, g: [T, H, D] (any token/head strides, unit last stride); bias: [H]. One program per (token, block of heads)
+o, g: [T, H, D] (any token/head strides, unit last stride); bias: [H]. One program per (tokens, block of heads)
 reads o and g once and writes y once. The backward pass recomputes the gate from g and writes d_o, d_g and per-program
 bias-gradient partials (summed by torch). The sigmoid is PyTorch's `1 / (1 + expf(-x))` with libdevice expf
 and an IEEE division, so the BF16 forward equals the eager reference bit for bit.
@@ -18,21 +18,27 @@ from beamrl.kernels._triton_utils import (LAUNCH_OPTIONS, kernel_flags, num_prog
                                           sigmoid_f32)
 
 
+# Launch tuning (benchmarks/kernel_sweep.py times the choices on a GPU); none changes a result bit.
+TUNING: dict = {"fwd_elems": 2048, "fwd_tokens": 1, "fwd_warps": 4, "bwd_elems": 2048, "bwd_warps": 4,
+                "bwd_per_sm": 4}
+
+
 @triton.jit
-def _fwd_kernel(o_ptr, g_ptr, b_ptr, y_ptr, H, so_t, so_h, sg_t, sg_h, D: tl.constexpr, HB: tl.constexpr,
-                ROUND_BF16: tl.constexpr, INTERPRET: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
+def _fwd_kernel(o_ptr, g_ptr, b_ptr, y_ptr, T, H, so_t, so_h, sg_t, sg_h, D: tl.constexpr, HB: tl.constexpr,
+                TB: tl.constexpr, ROUND_BF16: tl.constexpr, INTERPRET: tl.constexpr):
     h = tl.program_id(1) * HB + tl.arange(0, HB)
     d = tl.arange(0, D)
     hm = h < H
-    m2 = hm[:, None]
-    o = tl.load(o_ptr + t * so_t + (h * so_h)[:, None] + d[None, :], mask=m2, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + t * sg_t + (h * sg_h)[:, None] + d[None, :], mask=m2, other=0.0).to(tl.float32)
     b = tl.load(b_ptr + h, mask=hm, other=0.0).to(tl.float32)[:, None]
-    a = rne_bf16(g + b, ROUND_BF16)
-    s = rne_bf16(sigmoid_f32(a, INTERPRET), ROUND_BF16)
-    y = rne_bf16(o * s, ROUND_BF16)
-    tl.store(y_ptr + t * (H * D) + (h * D)[:, None] + d[None, :], y.to(y_ptr.dtype.element_ty), mask=m2)
+    for i in range(TB):
+        t = tl.program_id(0).to(tl.int64) * TB + i
+        m2 = hm[:, None] & (t < T)
+        o = tl.load(o_ptr + t * so_t + (h * so_h)[:, None] + d[None, :], mask=m2, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + t * sg_t + (h * sg_h)[:, None] + d[None, :], mask=m2, other=0.0).to(tl.float32)
+        a = rne_bf16(g + b, ROUND_BF16)
+        s = rne_bf16(sigmoid_f32(a, INTERPRET), ROUND_BF16)
+        y = rne_bf16(o * s, ROUND_BF16)
+        tl.store(y_ptr + t * (H * D) + (h * D)[:, None] + d[None, :], y.to(y_ptr.dtype.element_ty), mask=m2)
 
 
 @triton.jit
@@ -60,9 +66,9 @@ def _bwd_kernel(o_ptr, g_ptr, b_ptr, gy_ptr, do_ptr, dg_ptr, db_ptr, T, H, so_t,
     tl.store(db_ptr + pid * H + h, acc, mask=hm)
 
 
-def _head_block(heads: int, d: int) -> int:
-    """Heads per program: ~2K elements per program, and a divisor-friendly power of two (48 heads -> 3 x 16)."""
-    return min(triton.next_power_of_2(heads), max(1, 2048 // d))
+def _head_block(heads: int, d: int, elems: int) -> int:
+    """Heads per program: about `elems` elements per program, a power of two (48 heads, 2048 -> 3 x 16)."""
+    return min(triton.next_power_of_2(heads), max(1, elems // d))
 
 
 class _OutputGate(torch.autograd.Function):
@@ -70,10 +76,12 @@ class _OutputGate(torch.autograd.Function):
     def forward(ctx, o, g, bias):
         t, heads, d = o.shape
         y = torch.empty((t, heads, d), device=o.device, dtype=o.dtype)
-        hb = _head_block(heads, d)
-        _fwd_kernel[(t, triton.cdiv(heads, hb))](o, g, bias, y, heads, o.stride(0), o.stride(1), g.stride(0),
-                                                 g.stride(1), D=d, HB=hb, num_warps=4, **kernel_flags(o.dtype),
-                                                 **LAUNCH_OPTIONS)
+        hb = _head_block(heads, d, int(TUNING["fwd_elems"]))
+        tb = int(TUNING["fwd_tokens"])
+        if t:
+            _fwd_kernel[(triton.cdiv(t, tb), triton.cdiv(heads, hb))](
+                o, g, bias, y, t, heads, o.stride(0), o.stride(1), g.stride(0), g.stride(1), D=d, HB=hb, TB=tb,
+                num_warps=int(TUNING["fwd_warps"]), **kernel_flags(o.dtype), **LAUNCH_OPTIONS)
         ctx.save_for_backward(o, g, bias)
         return y
 
@@ -81,16 +89,16 @@ class _OutputGate(torch.autograd.Function):
     def backward(ctx, gy):
         o, g, bias = ctx.saved_tensors
         t, heads, d = o.shape
-        progs = num_programs_for_reduction(o.device, t)
+        progs = num_programs_for_reduction(o.device, max(t, 1), int(TUNING["bwd_per_sm"]))
         per_prog = triton.cdiv(t, progs)
         d_o = torch.empty((t, heads, d), device=o.device, dtype=o.dtype)
         d_g = torch.empty((t, heads, d), device=o.device, dtype=g.dtype)
         db = torch.empty(progs, heads, device=o.device, dtype=torch.float32)
-        hb = _head_block(heads, d)
+        hb = _head_block(heads, d, int(TUNING["bwd_elems"]))
         _bwd_kernel[(progs, triton.cdiv(heads, hb))](o, g, bias, gy.contiguous(), d_o, d_g, db, t, heads,
                                                      o.stride(0), o.stride(1), g.stride(0), g.stride(1), per_prog,
-                                                     D=d, HB=hb, num_warps=4, **kernel_flags(o.dtype),
-                                                     **LAUNCH_OPTIONS)
+                                                     D=d, HB=hb, num_warps=int(TUNING["bwd_warps"]),
+                                                     **kernel_flags(o.dtype), **LAUNCH_OPTIONS)
         return d_o, d_g, db.sum(0).to(bias.dtype)
 
 

@@ -1,19 +1,18 @@
 """Fused per-head Q/K RMSNorm + FP32 NeoX RoPE (sliding layers) or + SSMax (full layers) (§3.3-3.5).
 
-Each [head_dim] row of q [T, Hq, D] or k [T, Hkv, D] is read once (any token/head strides, e.g. views of a
-fused QKV projection) and written once, contiguous:
+One launch handles q [T, Hq, D] and k [T, Hkv, D] together (any token/head strides, e.g. views of a fused QKV
+projection): a program takes a few tokens, loads each token's FP32 cos/sin (or SSMax scale) once for all of its
+heads, and reads each [head_dim] row once and writes it once, contiguous:
 
     n = bf16(fp32(x) * rstd(x) * fp32(w))                       # QK-norm, one rounding
     RoPE:  out = bf16([n1*cos - n2*sin, n2*cos + n1*sin])       # FP32 cos/sin [T, D/2], one rounding
     SSMax: out = bf16(fp32(n) * s(p))                           # q only; FP32 scale [T]
 
-The backward kernel recomputes rstd from x and rotates/scales the gradient back; the norm-weight gradient is
-summed from per-program FP32 partials. `backward_reference` is the same math in plain torch.
+The backward kernel (also one launch) recomputes rstd from x and rotates/scales the gradient back; the norm-weight
+gradients are summed from per-program FP32 partials. `backward_reference` is the same math in plain torch.
 """
 
 from __future__ import annotations
-
-from typing import Optional
 
 import torch
 import triton
@@ -22,98 +21,146 @@ import triton.language as tl
 from beamrl.kernels._triton_utils import LAUNCH_OPTIONS, kernel_flags, mul_rn, num_programs_for_reduction, rne_bf16
 
 MODE_NORM, MODE_ROPE, MODE_SSMAX = 0, 1, 2
-_BLOCK_ROWS = 16
+
+# Launch tuning (benchmarks/kernel_sweep.py times the choices on a GPU); none changes a result bit.
+TUNING: dict = {"fwd_tokens": 2, "fwd_warps": 4, "bwd_warps": 4, "bwd_per_sm": 4}
 
 
 @triton.jit
-def _fwd_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, scale_ptr, out_ptr, R, heads, stride_t, stride_h, inv_d, eps,
-                MODE: tl.constexpr, HALF: tl.constexpr, BR: tl.constexpr, ROUND_BF16: tl.constexpr,
-                INTERPRET: tl.constexpr):
-    inv_d = tl.cast(inv_d, tl.float32)
-    eps = tl.cast(eps, tl.float32)
-    pid = tl.program_id(0)
-    rows = pid.to(tl.int64) * BR + tl.arange(0, BR)
-    rmask = rows < R
-    t = rows // heads
-    hd = rows % heads
+def _fwd_rows(x_ptr, out_ptr, w1, w2, t, h0, stride_t, stride_h, co, si, sc, inv_d, eps, HEADS: tl.constexpr,
+              MODE: tl.constexpr, HALF: tl.constexpr, HB: tl.constexpr, ROUND_BF16: tl.constexpr,
+              INTERPRET: tl.constexpr):
+    hd = h0 + tl.arange(0, HB)
     c = tl.arange(0, HALF)
-    m2 = rmask[:, None]
-    src = (t * stride_t + hd * stride_h)[:, None] + c[None, :]
-    x1 = tl.load(x_ptr + src, mask=m2, other=0.0).to(tl.float32)
-    x2 = tl.load(x_ptr + src + HALF, mask=m2, other=0.0).to(tl.float32)
-    w1 = tl.load(w_ptr + c).to(tl.float32)[None, :]
-    w2 = tl.load(w_ptr + HALF + c).to(tl.float32)[None, :]
+    src = t * stride_t + (hd * stride_h)[:, None] + c[None, :]
+    x1 = tl.load(x_ptr + src).to(tl.float32)
+    x2 = tl.load(x_ptr + src + HALF).to(tl.float32)
     ss = tl.sum(mul_rn(x1, x1, INTERPRET), axis=1) + tl.sum(mul_rn(x2, x2, INTERPRET), axis=1)
     rstd = tl.math.rsqrt(mul_rn(ss, inv_d, INTERPRET) + eps)[:, None]
     n1 = rne_bf16(x1 * rstd * w1, ROUND_BF16)
     n2 = rne_bf16(x2 * rstd * w2, ROUND_BF16)
     if MODE == 1:
-        cs = t[:, None] * HALF + c[None, :]
-        co = tl.load(cos_ptr + cs, mask=m2, other=0.0)
-        si = tl.load(sin_ptr + cs, mask=m2, other=0.0)
         o1 = rne_bf16(mul_rn(n1, co, INTERPRET) - mul_rn(n2, si, INTERPRET), ROUND_BF16)
         o2 = rne_bf16(mul_rn(n2, co, INTERPRET) + mul_rn(n1, si, INTERPRET), ROUND_BF16)
     elif MODE == 2:
-        sc = tl.load(scale_ptr + t, mask=rmask, other=0.0)[:, None]
         o1 = rne_bf16(n1 * sc, ROUND_BF16)
         o2 = rne_bf16(n2 * sc, ROUND_BF16)
     else:
         o1 = n1
         o2 = n2
-    dst = rows[:, None] * (2 * HALF) + c[None, :]
-    tl.store(out_ptr + dst, o1.to(out_ptr.dtype.element_ty), mask=m2)
-    tl.store(out_ptr + dst + HALF, o2.to(out_ptr.dtype.element_ty), mask=m2)
+    dst = (t * HEADS + hd)[:, None] * (2 * HALF) + c[None, :]
+    tl.store(out_ptr + dst, o1.to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + dst + HALF, o2.to(out_ptr.dtype.element_ty))
 
 
 @triton.jit
-def _bwd_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, scale_ptr, go_ptr, dx_ptr, dw_ptr, R, heads, stride_t, stride_h,
-                inv_d, eps, blocks_per_prog, MODE: tl.constexpr, HALF: tl.constexpr, BR: tl.constexpr):
+def _fwd_kernel(q_ptr, k_ptr, wq_ptr, wk_ptr, cos_ptr, sin_ptr, scale_ptr, qo_ptr, ko_ptr, T, sq_t, sq_h, sk_t,
+                sk_h, inv_d, eps, HQ: tl.constexpr, HK: tl.constexpr, MODE_Q: tl.constexpr, MODE_K: tl.constexpr,
+                HALF: tl.constexpr, HBQ: tl.constexpr, HBK: tl.constexpr, TB: tl.constexpr,
+                ROUND_BF16: tl.constexpr, INTERPRET: tl.constexpr):
+    inv_d = tl.cast(inv_d, tl.float32)
+    eps = tl.cast(eps, tl.float32)
+    c = tl.arange(0, HALF)
+    wq1 = tl.load(wq_ptr + c).to(tl.float32)[None, :]
+    wq2 = tl.load(wq_ptr + HALF + c).to(tl.float32)[None, :]
+    wk1 = tl.load(wk_ptr + c).to(tl.float32)[None, :]
+    wk2 = tl.load(wk_ptr + HALF + c).to(tl.float32)[None, :]
+    for i in range(TB):
+        t = tl.program_id(0).to(tl.int64) * TB + i
+        if t < T:
+            co = tl.zeros([1, HALF], dtype=tl.float32)
+            si = tl.zeros([1, HALF], dtype=tl.float32)
+            sc = tl.cast(1.0, tl.float32)
+            if MODE_Q == 1 or MODE_K == 1:
+                co = tl.load(cos_ptr + t * HALF + c)[None, :]
+                si = tl.load(sin_ptr + t * HALF + c)[None, :]
+            if MODE_Q == 2 or MODE_K == 2:
+                sc = tl.load(scale_ptr + t)
+            for hb in tl.static_range(HQ // HBQ):
+                _fwd_rows(q_ptr, qo_ptr, wq1, wq2, t, hb * HBQ, sq_t, sq_h, co, si, sc, inv_d, eps, HQ, MODE_Q, HALF,
+                          HBQ, ROUND_BF16, INTERPRET)
+            for hb in tl.static_range(HK // HBK):
+                _fwd_rows(k_ptr, ko_ptr, wk1, wk2, t, hb * HBK, sk_t, sk_h, co, si, sc, inv_d, eps, HK, MODE_K, HALF,
+                          HBK, ROUND_BF16, INTERPRET)
+
+
+@triton.jit
+def _bwd_rows(x_ptr, go_ptr, dx_ptr, w1, w2, t, h0, stride_t, stride_h, co, si, sc, inv_d, eps,
+              HEADS: tl.constexpr, MODE: tl.constexpr, HALF: tl.constexpr, HB: tl.constexpr):
+    """dx of one [HB, D] block (stored) and its norm-weight gradient terms summed over the block's heads."""
+    hd = h0 + tl.arange(0, HB)
+    c = tl.arange(0, HALF)
+    src = t * stride_t + (hd * stride_h)[:, None] + c[None, :]
+    x1 = tl.load(x_ptr + src).to(tl.float32)
+    x2 = tl.load(x_ptr + src + HALF).to(tl.float32)
+    dst = (t * HEADS + hd)[:, None] * (2 * HALF) + c[None, :]
+    g1 = tl.load(go_ptr + dst).to(tl.float32)
+    g2 = tl.load(go_ptr + dst + HALF).to(tl.float32)
+    if MODE == 1:
+        gn1 = g1 * co + g2 * si
+        gn2 = g2 * co - g1 * si
+    elif MODE == 2:
+        gn1 = g1 * sc
+        gn2 = g2 * sc
+    else:
+        gn1 = g1
+        gn2 = g2
+    ss = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
+    rstd = tl.math.rsqrt(ss * inv_d + eps)[:, None]
+    xh1 = x1 * rstd
+    xh2 = x2 * rstd
+    gw1 = gn1 * w1
+    gw2 = gn2 * w2
+    dot = ((tl.sum(gw1 * xh1, axis=1) + tl.sum(gw2 * xh2, axis=1)) * inv_d)[:, None]
+    tl.store(dx_ptr + dst, (rstd * (gw1 - xh1 * dot)).to(dx_ptr.dtype.element_ty))
+    tl.store(dx_ptr + dst + HALF, (rstd * (gw2 - xh2 * dot)).to(dx_ptr.dtype.element_ty))
+    return tl.sum(gn1 * xh1, axis=0), tl.sum(gn2 * xh2, axis=0)
+
+
+@triton.jit
+def _bwd_kernel(q_ptr, k_ptr, wq_ptr, wk_ptr, cos_ptr, sin_ptr, scale_ptr, gq_ptr, gk_ptr, dq_ptr, dk_ptr, dw_ptr,
+                T, sq_t, sq_h, sk_t, sk_h, inv_d, eps, tokens_per_prog, HQ: tl.constexpr, HK: tl.constexpr,
+                MODE_Q: tl.constexpr, MODE_K: tl.constexpr, HALF: tl.constexpr, HBQ: tl.constexpr,
+                HBK: tl.constexpr):
+    # Per-program FP32 partials of both norm weights' gradients: dw [programs, 2 (q, k), D].
     inv_d = tl.cast(inv_d, tl.float32)
     eps = tl.cast(eps, tl.float32)
     pid = tl.program_id(0)
     c = tl.arange(0, HALF)
-    w1 = tl.load(w_ptr + c).to(tl.float32)[None, :]
-    w2 = tl.load(w_ptr + HALF + c).to(tl.float32)[None, :]
-    acc1 = tl.zeros([HALF], dtype=tl.float32)
-    acc2 = tl.zeros([HALF], dtype=tl.float32)
-    for i in range(blocks_per_prog):
-        rows = (pid.to(tl.int64) * blocks_per_prog + i) * BR + tl.arange(0, BR)
-        rmask = rows < R
-        m2 = rmask[:, None]
-        t = rows // heads
-        hd = rows % heads
-        src = (t * stride_t + hd * stride_h)[:, None] + c[None, :]
-        x1 = tl.load(x_ptr + src, mask=m2, other=0.0).to(tl.float32)
-        x2 = tl.load(x_ptr + src + HALF, mask=m2, other=0.0).to(tl.float32)
-        dst = rows[:, None] * (2 * HALF) + c[None, :]
-        g1 = tl.load(go_ptr + dst, mask=m2, other=0.0).to(tl.float32)
-        g2 = tl.load(go_ptr + dst + HALF, mask=m2, other=0.0).to(tl.float32)
-        if MODE == 1:
-            cs = t[:, None] * HALF + c[None, :]
-            co = tl.load(cos_ptr + cs, mask=m2, other=0.0)
-            si = tl.load(sin_ptr + cs, mask=m2, other=0.0)
-            gn1 = g1 * co + g2 * si
-            gn2 = g2 * co - g1 * si
-        elif MODE == 2:
-            sc = tl.load(scale_ptr + t, mask=rmask, other=0.0)[:, None]
-            gn1 = g1 * sc
-            gn2 = g2 * sc
-        else:
-            gn1 = g1
-            gn2 = g2
-        ss = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
-        rstd = tl.math.rsqrt(ss * inv_d + eps)[:, None]
-        xh1 = x1 * rstd
-        xh2 = x2 * rstd
-        gw1 = gn1 * w1
-        gw2 = gn2 * w2
-        dot = ((tl.sum(gw1 * xh1, axis=1) + tl.sum(gw2 * xh2, axis=1)) * inv_d)[:, None]
-        tl.store(dx_ptr + dst, (rstd * (gw1 - xh1 * dot)).to(dx_ptr.dtype.element_ty), mask=m2)
-        tl.store(dx_ptr + dst + HALF, (rstd * (gw2 - xh2 * dot)).to(dx_ptr.dtype.element_ty), mask=m2)
-        acc1 += tl.sum(gn1 * xh1, axis=0)
-        acc2 += tl.sum(gn2 * xh2, axis=0)
-    tl.store(dw_ptr + pid * (2 * HALF) + c, acc1)
-    tl.store(dw_ptr + pid * (2 * HALF) + HALF + c, acc2)
+    wq1 = tl.load(wq_ptr + c).to(tl.float32)[None, :]
+    wq2 = tl.load(wq_ptr + HALF + c).to(tl.float32)[None, :]
+    wk1 = tl.load(wk_ptr + c).to(tl.float32)[None, :]
+    wk2 = tl.load(wk_ptr + HALF + c).to(tl.float32)[None, :]
+    aq1 = tl.zeros([HALF], dtype=tl.float32)
+    aq2 = tl.zeros([HALF], dtype=tl.float32)
+    ak1 = tl.zeros([HALF], dtype=tl.float32)
+    ak2 = tl.zeros([HALF], dtype=tl.float32)
+    for i in range(tokens_per_prog):
+        t = pid.to(tl.int64) * tokens_per_prog + i
+        if t < T:
+            co = tl.zeros([1, HALF], dtype=tl.float32)
+            si = tl.zeros([1, HALF], dtype=tl.float32)
+            sc = tl.cast(1.0, tl.float32)
+            if MODE_Q == 1 or MODE_K == 1:
+                co = tl.load(cos_ptr + t * HALF + c)[None, :]
+                si = tl.load(sin_ptr + t * HALF + c)[None, :]
+            if MODE_Q == 2 or MODE_K == 2:
+                sc = tl.load(scale_ptr + t)
+            for hb in tl.static_range(HQ // HBQ):
+                p1, p2 = _bwd_rows(q_ptr, gq_ptr, dq_ptr, wq1, wq2, t, hb * HBQ, sq_t, sq_h, co, si, sc, inv_d, eps,
+                                   HQ, MODE_Q, HALF, HBQ)
+                aq1 += p1
+                aq2 += p2
+            for hb in tl.static_range(HK // HBK):
+                p1, p2 = _bwd_rows(k_ptr, gk_ptr, dk_ptr, wk1, wk2, t, hb * HBK, sk_t, sk_h, co, si, sc, inv_d, eps,
+                                   HK, MODE_K, HALF, HBK)
+                ak1 += p1
+                ak2 += p2
+    base = dw_ptr + pid * (4 * HALF)
+    tl.store(base + c, aq1)
+    tl.store(base + HALF + c, aq2)
+    tl.store(base + 2 * HALF + c, ak1)
+    tl.store(base + 3 * HALF + c, ak2)
 
 
 def _check(x: torch.Tensor, name: str) -> None:
@@ -125,67 +172,85 @@ def _check(x: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name}: head_dim must be twice a power of two for this kernel, got {d}")
 
 
+def _heads_per_block(heads: int) -> int:
+    """The largest power of two (at most 16) dividing the head count: blocks need no head mask."""
+    return min(16, heads & -heads)
+
+
+def _optional_inputs(cos, sin, scale, dummy):
+    """cos, sin, scale with a dummy pointer for the ones this mode does not read."""
+    return tuple(x if x is not None else dummy for x in (cos, sin, scale))
+
+
 class _QKNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, cos, sin, scale, eps, mode):
-        t, heads, d = x.shape
-        rows = t * heads
-        out = torch.empty((t, heads, d), device=x.device, dtype=x.dtype)
-        dummy = w
-        _fwd_kernel[(triton.cdiv(rows, _BLOCK_ROWS),)](
-            x, w, cos if cos is not None else dummy, sin if sin is not None else dummy,
-            scale if scale is not None else dummy, out, rows, heads, x.stride(0), x.stride(1), 1.0 / d, eps,
-            MODE=mode, HALF=d // 2, BR=_BLOCK_ROWS, num_warps=4, **kernel_flags(x.dtype), **LAUNCH_OPTIONS)
-        ctx.save_for_backward(x, w, cos, sin, scale)
-        ctx.eps, ctx.mode = eps, mode
-        return out
+    def forward(ctx, q, k, wq, wk, cos, sin, scale, eps, mode_q, mode_k):
+        t, hq, d = q.shape
+        hk = k.shape[1]
+        qo = torch.empty((t, hq, d), device=q.device, dtype=q.dtype)
+        ko = torch.empty((t, hk, d), device=k.device, dtype=k.dtype)
+        tb = int(TUNING["fwd_tokens"])
+        if t:
+            _fwd_kernel[(triton.cdiv(t, tb),)](
+                q, k, wq, wk, *_optional_inputs(cos, sin, scale, wq), qo, ko, t, q.stride(0),
+                q.stride(1), k.stride(0), k.stride(1), 1.0 / d, eps, HQ=hq, HK=hk, MODE_Q=mode_q, MODE_K=mode_k,
+                HALF=d // 2, HBQ=_heads_per_block(hq), HBK=_heads_per_block(hk), TB=tb, num_warps=int(TUNING["fwd_warps"]),
+                **kernel_flags(q.dtype), **LAUNCH_OPTIONS)
+        ctx.save_for_backward(q, k, wq, wk, cos, sin, scale)
+        ctx.eps, ctx.modes = eps, (mode_q, mode_k)
+        return qo, ko
 
     @staticmethod
-    def backward(ctx, go):
-        x, w, cos, sin, scale = ctx.saved_tensors
-        t, heads, d = x.shape
-        rows = t * heads
-        blocks = triton.cdiv(rows, _BLOCK_ROWS)
-        progs = num_programs_for_reduction(x.device, blocks)
-        per_prog = triton.cdiv(blocks, progs)
-        dx = torch.empty((t, heads, d), device=x.device, dtype=x.dtype)
-        dw = torch.empty(progs, d, device=x.device, dtype=torch.float32)
-        dummy = w
-        _bwd_kernel[(progs,)](
-            x, w, cos if cos is not None else dummy, sin if sin is not None else dummy,
-            scale if scale is not None else dummy, go.contiguous(), dx, dw, rows, heads, x.stride(0), x.stride(1),
-            1.0 / d, ctx.eps, per_prog, MODE=ctx.mode, HALF=d // 2, BR=_BLOCK_ROWS, num_warps=4)
-        return dx, dw.sum(0).to(w.dtype), None, None, None, None, None
+    def backward(ctx, gq, gk):
+        q, k, wq, wk, cos, sin, scale = ctx.saved_tensors
+        mode_q, mode_k = ctx.modes
+        t, hq, d = q.shape
+        hk = k.shape[1]
+        progs = num_programs_for_reduction(q.device, max(t, 1), int(TUNING["bwd_per_sm"]))
+        dq = torch.empty((t, hq, d), device=q.device, dtype=q.dtype)
+        dk = torch.empty((t, hk, d), device=k.device, dtype=k.dtype)
+        dw = torch.zeros(progs, 2, d, device=q.device, dtype=torch.float32)
+        gq = gq.contiguous() if gq is not None else torch.zeros_like(dq)
+        gk = gk.contiguous() if gk is not None else torch.zeros_like(dk)
+        if t:
+            _bwd_kernel[(progs,)](
+                q, k, wq, wk, *_optional_inputs(cos, sin, scale, wq), gq, gk, dq, dk, dw, t,
+                q.stride(0), q.stride(1), k.stride(0), k.stride(1), 1.0 / d, ctx.eps, triton.cdiv(t, progs),
+                HQ=hq, HK=hk, MODE_Q=mode_q, MODE_K=mode_k, HALF=d // 2, HBQ=_heads_per_block(hq), HBK=_heads_per_block(hk),
+                num_warps=int(TUNING["bwd_warps"]))
+        dws = dw.sum(0)
+        return dq, dk, dws[0].to(wq.dtype), dws[1].to(wk.dtype), None, None, None, None, None, None
 
 
-def qk_norm_one(x: torch.Tensor, weight: torch.Tensor, eps: float, mode: int, cos: Optional[torch.Tensor] = None,
-                sin: Optional[torch.Tensor] = None, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Norm (+ RoPE or SSMax) of one of q or k; see the module docstring."""
-    _check(x, "q/k")
-    t, _, d = x.shape
-    if mode == MODE_ROPE:
+def _qk_norm_pair(q, k, q_weight, k_weight, eps, mode_q, mode_k, cos=None, sin=None, scale=None):
+    _check(q, "q")
+    _check(k, "k")
+    t, _, d = q.shape
+    if k.shape[0] != t or k.shape[2] != d:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must share tokens and head_dim")
+    if MODE_ROPE in (mode_q, mode_k):
         for name, v in (("cos", cos), ("sin", sin)):
             if v is None or v.shape != (t, d // 2) or v.dtype != torch.float32:
                 raise ValueError(f"qk_norm_rope: {name} must be FP32 [{t}, {d // 2}], got "
                                  f"{None if v is None else (tuple(v.shape), v.dtype)}")
         cos, sin = cos.contiguous(), sin.contiguous()
-    if mode == MODE_SSMAX:
+    if MODE_SSMAX in (mode_q, mode_k):
         if scale is None or scale.shape != (t,) or scale.dtype != torch.float32:
             raise ValueError(f"qk_norm_ssmax: scale must be FP32 [{t}], got "
                              f"{None if scale is None else (tuple(scale.shape), scale.dtype)}")
         scale = scale.contiguous()
-    return _QKNorm.apply(x, weight.contiguous(), cos, sin, scale, float(eps), mode)
+    return _QKNorm.apply(q, k, q_weight.contiguous(), k_weight.contiguous(), cos, sin, scale, float(eps), mode_q,
+                         mode_k)
 
 
 def fused_qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps):
-    """Triton implementation of `ops.qk_norm_rope`."""
-    return (qk_norm_one(q, q_weight, eps, MODE_ROPE, cos=cos, sin=sin),
-            qk_norm_one(k, k_weight, eps, MODE_ROPE, cos=cos, sin=sin))
+    """Triton implementation of `ops.qk_norm_rope` (q and k in one launch)."""
+    return _qk_norm_pair(q, k, q_weight, k_weight, eps, MODE_ROPE, MODE_ROPE, cos=cos, sin=sin)
 
 
 def fused_qk_norm_ssmax(q, k, q_weight, k_weight, scale, eps):
-    """Triton implementation of `ops.qk_norm_ssmax` (SSMax on q only)."""
-    return qk_norm_one(q, q_weight, eps, MODE_SSMAX, scale=scale), qk_norm_one(k, k_weight, eps, MODE_NORM)
+    """Triton implementation of `ops.qk_norm_ssmax` (SSMax on q only; q and k in one launch)."""
+    return _qk_norm_pair(q, k, q_weight, k_weight, eps, MODE_SSMAX, MODE_NORM, scale=scale)
 
 
 def backward_reference(x, weight, eps, grad_out, mode, cos=None, sin=None, scale=None):

@@ -26,48 +26,67 @@ from beamrl.kernels._triton_utils import LAUNCH_OPTIONS, kernel_flags, mul_rn, n
 @triton.jit
 def _fwd_kernel(branch_ptr, residual_ptr, post_w_ptr, pre_w_ptr, out_res_ptr, out_pre_ptr, rstd_post_ptr,
                 rstd_pre_ptr, stride_b, stride_r, stride_o, stride_p, H, inv_h, eps, s_branch, s_res,
-                HAS_PRE: tl.constexpr, CHUNK: tl.constexpr, ROUND_BF16: tl.constexpr, INTERPRET: tl.constexpr):
-    # One row per program, walked in CHUNK-wide pieces so few registers are live and several rows per SM keep
-    # enough loads in flight. Pass 1: sum of squares of the branch. Pass 2: post-norm, residual add, store h'.
-    # Pass 3: the next pre-norm, recomputing h' from the branch and residual (L2 hits, not DRAM).
+                HAS_PRE: tl.constexpr, CHUNK: tl.constexpr, ONE_PASS: tl.constexpr, ROUND_BF16: tl.constexpr,
+                INTERPRET: tl.constexpr):
+    # One row per program. ONE_PASS (CHUNK >= H): the whole row lives in registers, every input is loaded once.
+    # Otherwise the row is walked in CHUNK-wide pieces (few live registers): pass 1 sums the branch's squares,
+    # pass 2 does the post-norm and residual add and stores h', pass 3 the next pre-norm, recomputing h' from
+    # the branch and residual (L2 hits, not DRAM).
     inv_h = tl.cast(inv_h, tl.float32)
     eps = tl.cast(eps, tl.float32)
     s_branch = tl.cast(s_branch, tl.float32)
     s_res = tl.cast(s_res, tl.float32)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, CHUNK)
-    acc = tl.zeros([CHUNK], dtype=tl.float32)
-    for c0 in range(0, H, CHUNK):
-        cols = c0 + offs
-        b = tl.load(branch_ptr + row * stride_b + cols, mask=cols < H, other=0.0).to(tl.float32)
-        acc += mul_rn(b, b, INTERPRET)
-    rstd = tl.math.rsqrt(mul_rn(tl.sum(acc, axis=0), inv_h, INTERPRET) + eps)
-    tl.store(rstd_post_ptr + row, rstd)
-    acc2 = tl.zeros([CHUNK], dtype=tl.float32)
-    for c0 in range(0, H, CHUNK):
-        cols = c0 + offs
-        m = cols < H
-        b = tl.load(branch_ptr + row * stride_b + cols, mask=m, other=0.0).to(tl.float32)
-        r = tl.load(residual_ptr + row * stride_r + cols, mask=m, other=0.0).to(tl.float32)
-        wp = tl.load(post_w_ptr + cols, mask=m, other=0.0).to(tl.float32)
+    if ONE_PASS:
+        m = offs < H
+        b = tl.load(branch_ptr + row * stride_b + offs, mask=m, other=0.0).to(tl.float32)
+        r = tl.load(residual_ptr + row * stride_r + offs, mask=m, other=0.0).to(tl.float32)
+        wp = tl.load(post_w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        rstd = tl.math.rsqrt(mul_rn(tl.sum(mul_rn(b, b, INTERPRET), axis=0), inv_h, INTERPRET) + eps)
+        tl.store(rstd_post_ptr + row, rstd)
         n = rne_bf16(b * rstd * wp, ROUND_BF16)
         h = rne_bf16(rne_bf16(n * s_branch, ROUND_BF16) + rne_bf16(r * s_res, ROUND_BF16), ROUND_BF16)
-        tl.store(out_res_ptr + row * stride_o + cols, h.to(out_res_ptr.dtype.element_ty), mask=m)
-        acc2 += mul_rn(h, h, INTERPRET)
-    if HAS_PRE:
-        rstd2 = tl.math.rsqrt(mul_rn(tl.sum(acc2, axis=0), inv_h, INTERPRET) + eps)
-        tl.store(rstd_pre_ptr + row, rstd2)
+        tl.store(out_res_ptr + row * stride_o + offs, h.to(out_res_ptr.dtype.element_ty), mask=m)
+        if HAS_PRE:
+            wq = tl.load(pre_w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+            rstd2 = tl.math.rsqrt(mul_rn(tl.sum(mul_rn(h, h, INTERPRET), axis=0), inv_h, INTERPRET) + eps)
+            tl.store(rstd_pre_ptr + row, rstd2)
+            p = rne_bf16(h * rstd2 * wq, ROUND_BF16)
+            tl.store(out_pre_ptr + row * stride_p + offs, p.to(out_pre_ptr.dtype.element_ty), mask=m)
+    else:
+        acc = tl.zeros([CHUNK], dtype=tl.float32)
+        for c0 in range(0, H, CHUNK):
+            cols = c0 + offs
+            b = tl.load(branch_ptr + row * stride_b + cols, mask=cols < H, other=0.0).to(tl.float32)
+            acc += mul_rn(b, b, INTERPRET)
+        rstd = tl.math.rsqrt(mul_rn(tl.sum(acc, axis=0), inv_h, INTERPRET) + eps)
+        tl.store(rstd_post_ptr + row, rstd)
+        acc2 = tl.zeros([CHUNK], dtype=tl.float32)
         for c0 in range(0, H, CHUNK):
             cols = c0 + offs
             m = cols < H
             b = tl.load(branch_ptr + row * stride_b + cols, mask=m, other=0.0).to(tl.float32)
             r = tl.load(residual_ptr + row * stride_r + cols, mask=m, other=0.0).to(tl.float32)
             wp = tl.load(post_w_ptr + cols, mask=m, other=0.0).to(tl.float32)
-            wq = tl.load(pre_w_ptr + cols, mask=m, other=0.0).to(tl.float32)
             n = rne_bf16(b * rstd * wp, ROUND_BF16)
             h = rne_bf16(rne_bf16(n * s_branch, ROUND_BF16) + rne_bf16(r * s_res, ROUND_BF16), ROUND_BF16)
-            p = rne_bf16(h * rstd2 * wq, ROUND_BF16)
-            tl.store(out_pre_ptr + row * stride_p + cols, p.to(out_pre_ptr.dtype.element_ty), mask=m)
+            tl.store(out_res_ptr + row * stride_o + cols, h.to(out_res_ptr.dtype.element_ty), mask=m)
+            acc2 += mul_rn(h, h, INTERPRET)
+        if HAS_PRE:
+            rstd2 = tl.math.rsqrt(mul_rn(tl.sum(acc2, axis=0), inv_h, INTERPRET) + eps)
+            tl.store(rstd_pre_ptr + row, rstd2)
+            for c0 in range(0, H, CHUNK):
+                cols = c0 + offs
+                m = cols < H
+                b = tl.load(branch_ptr + row * stride_b + cols, mask=m, other=0.0).to(tl.float32)
+                r = tl.load(residual_ptr + row * stride_r + cols, mask=m, other=0.0).to(tl.float32)
+                wp = tl.load(post_w_ptr + cols, mask=m, other=0.0).to(tl.float32)
+                wq = tl.load(pre_w_ptr + cols, mask=m, other=0.0).to(tl.float32)
+                n = rne_bf16(b * rstd * wp, ROUND_BF16)
+                h = rne_bf16(rne_bf16(n * s_branch, ROUND_BF16) + rne_bf16(r * s_res, ROUND_BF16), ROUND_BF16)
+                p = rne_bf16(h * rstd2 * wq, ROUND_BF16)
+                tl.store(out_pre_ptr + row * stride_p + cols, p.to(out_pre_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -118,9 +137,21 @@ def _bwd_kernel(branch_ptr, h_ptr, g_res_ptr, g_pre_ptr, post_w_ptr, pre_w_ptr, 
         tl.store(dw_pre_ptr + pid * H + cols, acc_wq, mask=m)
 
 
+# Launch tuning (benchmarks/kernel_sweep.py times the choices on a GPU). fwd_one_pass and fwd_chunk change the
+# FP32 sum-of-squares order (so the last bit of a few outputs); the others change only speed.
+TUNING: dict = {"fwd_one_pass": False, "fwd_chunk": 1024, "fwd_warps": 4, "bwd_warps": None, "bwd_per_sm": 4}
+
+
+def _fwd_launch(h: int) -> tuple[bool, int, int]:
+    one_pass = bool(TUNING["fwd_one_pass"])
+    chunk = triton.next_power_of_2(h) if one_pass else min(int(TUNING["fwd_chunk"]), triton.next_power_of_2(h))
+    return one_pass, chunk, int(TUNING["fwd_warps"])
+
+
 def _bwd_block(h: int) -> tuple[int, int]:
     block = triton.next_power_of_2(h)
-    return block, (16 if block >= 8192 else 8 if block >= 2048 else 4)
+    auto = 16 if block >= 8192 else 8 if block >= 2048 else 4
+    return block, int(TUNING["bwd_warps"] or auto)
 
 
 class _SandwichResidual(torch.autograd.Function):
@@ -132,11 +163,11 @@ class _SandwichResidual(torch.autograd.Function):
         out_pre = torch.empty_like(branch) if has_pre else branch.new_empty(0)
         rstd_post = torch.empty(t, device=branch.device, dtype=torch.float32)
         rstd_pre = torch.empty(t if has_pre else 0, device=branch.device, dtype=torch.float32)
-        chunk = min(1024, triton.next_power_of_2(h))
+        one_pass, chunk, warps = _fwd_launch(h)
         _fwd_kernel[(t,)](branch, residual, post_w, pre_w if has_pre else post_w, out_res, out_pre, rstd_post,
                           rstd_pre, branch.stride(0), residual.stride(0), out_res.stride(0),
                           out_pre.stride(0) if has_pre else 0, h, 1.0 / h, eps, s_branch, s_res,
-                          HAS_PRE=has_pre, CHUNK=chunk, num_warps=4, **kernel_flags(branch.dtype),
+                          HAS_PRE=has_pre, CHUNK=chunk, ONE_PASS=one_pass, num_warps=warps, **kernel_flags(branch.dtype),
                           **LAUNCH_OPTIONS)
         ctx.save_for_backward(branch, out_res, post_w, pre_w if has_pre else None, rstd_post, rstd_pre)
         ctx.scalars = (s_branch, s_res)
@@ -151,7 +182,7 @@ class _SandwichResidual(torch.autograd.Function):
         s_branch, s_res = ctx.scalars
         t, h = branch.shape
         has_pre_grad = ctx.has_pre and g_pre is not None
-        progs = num_programs_for_reduction(branch.device, t)
+        progs = num_programs_for_reduction(branch.device, t, int(TUNING["bwd_per_sm"]))
         rows_per_prog = triton.cdiv(t, progs)
         d_branch = torch.empty_like(branch)
         d_res = torch.empty_like(branch)

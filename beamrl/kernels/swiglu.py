@@ -14,34 +14,45 @@ import triton.language as tl
 
 from beamrl.kernels._triton_utils import LAUNCH_OPTIONS, exp_f32, kernel_flags, rne_bf16
 
-_BLOCK = 1024
+# Launch tuning (benchmarks/kernel_sweep.py times the choices on a GPU); none changes a result bit. Programs
+# take [rows, block] tiles; a block that divides I (2560 = 5 x 512) leaves no masked lanes.
+TUNING: dict = {"block": 512, "rows": 4, "warps": 4, "bwd_block": 512, "bwd_rows": 2, "bwd_warps": 4}
 
 
 @triton.jit
-def _fwd_kernel(gu_ptr, act_ptr, I, stride_gu, BLOCK: tl.constexpr, ROUND_BF16: tl.constexpr,
+def _fwd_kernel(gu_ptr, act_ptr, N, I, stride_gu, RB: tl.constexpr, BLOCK: tl.constexpr, ROUND_BF16: tl.constexpr,
                 INTERPRET: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(0).to(tl.int64) * RB + tl.arange(0, RB)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    m = cols < I
-    g = tl.load(gu_ptr + row * stride_gu + cols, mask=m, other=0.0).to(tl.float32)
-    u = tl.load(gu_ptr + row * stride_gu + I + cols, mask=m, other=0.0).to(tl.float32)
+    m = (rows < N)[:, None] & (cols < I)[None, :]
+    src = (rows * stride_gu)[:, None] + cols[None, :]
+    g = tl.load(gu_ptr + src, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + src + I, mask=m, other=0.0).to(tl.float32)
     silu = tl.math.div_rn(g, 1.0 + exp_f32(-g, INTERPRET))
-    tl.store(act_ptr + row * I + cols, rne_bf16(silu * u, ROUND_BF16).to(act_ptr.dtype.element_ty), mask=m)
+    dst = (rows * I)[:, None] + cols[None, :]
+    tl.store(act_ptr + dst, rne_bf16(silu * u, ROUND_BF16).to(act_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
-def _bwd_kernel(gu_ptr, da_ptr, dgu_ptr, I, stride_gu, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+def _bwd_kernel(gu_ptr, da_ptr, dgu_ptr, N, I, stride_gu, RB: tl.constexpr, BLOCK: tl.constexpr,
+                INTERPRET: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * RB + tl.arange(0, RB)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    m = cols < I
-    g = tl.load(gu_ptr + row * stride_gu + cols, mask=m, other=0.0).to(tl.float32)
-    u = tl.load(gu_ptr + row * stride_gu + I + cols, mask=m, other=0.0).to(tl.float32)
-    da = tl.load(da_ptr + row * I + cols, mask=m, other=0.0).to(tl.float32)
+    m = (rows < N)[:, None] & (cols < I)[None, :]
+    src = (rows * stride_gu)[:, None] + cols[None, :]
+    g = tl.load(gu_ptr + src, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + src + I, mask=m, other=0.0).to(tl.float32)
+    da = tl.load(da_ptr + (rows * I)[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float32)
     s = tl.math.div_rn(1.0, 1.0 + exp_f32(-g, INTERPRET))
     dg = da * u * s * (1.0 + g * (1.0 - s))
     du = da * g * s
-    tl.store(dgu_ptr + row * (2 * I) + cols, dg.to(dgu_ptr.dtype.element_ty), mask=m)
-    tl.store(dgu_ptr + row * (2 * I) + I + cols, du.to(dgu_ptr.dtype.element_ty), mask=m)
+    dst = (rows * (2 * I))[:, None] + cols[None, :]
+    tl.store(dgu_ptr + dst, dg.to(dgu_ptr.dtype.element_ty), mask=m)
+    tl.store(dgu_ptr + dst + I, du.to(dgu_ptr.dtype.element_ty), mask=m)
+
+
+def _tile(inter: int, block_key: str, rows_key: str) -> tuple[int, int]:
+    return min(int(TUNING[block_key]), triton.next_power_of_2(inter)), int(TUNING[rows_key])
 
 
 class _SwiGLU(torch.autograd.Function):
@@ -51,9 +62,10 @@ class _SwiGLU(torch.autograd.Function):
         inter = two_i // 2
         act = torch.empty(n, inter, device=gate_up.device, dtype=gate_up.dtype)
         if n:
-            _fwd_kernel[(n, triton.cdiv(inter, _BLOCK))](gate_up, act, inter, gate_up.stride(0), BLOCK=_BLOCK,
-                                                         num_warps=4, **kernel_flags(gate_up.dtype),
-                                                         **LAUNCH_OPTIONS)
+            block, rb = _tile(inter, "block", "rows")
+            _fwd_kernel[(triton.cdiv(n, rb), triton.cdiv(inter, block))](
+                gate_up, act, n, inter, gate_up.stride(0), RB=rb, BLOCK=block, num_warps=int(TUNING["warps"]),
+                **kernel_flags(gate_up.dtype), **LAUNCH_OPTIONS)
         ctx.save_for_backward(gate_up)
         return act
 
@@ -64,9 +76,10 @@ class _SwiGLU(torch.autograd.Function):
         inter = two_i // 2
         d_gu = torch.empty(n, two_i, device=gate_up.device, dtype=gate_up.dtype)
         if n:
-            _bwd_kernel[(n, triton.cdiv(inter, _BLOCK))](gate_up, d_act.contiguous(), d_gu, inter, gate_up.stride(0),
-                                                         BLOCK=_BLOCK, num_warps=4,
-                                                         INTERPRET=kernel_flags(gate_up.dtype)["INTERPRET"])
+            block, rb = _tile(inter, "bwd_block", "bwd_rows")
+            _bwd_kernel[(triton.cdiv(n, rb), triton.cdiv(inter, block))](
+                gate_up, d_act.contiguous(), d_gu, n, inter, gate_up.stride(0), RB=rb, BLOCK=block,
+                num_warps=int(TUNING["bwd_warps"]), INTERPRET=kernel_flags(gate_up.dtype)["INTERPRET"])
         return d_gu
 
 

@@ -91,8 +91,8 @@ def test_triton_kernel_real_width(checks):
 
 
 def test_bad_cos_shape_is_refused():
-    from beamrl.kernels.qk_norm import MODE_ROPE, qk_norm_one
+    from beamrl.kernels.qk_norm import fused_qk_norm_rope
 
-    q, _, qw, _, cos, sin, _ = _inputs(3, 2, 1, 8, torch.bfloat16, "cpu")
+    q, k, qw, kw, cos, sin, _ = _inputs(3, 2, 1, 8, torch.bfloat16, "cpu")
     with pytest.raises(ValueError, match="cos"):
-        qk_norm_one(q, qw, EPS, MODE_ROPE, cos=cos[:2], sin=sin)
+        fused_qk_norm_rope(q, k, qw, kw, cos[:2], sin, EPS)

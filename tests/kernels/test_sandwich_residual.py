@@ -74,13 +74,22 @@ def _check_triton(checks, t, h, device, seed, max_mismatch_frac):
     checks.assert_near_bit_equal(h_f, eager[0], max_mismatch_frac)
 
 
+@pytest.fixture(params=[False, True], ids=["chunked", "one-pass"])
+def forward_layout(request, monkeypatch):
+    """Both forward layouts of the kernel (sandwich_residual.TUNING["fwd_one_pass"])."""
+    from beamrl.kernels import sandwich_residual
+
+    monkeypatch.setitem(sandwich_residual.TUNING, "fwd_one_pass", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("t,h", [(5, 48), (3, 1100)])  # one chunk; several chunks, the last one partial
-def test_triton_kernel_tiny(checks, kernel_device, t, h):
+def test_triton_kernel_tiny(checks, kernel_device, t, h, forward_layout):
     _check_triton(checks, t, h, kernel_device, seed=2, max_mismatch_frac=0.05)
 
 
 @CUDA
-def test_triton_kernel_real_width(checks):
+def test_triton_kernel_real_width(checks, forward_layout):
     _check_triton(checks, 2048, 5120, torch.device("cuda"), seed=3, max_mismatch_frac=1e-4)
 
 

@@ -4,7 +4,9 @@ import torch
 import triton
 import triton.language as tl
 
-from beamrl.kernels._triton_utils import kernel_flags, rne_bf16
+import pytest
+
+from beamrl.kernels._triton_utils import ROUND_BITS, ROUND_CVT, kernel_flags, rne_bf16
 
 
 @triton.jit
@@ -14,7 +16,11 @@ def _round_kernel(x_ptr, y_ptr, N, BLOCK: tl.constexpr, ROUND_BF16: tl.constexpr
     tl.store(y_ptr + offs, rne_bf16(x, ROUND_BF16), mask=offs < N)
 
 
-def test_rne_bf16_matches_torch_cast(kernel_device):
+ROUNDINGS = [ROUND_BITS] + ([ROUND_CVT] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("rounding", ROUNDINGS, ids=lambda r: {ROUND_BITS: "bit-trick", ROUND_CVT: "hw-cvt"}[r])
+def test_rne_bf16_matches_torch_cast(kernel_device, rounding):
     g = torch.Generator().manual_seed(0)
     bf = torch.randn(256, generator=g).to(torch.bfloat16).float()
     ulp = bf.abs() * 2.0 ** -8
@@ -28,10 +34,17 @@ def test_rne_bf16_matches_torch_cast(kernel_device):
     ])
     x = hard.to(kernel_device)
     y = torch.empty_like(x)
-    _round_kernel[(triton.cdiv(x.numel(), 256),)](x, y, x.numel(), BLOCK=256, **kernel_flags(torch.bfloat16))
+    _round_kernel[(triton.cdiv(x.numel(), 256),)](x, y, x.numel(), BLOCK=256, **kernel_flags(torch.bfloat16, rounding))
     ref = x.to(torch.bfloat16).float()
     assert torch.equal(y.view(torch.int32), ref.view(torch.int32))
     # NaN stays NaN
     nan = torch.full((4,), float("nan"), device=kernel_device)
-    _round_kernel[(1,)](nan, y, 4, BLOCK=256, **kernel_flags(torch.bfloat16))
+    _round_kernel[(1,)](nan, y, 4, BLOCK=256, **kernel_flags(torch.bfloat16, rounding))
     assert torch.isnan(y[:4]).all()
+
+
+def test_hardware_rounding_is_refused_under_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(ValueError, match="GPU"):
+        kernel_flags(torch.bfloat16, ROUND_CVT)
+    assert kernel_flags(torch.float32)["ROUND_BF16"] == 0
