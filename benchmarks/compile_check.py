@@ -44,7 +44,7 @@ def _cases():
            {"branch_ptr": BF, "h_ptr": BF, "g_res_ptr": BF, "g_pre_ptr": BF, "post_w_ptr": BF, "pre_w_ptr": BF,
             "rstd_post_ptr": F32, "rstd_pre_ptr": F32, "d_branch_ptr": BF, "d_res_ptr": BF, "dw_post_ptr": F32,
             "dw_pre_ptr": F32, "inv_h": "fp32", "s_branch": "fp32", "s_res": "fp32"},
-           {"HAS_PRE_GRAD": True, "HAS_RES_GRAD": True, "BLOCK": 8192}, 16, True)
+           {"HAS_PRE_GRAD": True, "HAS_RES_GRAD": True, "BLOCK": 8192, "PREFETCH": True}, 16, True)
     for mq, mk in ((qk_norm.MODE_ROPE, qk_norm.MODE_ROPE), (qk_norm.MODE_SSMAX, qk_norm.MODE_NORM)):
         heads = {"HQ": 48, "HK": 8, "MODE_Q": mq, "MODE_K": mk, "HALF": 64, "HBQ": 16, "HBK": 8}
         yield (f"qk_norm fwd modes {mq}/{mk}", qk_norm._fwd_kernel,
@@ -54,7 +54,7 @@ def _cases():
         yield (f"qk_norm bwd modes {mq}/{mk}", qk_norm._bwd_kernel,
                {"q_ptr": BF, "k_ptr": BF, "wq_ptr": BF, "wk_ptr": BF, "cos_ptr": F32, "sin_ptr": F32,
                 "scale_ptr": F32, "gq_ptr": BF, "gk_ptr": BF, "dq_ptr": BF, "dk_ptr": BF, "dw_ptr": F32,
-                "inv_d": "fp32", "eps": "fp32"}, heads, 4, True)
+                "inv_d": "fp32", "eps": "fp32"}, {**heads, "TB": 4}, 4, True)
     yield ("output_gate fwd", output_gate._fwd_kernel, {"o_ptr": BF, "g_ptr": BF, "b_ptr": BF, "y_ptr": BF},
            {"D": 128, "HB": 16, "TB": 1, **flags}, 4, True)  # FMAs only inside libdevice expf (as CUDA's expf)
     yield ("output_gate bwd", output_gate._bwd_kernel,

@@ -74,8 +74,9 @@ def _cases(t, h, hq, hkv, d, inter):
     yield dict(name="post_norm_residual_pre_norm", module=sandwich_residual,
                inputs=lambda: [rnd(t, h, scale=3), rnd(t, h), rnd(h), rnd(h)],
                run=lambda x: ops.post_norm_residual_pre_norm(x[0], x[1], x[2], x[3], scales, 1e-6, backend="triton"),
-               n_grad=4, fwd_bytes=4 * act, bwd_bytes=6 * act, reorders={"fwd_one_pass", "fwd_chunk"},
-               fwd=fwd_one + fwd_chunk, bwd=_grid(bwd_warps=[8, 16, 32], bwd_per_sm=[1, 2, 4, 8]))
+               n_grad=4, fwd_bytes=4 * act, bwd_bytes=6 * act, reorders={"fwd_one_pass", "fwd_chunk", "fwd_warps"},
+               fwd=fwd_one + fwd_chunk[4:6],
+               bwd=_grid(bwd_prefetch=[True, False], bwd_warps=[8, 16, 32], bwd_per_sm=[1, 2]))
     pos = torch.arange(t, device=DEV)
     cos, sin = numerics.rope_cos_sin(pos, d, 10000.0)
     ssmax = numerics.ssmax_scale(pos)
@@ -85,8 +86,8 @@ def _cases(t, h, hq, hkv, d, inter):
         qk = rnd(t, (hq + hkv) * d, scale=2)
         return [qk[:, :hq * d].view(t, hq, d), qk[:, hq * d:].view(t, hkv, d), rnd(d), rnd(d)]
 
-    qk_fwd = _grid(fwd_tokens=[1, 2, 4], fwd_warps=[2, 4, 8])
-    qk_bwd = _grid(bwd_warps=[2, 4, 8], bwd_per_sm=[2, 4, 8, 16])
+    qk_fwd = _grid(fwd_tokens=[1, 2], fwd_warps=[4, 8])
+    qk_bwd = _grid(bwd_tokens=[1, 2, 4, 8], bwd_warps=[2, 4, 8])
     yield dict(name="qk_norm_rope", module=qk_norm, inputs=qk_inputs,
                run=lambda x: ops.qk_norm_rope(x[0], x[1], x[2], x[3], cos, sin, 1e-6, backend="triton"), n_grad=4,
                fwd_bytes=2 * qk_bytes + t * d * 4, bwd_bytes=3 * qk_bytes + t * d * 4, reorders=set(),
@@ -121,6 +122,14 @@ def _same(a, b, reorder: bool) -> bool:
     return bool(diff.float().mean() <= 1e-4 and close)
 
 
+def _grad_close(a, b) -> bool:
+    """Gradients: bit-equal, or (weight gradients summed from per-program partials in another order) close."""
+    if torch.equal(a, b):
+        return True
+    a, b = a.double(), b.double()
+    return bool((a - b).norm() <= 2e-3 * b.norm())
+
+
 def sweep(case, copy_bw, rounding_modes) -> list[dict]:
     from beamrl.kernels import _triton_utils
 
@@ -151,7 +160,7 @@ def sweep(case, copy_bw, rounding_modes) -> list[dict]:
             ok = True
         else:
             ok = all(_same(a, b, reorder) for a, b in zip(outs, ref[0]))
-            ok = ok and all(_same(a, b, True) for a, b in zip(grads, ref[1]))
+            ok = ok and all(_grad_close(a, b) for a, b in zip(grads, ref[1]))
         row = dict(op=case["name"], kind=kind, config=cfg, rounding=rounding, fwd_ms=fwd, bwd_ms=bwd,
                    fwd_gbs=case["fwd_bytes"] / fwd / 1e6, bwd_gbs=case["bwd_bytes"] / bwd / 1e6, matches_default=ok,
                    copy_gbs=copy_bw, copy_same_size_gbs=size_copy)

@@ -4,7 +4,7 @@
 # Usage (repo root, on the GPU machine): OUT=/tmp/out bash benchmarks/run_h200.sh [tests|kernels|sweep|layer|parity ...]
 # "parity" needs megatron-core importable (the device image lacks it: carry .whl, see docs/benchmarks.md).
 set -u -o pipefail
-export PYTHONPATH=. PYTHONUNBUFFERED=1 TORCHDYNAMO_DISABLE=0
+export PYTHONPATH=${EXTRA_PYTHONPATH:+$EXTRA_PYTHONPATH:}. PYTHONUNBUFFERED=1 TORCHDYNAMO_DISABLE=0
 OUT=${OUT:-/tmp/beamrl_bench}
 mkdir -p "$OUT"
 stages=${*:-tests kernels layer}

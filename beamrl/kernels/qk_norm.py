@@ -18,12 +18,12 @@ import torch
 import triton
 import triton.language as tl
 
-from beamrl.kernels._triton_utils import LAUNCH_OPTIONS, kernel_flags, mul_rn, num_programs_for_reduction, rne_bf16
+from beamrl.kernels._triton_utils import LAUNCH_OPTIONS, kernel_flags, mul_rn, rne_bf16
 
 MODE_NORM, MODE_ROPE, MODE_SSMAX = 0, 1, 2
 
 # Launch tuning (benchmarks/kernel_sweep.py times the choices on a GPU); none changes a result bit.
-TUNING: dict = {"fwd_tokens": 2, "fwd_warps": 4, "bwd_warps": 4, "bwd_per_sm": 4}
+TUNING: dict = {"fwd_tokens": 1, "fwd_warps": 4, "bwd_tokens": 4, "bwd_warps": 4}
 
 
 @triton.jit
@@ -119,24 +119,29 @@ def _bwd_rows(x_ptr, go_ptr, dx_ptr, w1, w2, t, h0, stride_t, stride_h, co, si, 
 
 @triton.jit
 def _bwd_kernel(q_ptr, k_ptr, wq_ptr, wk_ptr, cos_ptr, sin_ptr, scale_ptr, gq_ptr, gk_ptr, dq_ptr, dk_ptr, dw_ptr,
-                T, sq_t, sq_h, sk_t, sk_h, inv_d, eps, tokens_per_prog, HQ: tl.constexpr, HK: tl.constexpr,
-                MODE_Q: tl.constexpr, MODE_K: tl.constexpr, HALF: tl.constexpr, HBQ: tl.constexpr,
-                HBK: tl.constexpr):
-    # Per-program FP32 partials of both norm weights' gradients: dw [programs, 2 (q, k), D].
+                T, sq_t, sq_h, sk_t, sk_h, inv_d, eps, HQ: tl.constexpr, HK: tl.constexpr, MODE_Q: tl.constexpr,
+                MODE_K: tl.constexpr, HALF: tl.constexpr, HBQ: tl.constexpr, HBK: tl.constexpr,
+                TB: tl.constexpr):
+    # Grid (token tiles, head blocks): program (i, j) handles TB tokens of q's head block j (j < HQ/HBQ) or of
+    # k's block j - HQ/HBQ, and writes its norm-weight gradient partial to dw [tiles, blocks, D] (FP32; torch
+    # sums it). Many small independent programs keep enough loads in flight; a persistent per-SM loop with the
+    # partials in registers measured half the bandwidth (docs/benchmarks.md).
     inv_d = tl.cast(inv_d, tl.float32)
     eps = tl.cast(eps, tl.float32)
-    pid = tl.program_id(0)
+    pid_t = tl.program_id(0)
+    blk = tl.program_id(1)
     c = tl.arange(0, HALF)
-    wq1 = tl.load(wq_ptr + c).to(tl.float32)[None, :]
-    wq2 = tl.load(wq_ptr + HALF + c).to(tl.float32)[None, :]
-    wk1 = tl.load(wk_ptr + c).to(tl.float32)[None, :]
-    wk2 = tl.load(wk_ptr + HALF + c).to(tl.float32)[None, :]
-    aq1 = tl.zeros([HALF], dtype=tl.float32)
-    aq2 = tl.zeros([HALF], dtype=tl.float32)
-    ak1 = tl.zeros([HALF], dtype=tl.float32)
-    ak2 = tl.zeros([HALF], dtype=tl.float32)
-    for i in range(tokens_per_prog):
-        t = pid.to(tl.int64) * tokens_per_prog + i
+    a1 = tl.zeros([HALF], dtype=tl.float32)
+    a2 = tl.zeros([HALF], dtype=tl.float32)
+    is_q = blk < HQ // HBQ
+    if is_q:
+        w1 = tl.load(wq_ptr + c).to(tl.float32)[None, :]
+        w2 = tl.load(wq_ptr + HALF + c).to(tl.float32)[None, :]
+    else:
+        w1 = tl.load(wk_ptr + c).to(tl.float32)[None, :]
+        w2 = tl.load(wk_ptr + HALF + c).to(tl.float32)[None, :]
+    for i in range(TB):
+        t = pid_t.to(tl.int64) * TB + i
         if t < T:
             co = tl.zeros([1, HALF], dtype=tl.float32)
             si = tl.zeros([1, HALF], dtype=tl.float32)
@@ -146,21 +151,17 @@ def _bwd_kernel(q_ptr, k_ptr, wq_ptr, wk_ptr, cos_ptr, sin_ptr, scale_ptr, gq_pt
                 si = tl.load(sin_ptr + t * HALF + c)[None, :]
             if MODE_Q == 2 or MODE_K == 2:
                 sc = tl.load(scale_ptr + t)
-            for hb in tl.static_range(HQ // HBQ):
-                p1, p2 = _bwd_rows(q_ptr, gq_ptr, dq_ptr, wq1, wq2, t, hb * HBQ, sq_t, sq_h, co, si, sc, inv_d, eps,
+            if is_q:
+                p1, p2 = _bwd_rows(q_ptr, gq_ptr, dq_ptr, w1, w2, t, blk * HBQ, sq_t, sq_h, co, si, sc, inv_d, eps,
                                    HQ, MODE_Q, HALF, HBQ)
-                aq1 += p1
-                aq2 += p2
-            for hb in tl.static_range(HK // HBK):
-                p1, p2 = _bwd_rows(k_ptr, gk_ptr, dk_ptr, wk1, wk2, t, hb * HBK, sk_t, sk_h, co, si, sc, inv_d, eps,
-                                   HK, MODE_K, HALF, HBK)
-                ak1 += p1
-                ak2 += p2
-    base = dw_ptr + pid * (4 * HALF)
-    tl.store(base + c, aq1)
-    tl.store(base + HALF + c, aq2)
-    tl.store(base + 2 * HALF + c, ak1)
-    tl.store(base + 3 * HALF + c, ak2)
+            else:
+                p1, p2 = _bwd_rows(k_ptr, gk_ptr, dk_ptr, w1, w2, t, (blk - HQ // HBQ) * HBK, sk_t, sk_h, co, si,
+                                   sc, inv_d, eps, HK, MODE_K, HALF, HBK)
+            a1 += p1
+            a2 += p2
+    base = dw_ptr + (pid_t * tl.num_programs(1) + blk) * (2 * HALF)
+    tl.store(base + c, a1)
+    tl.store(base + HALF + c, a2)
 
 
 def _check(x: torch.Tensor, name: str) -> None:
@@ -206,20 +207,23 @@ class _QKNorm(torch.autograd.Function):
         mode_q, mode_k = ctx.modes
         t, hq, d = q.shape
         hk = k.shape[1]
-        progs = num_programs_for_reduction(q.device, max(t, 1), int(TUNING["bwd_per_sm"]))
+        hbq, hbk = _heads_per_block(hq), _heads_per_block(hk)
+        nq = hq // hbq
+        tb = int(TUNING["bwd_tokens"])
+        tiles = triton.cdiv(t, tb)
         dq = torch.empty((t, hq, d), device=q.device, dtype=q.dtype)
         dk = torch.empty((t, hk, d), device=k.device, dtype=k.dtype)
-        dw = torch.zeros(progs, 2, d, device=q.device, dtype=torch.float32)
+        dw = torch.zeros(tiles, nq + hk // hbk, d, device=q.device, dtype=torch.float32)
         gq = gq.contiguous() if gq is not None else torch.zeros_like(dq)
         gk = gk.contiguous() if gk is not None else torch.zeros_like(dk)
         if t:
-            _bwd_kernel[(progs,)](
+            _bwd_kernel[(tiles, nq + hk // hbk)](
                 q, k, wq, wk, *_optional_inputs(cos, sin, scale, wq), gq, gk, dq, dk, dw, t,
-                q.stride(0), q.stride(1), k.stride(0), k.stride(1), 1.0 / d, ctx.eps, triton.cdiv(t, progs),
-                HQ=hq, HK=hk, MODE_Q=mode_q, MODE_K=mode_k, HALF=d // 2, HBQ=_heads_per_block(hq), HBK=_heads_per_block(hk),
-                num_warps=int(TUNING["bwd_warps"]))
-        dws = dw.sum(0)
-        return dq, dk, dws[0].to(wq.dtype), dws[1].to(wk.dtype), None, None, None, None, None, None
+                q.stride(0), q.stride(1), k.stride(0), k.stride(1), 1.0 / d, ctx.eps, HQ=hq, HK=hk, MODE_Q=mode_q,
+                MODE_K=mode_k, HALF=d // 2, HBQ=hbq, HBK=hbk, TB=tb, num_warps=int(TUNING["bwd_warps"]))
+        dw = dw.sum(0)
+        return (dq, dk, dw[:nq].sum(0).to(wq.dtype), dw[nq:].sum(0).to(wk.dtype), None, None, None, None, None,
+                None)
 
 
 def _qk_norm_pair(q, k, q_weight, k_weight, eps, mode_q, mode_k, cos=None, sin=None, scale=None):

@@ -90,12 +90,34 @@ def _fwd_kernel(branch_ptr, residual_ptr, post_w_ptr, pre_w_ptr, out_res_ptr, ou
 
 
 @triton.jit
+def _bwd_row_loads(branch_ptr, h_ptr, g_res_ptr, g_pre_ptr, row, T, H, cols, m, HAS_PRE_GRAD: tl.constexpr,
+                   HAS_RES_GRAD: tl.constexpr):
+    """One row's backward inputs in their storage dtype (branch, h', grad of h', grad of the pre-norm output)."""
+    rm = m & (row < T)
+    off = row * H + cols
+    b = tl.load(branch_ptr + off, mask=rm, other=0.0)
+    if HAS_RES_GRAD:
+        gh = tl.load(g_res_ptr + off, mask=rm, other=0.0)
+    else:
+        gh = tl.zeros_like(b)
+    if HAS_PRE_GRAD:
+        h = tl.load(h_ptr + off, mask=rm, other=0.0)
+        gp = tl.load(g_pre_ptr + off, mask=rm, other=0.0)
+    else:
+        h = tl.zeros_like(b)
+        gp = tl.zeros_like(b)
+    return b, h, gh, gp
+
+
+@triton.jit
 def _bwd_kernel(branch_ptr, h_ptr, g_res_ptr, g_pre_ptr, post_w_ptr, pre_w_ptr, rstd_post_ptr, rstd_pre_ptr,
                 d_branch_ptr, d_res_ptr, dw_post_ptr, dw_pre_ptr, T, H, inv_h, s_branch, s_res, rows_per_prog,
-                HAS_PRE_GRAD: tl.constexpr, HAS_RES_GRAD: tl.constexpr, BLOCK: tl.constexpr):
+                HAS_PRE_GRAD: tl.constexpr, HAS_RES_GRAD: tl.constexpr, BLOCK: tl.constexpr,
+                PREFETCH: tl.constexpr):
     # Each program walks rows_per_prog whole rows (BLOCK >= H) and keeps its weight-gradient partials in
     # registers; a chunked multi-pass variant with the partials in L2 measured slower on the H200
-    # (0.63 vs 0.44 ms fwd+bwd at 8192 x 5120, docs/benchmarks.md).
+    # (0.63 vs 0.44 ms fwd+bwd at 8192 x 5120, docs/benchmarks.md). PREFETCH issues the next row's loads
+    # before the current row's math, so a program has two rows of loads in flight.
     inv_h = tl.cast(inv_h, tl.float32)
     s_branch = tl.cast(s_branch, tl.float32)
     s_res = tl.cast(s_res, tl.float32)
@@ -104,26 +126,34 @@ def _bwd_kernel(branch_ptr, h_ptr, g_res_ptr, g_pre_ptr, post_w_ptr, pre_w_ptr, 
     m = cols < H
     wp = tl.load(post_w_ptr + cols, mask=m, other=0.0).to(tl.float32)
     acc_wp = tl.zeros([BLOCK], dtype=tl.float32)
+    wq = tl.zeros([BLOCK], dtype=tl.float32)
+    acc_wq = tl.zeros([BLOCK], dtype=tl.float32)
     if HAS_PRE_GRAD:
         wq = tl.load(pre_w_ptr + cols, mask=m, other=0.0).to(tl.float32)
-        acc_wq = tl.zeros([BLOCK], dtype=tl.float32)
+    first = pid.to(tl.int64) * rows_per_prog
+    nb, nh, ngh, ngp = _bwd_row_loads(branch_ptr, h_ptr, g_res_ptr, g_pre_ptr, first, T, H, cols, m, HAS_PRE_GRAD,
+                                      HAS_RES_GRAD)
     for i in range(rows_per_prog):
-        row = pid.to(tl.int64) * rows_per_prog + i
+        row = first + i
+        if PREFETCH:
+            b_raw, h_raw, gh_raw, gp_raw = nb, nh, ngh, ngp
+            nb, nh, ngh, ngp = _bwd_row_loads(branch_ptr, h_ptr, g_res_ptr, g_pre_ptr, row + 1, T, H, cols,
+                                              m & (i + 1 < rows_per_prog), HAS_PRE_GRAD, HAS_RES_GRAD)
+        else:
+            b_raw, h_raw, gh_raw, gp_raw = _bwd_row_loads(branch_ptr, h_ptr, g_res_ptr, g_pre_ptr, row, T, H, cols,
+                                                          m, HAS_PRE_GRAD, HAS_RES_GRAD)
         rm = m & (row < T)
         off = row * H + cols
-        if HAS_RES_GRAD:
-            gh = tl.load(g_res_ptr + off, mask=rm, other=0.0).to(tl.float32)
-        else:
-            gh = tl.zeros([BLOCK], dtype=tl.float32)
+        gh = gh_raw.to(tl.float32)
         if HAS_PRE_GRAD:
-            h = tl.load(h_ptr + off, mask=rm, other=0.0).to(tl.float32)
+            h = h_raw.to(tl.float32)
             rstd2 = tl.load(rstd_pre_ptr + row, mask=row < T, other=0.0)
-            gp = tl.load(g_pre_ptr + off, mask=rm, other=0.0).to(tl.float32)
+            gp = gp_raw.to(tl.float32)
             hh = h * rstd2
             gpw = gp * wq
             gh += rstd2 * (gpw - hh * (tl.sum(gpw * hh, axis=0) * inv_h))
             acc_wq += gp * hh
-        b = tl.load(branch_ptr + off, mask=rm, other=0.0).to(tl.float32)
+        b = b_raw.to(tl.float32)
         rstd = tl.load(rstd_post_ptr + row, mask=row < T, other=0.0)
         bh = b * rstd
         gn = gh * s_branch
@@ -139,7 +169,8 @@ def _bwd_kernel(branch_ptr, h_ptr, g_res_ptr, g_pre_ptr, post_w_ptr, pre_w_ptr, 
 
 # Launch tuning (benchmarks/kernel_sweep.py times the choices on a GPU). fwd_one_pass and fwd_chunk change the
 # FP32 sum-of-squares order (so the last bit of a few outputs); the others change only speed.
-TUNING: dict = {"fwd_one_pass": False, "fwd_chunk": 1024, "fwd_warps": 4, "bwd_warps": None, "bwd_per_sm": 4}
+TUNING: dict = {"fwd_one_pass": True, "fwd_chunk": 1024, "fwd_warps": 8, "bwd_warps": None, "bwd_per_sm": 1,
+                "bwd_prefetch": True}
 
 
 def _fwd_launch(h: int) -> tuple[bool, int, int]:
@@ -195,7 +226,7 @@ class _SandwichResidual(torch.autograd.Function):
                               rstd_post, rstd_pre if has_pre_grad else rstd_post, d_branch, d_res, dw_post,
                               dw_pre if has_pre_grad else dw_post, t, h, 1.0 / h, s_branch, s_res,
                               rows_per_prog, HAS_PRE_GRAD=has_pre_grad, HAS_RES_GRAD=g_res is not None,
-                              BLOCK=block, num_warps=warps)
+                              BLOCK=block, PREFETCH=bool(TUNING["bwd_prefetch"]), num_warps=warps)
         d_post_w = dw_post.sum(0).to(post_w.dtype)
         d_pre_w = None
         if ctx.has_pre:
