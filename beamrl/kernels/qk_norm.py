@@ -87,7 +87,8 @@ def _fwd_kernel(q_ptr, k_ptr, wq_ptr, wk_ptr, cos_ptr, sin_ptr, scale_ptr, qo_pt
 @triton.jit
 def _bwd_rows(x_ptr, go_ptr, dx_ptr, w1, w2, t, h0, stride_t, stride_h, co, si, sc, inv_d, eps,
               HEADS: tl.constexpr, MODE: tl.constexpr, HALF: tl.constexpr, HB: tl.constexpr):
-    """dx of one [HB, D] block (stored) and its norm-weight gradient terms summed over the block's heads."""
+    """dx of one [HB, D] block (stored) and its per-element norm-weight gradient terms [HB, D/2] x 2 (summed over
+    heads by the caller once per program: a cross-warp reduction per token measured 2x slower)."""
     hd = h0 + tl.arange(0, HB)
     c = tl.arange(0, HALF)
     src = t * stride_t + (hd * stride_h)[:, None] + c[None, :]
@@ -114,7 +115,7 @@ def _bwd_rows(x_ptr, go_ptr, dx_ptr, w1, w2, t, h0, stride_t, stride_h, co, si, 
     dot = ((tl.sum(gw1 * xh1, axis=1) + tl.sum(gw2 * xh2, axis=1)) * inv_d)[:, None]
     tl.store(dx_ptr + dst, (rstd * (gw1 - xh1 * dot)).to(dx_ptr.dtype.element_ty))
     tl.store(dx_ptr + dst + HALF, (rstd * (gw2 - xh2 * dot)).to(dx_ptr.dtype.element_ty))
-    return tl.sum(gn1 * xh1, axis=0), tl.sum(gn2 * xh2, axis=0)
+    return gn1 * xh1, gn2 * xh2
 
 
 @triton.jit
@@ -131,8 +132,6 @@ def _bwd_kernel(q_ptr, k_ptr, wq_ptr, wk_ptr, cos_ptr, sin_ptr, scale_ptr, gq_pt
     pid_t = tl.program_id(0)
     blk = tl.program_id(1)
     c = tl.arange(0, HALF)
-    a1 = tl.zeros([HALF], dtype=tl.float32)
-    a2 = tl.zeros([HALF], dtype=tl.float32)
     is_q = blk < HQ // HBQ
     if is_q:
         w1 = tl.load(wq_ptr + c).to(tl.float32)[None, :]
@@ -140,28 +139,41 @@ def _bwd_kernel(q_ptr, k_ptr, wq_ptr, wk_ptr, cos_ptr, sin_ptr, scale_ptr, gq_pt
     else:
         w1 = tl.load(wk_ptr + c).to(tl.float32)[None, :]
         w2 = tl.load(wk_ptr + HALF + c).to(tl.float32)[None, :]
+    if is_q:
+        a1, a2 = _bwd_tokens(q_ptr, gq_ptr, dq_ptr, w1, w2, cos_ptr, sin_ptr, scale_ptr, pid_t, blk * HBQ, T, sq_t,
+                             sq_h, inv_d, eps, HQ, MODE_Q, HALF, HBQ, TB)
+    else:
+        a1, a2 = _bwd_tokens(k_ptr, gk_ptr, dk_ptr, w1, w2, cos_ptr, sin_ptr, scale_ptr, pid_t,
+                             (blk - HQ // HBQ) * HBK, T, sk_t, sk_h, inv_d, eps, HK, MODE_K, HALF, HBK, TB)
+    base = dw_ptr + (pid_t * tl.num_programs(1) + blk) * (2 * HALF)
+    tl.store(base + c, a1)
+    tl.store(base + HALF + c, a2)
+
+
+@triton.jit
+def _bwd_tokens(x_ptr, go_ptr, dx_ptr, w1, w2, cos_ptr, sin_ptr, scale_ptr, pid_t, h0, T, stride_t, stride_h, inv_d,
+                eps, HEADS: tl.constexpr, MODE: tl.constexpr, HALF: tl.constexpr, HB: tl.constexpr,
+                TB: tl.constexpr):
+    """TB tokens of one head block; returns the block's norm-weight gradient partial (two [HALF] halves)."""
+    c = tl.arange(0, HALF)
+    a1 = tl.zeros([HB, HALF], dtype=tl.float32)
+    a2 = tl.zeros([HB, HALF], dtype=tl.float32)
     for i in range(TB):
         t = pid_t.to(tl.int64) * TB + i
         if t < T:
             co = tl.zeros([1, HALF], dtype=tl.float32)
             si = tl.zeros([1, HALF], dtype=tl.float32)
             sc = tl.cast(1.0, tl.float32)
-            if MODE_Q == 1 or MODE_K == 1:
+            if MODE == 1:
                 co = tl.load(cos_ptr + t * HALF + c)[None, :]
                 si = tl.load(sin_ptr + t * HALF + c)[None, :]
-            if MODE_Q == 2 or MODE_K == 2:
+            if MODE == 2:
                 sc = tl.load(scale_ptr + t)
-            if is_q:
-                p1, p2 = _bwd_rows(q_ptr, gq_ptr, dq_ptr, w1, w2, t, blk * HBQ, sq_t, sq_h, co, si, sc, inv_d, eps,
-                                   HQ, MODE_Q, HALF, HBQ)
-            else:
-                p1, p2 = _bwd_rows(k_ptr, gk_ptr, dk_ptr, w1, w2, t, (blk - HQ // HBQ) * HBK, sk_t, sk_h, co, si,
-                                   sc, inv_d, eps, HK, MODE_K, HALF, HBK)
+            p1, p2 = _bwd_rows(x_ptr, go_ptr, dx_ptr, w1, w2, t, h0, stride_t, stride_h, co, si, sc, inv_d, eps,
+                               HEADS, MODE, HALF, HB)
             a1 += p1
             a2 += p2
-    base = dw_ptr + (pid_t * tl.num_programs(1) + blk) * (2 * HALF)
-    tl.store(base + c, a1)
-    tl.store(base + HALF + c, a2)
+    return tl.sum(a1, axis=0), tl.sum(a2, axis=0)
 
 
 def _check(x: torch.Tensor, name: str) -> None:

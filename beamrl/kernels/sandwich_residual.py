@@ -110,10 +110,15 @@ def _bwd_row_loads(branch_ptr, h_ptr, g_res_ptr, g_pre_ptr, row, T, H, cols, m, 
 
 
 @triton.jit
+def _add4(a0, a1, a2, a3, b0, b1, b2, b3):
+    return a0 + b0, a1 + b1, a2 + b2, a3 + b3
+
+
+@triton.jit
 def _bwd_kernel(branch_ptr, h_ptr, g_res_ptr, g_pre_ptr, post_w_ptr, pre_w_ptr, rstd_post_ptr, rstd_pre_ptr,
                 d_branch_ptr, d_res_ptr, dw_post_ptr, dw_pre_ptr, T, H, inv_h, s_branch, s_res, rows_per_prog,
                 HAS_PRE_GRAD: tl.constexpr, HAS_RES_GRAD: tl.constexpr, BLOCK: tl.constexpr,
-                PREFETCH: tl.constexpr):
+                PREFETCH: tl.constexpr, ONE_REDUCE: tl.constexpr):
     # Each program walks rows_per_prog whole rows (BLOCK >= H) and keeps its weight-gradient partials in
     # registers; a chunked multi-pass variant with the partials in L2 measured slower on the H200
     # (0.63 vs 0.44 ms fwd+bwd at 8192 x 5120, docs/benchmarks.md). PREFETCH issues the next row's loads
@@ -145,20 +150,36 @@ def _bwd_kernel(branch_ptr, h_ptr, g_res_ptr, g_pre_ptr, post_w_ptr, pre_w_ptr, 
         rm = m & (row < T)
         off = row * H + cols
         gh = gh_raw.to(tl.float32)
-        if HAS_PRE_GRAD:
+        b = b_raw.to(tl.float32)
+        rstd = tl.load(rstd_post_ptr + row, mask=row < T, other=0.0)
+        bh = b * rstd
+        if ONE_REDUCE and HAS_PRE_GRAD:
+            # Both row sums in one cross-warp reduction: the post-norm's sum over gn*wp*bh expands into sums
+            # that do not need gh first (gh = g_res + rstd2 * (gp*wq - hh * c1/H)).
             h = h_raw.to(tl.float32)
             rstd2 = tl.load(rstd_pre_ptr + row, mask=row < T, other=0.0)
             gp = gp_raw.to(tl.float32)
             hh = h * rstd2
             gpw = gp * wq
-            gh += rstd2 * (gpw - hh * (tl.sum(gpw * hh, axis=0) * inv_h))
+            wbh = wp * bh
+            c1, sb, sc, sd = tl.reduce((gpw * hh, gh * wbh, gpw * wbh, hh * wbh), 0, _add4)
+            k1 = c1 * inv_h
+            c2 = s_branch * (sb + rstd2 * sc - rstd2 * k1 * sd)
             acc_wq += gp * hh
-        b = b_raw.to(tl.float32)
-        rstd = tl.load(rstd_post_ptr + row, mask=row < T, other=0.0)
-        bh = b * rstd
-        gn = gh * s_branch
-        gnw = gn * wp
-        db = rstd * (gnw - bh * (tl.sum(gnw * bh, axis=0) * inv_h))
+            gh += rstd2 * (gpw - hh * k1)
+            gn = gh * s_branch
+        else:
+            if HAS_PRE_GRAD:
+                h = h_raw.to(tl.float32)
+                rstd2 = tl.load(rstd_pre_ptr + row, mask=row < T, other=0.0)
+                gp = gp_raw.to(tl.float32)
+                hh = h * rstd2
+                gpw = gp * wq
+                gh += rstd2 * (gpw - hh * (tl.sum(gpw * hh, axis=0) * inv_h))
+                acc_wq += gp * hh
+            gn = gh * s_branch
+            c2 = tl.sum(gn * wp * bh, axis=0)
+        db = rstd * (gn * wp - bh * (c2 * inv_h))
         acc_wp += gn * bh
         tl.store(d_branch_ptr + off, db.to(d_branch_ptr.dtype.element_ty), mask=rm)
         tl.store(d_res_ptr + off, (gh * s_res).to(d_res_ptr.dtype.element_ty), mask=rm)
@@ -170,7 +191,7 @@ def _bwd_kernel(branch_ptr, h_ptr, g_res_ptr, g_pre_ptr, post_w_ptr, pre_w_ptr, 
 # Launch tuning (benchmarks/kernel_sweep.py times the choices on a GPU). fwd_one_pass and fwd_chunk change the
 # FP32 sum-of-squares order (so the last bit of a few outputs); the others change only speed.
 TUNING: dict = {"fwd_one_pass": True, "fwd_chunk": 1024, "fwd_warps": 8, "bwd_warps": None, "bwd_per_sm": 1,
-                "bwd_prefetch": True}
+                "bwd_prefetch": False, "bwd_one_reduce": True}
 
 
 def _fwd_launch(h: int) -> tuple[bool, int, int]:
@@ -226,7 +247,8 @@ class _SandwichResidual(torch.autograd.Function):
                               rstd_post, rstd_pre if has_pre_grad else rstd_post, d_branch, d_res, dw_post,
                               dw_pre if has_pre_grad else dw_post, t, h, 1.0 / h, s_branch, s_res,
                               rows_per_prog, HAS_PRE_GRAD=has_pre_grad, HAS_RES_GRAD=g_res is not None,
-                              BLOCK=block, PREFETCH=bool(TUNING["bwd_prefetch"]), num_warps=warps)
+                              BLOCK=block, PREFETCH=bool(TUNING["bwd_prefetch"]),
+                              ONE_REDUCE=bool(TUNING["bwd_one_reduce"]), num_warps=warps)
         d_post_w = dw_post.sum(0).to(post_w.dtype)
         d_pre_w = None
         if ctx.has_pre:

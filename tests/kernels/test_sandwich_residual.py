@@ -74,12 +74,13 @@ def _check_triton(checks, t, h, device, seed, max_mismatch_frac):
     checks.assert_near_bit_equal(h_f, eager[0], max_mismatch_frac)
 
 
-@pytest.fixture(params=[False, True], ids=["chunked", "one-pass"])
+@pytest.fixture(params=[False, True], ids=["chunked-fwd/two-reductions-bwd", "one-pass-fwd/one-reduction-bwd"])
 def forward_layout(request, monkeypatch):
-    """Both forward layouts of the kernel (sandwich_residual.TUNING["fwd_one_pass"])."""
+    """Both layouts of each kernel (sandwich_residual.TUNING "fwd_one_pass" and "bwd_one_reduce")."""
     from beamrl.kernels import sandwich_residual
 
     monkeypatch.setitem(sandwich_residual.TUNING, "fwd_one_pass", request.param)
+    monkeypatch.setitem(sandwich_residual.TUNING, "bwd_one_reduce", request.param)
     return request.param
 
 
