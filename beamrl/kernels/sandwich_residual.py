@@ -191,7 +191,7 @@ def _bwd_kernel(branch_ptr, h_ptr, g_res_ptr, g_pre_ptr, post_w_ptr, pre_w_ptr, 
 # Launch tuning (benchmarks/kernel_sweep.py times the choices on a GPU). fwd_one_pass and fwd_chunk change the
 # FP32 sum-of-squares order (so the last bit of a few outputs); the others change only speed.
 TUNING: dict = {"fwd_one_pass": True, "fwd_chunk": 1024, "fwd_warps": 8, "bwd_warps": None, "bwd_per_sm": 1,
-                "bwd_prefetch": False, "bwd_one_reduce": True}
+                "bwd_prefetch": False, "bwd_one_reduce": False}
 
 
 def _fwd_launch(h: int) -> tuple[bool, int, int]:
