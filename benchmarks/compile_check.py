@@ -44,8 +44,12 @@ def _cases():
            {"branch_ptr": BF, "h_ptr": BF, "g_res_ptr": BF, "g_pre_ptr": BF, "post_w_ptr": BF, "pre_w_ptr": BF,
             "rstd_post_ptr": F32, "rstd_pre_ptr": F32, "d_branch_ptr": BF, "d_res_ptr": BF, "dw_post_ptr": F32,
             "dw_pre_ptr": F32, "inv_h": "fp32", "s_branch": "fp32", "s_res": "fp32"},
-           {"HAS_PRE_GRAD": True, "HAS_RES_GRAD": True, "BLOCK": 8192, "PREFETCH": False, "ONE_REDUCE": True}, 16,
-           True)
+           {"HAS_PRE_GRAD": True, "HAS_RES_GRAD": True, "BLOCK": 8192}, 16, True)
+    yield ("sandwich bwd split", sandwich_residual._bwd_split_kernel,
+           {"branch_ptr": BF, "h_ptr": BF, "g_res_ptr": BF, "g_pre_ptr": BF, "post_w_ptr": BF, "pre_w_ptr": BF,
+            "rstd_post_ptr": F32, "rstd_pre_ptr": F32, "d_branch_ptr": BF, "d_res_ptr": BF, "dw_post_ptr": F32,
+            "dw_pre_ptr": F32, "inv_h": "fp32", "s_branch": "fp32", "s_res": "fp32"},
+           {"HAS_PRE_GRAD": True, "HAS_RES_GRAD": True, "BA": 4096, "BB": 1024, "PREFETCH": False}, 16, True)
     for mq, mk in ((qk_norm.MODE_ROPE, qk_norm.MODE_ROPE), (qk_norm.MODE_SSMAX, qk_norm.MODE_NORM)):
         heads = {"HQ": 48, "HK": 8, "MODE_Q": mq, "MODE_K": mk, "HALF": 64, "HBQ": 16, "HBK": 8}
         yield (f"qk_norm fwd modes {mq}/{mk}", qk_norm._fwd_kernel,

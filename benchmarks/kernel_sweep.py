@@ -76,7 +76,8 @@ def _cases(t, h, hq, hkv, d, inter):
                run=lambda x: ops.post_norm_residual_pre_norm(x[0], x[1], x[2], x[3], scales, 1e-6, backend="triton"),
                n_grad=4, fwd_bytes=4 * act, bwd_bytes=6 * act, reorders={"fwd_one_pass", "fwd_chunk", "fwd_warps"},
                fwd=fwd_one + fwd_chunk[4:6],
-               bwd=_grid(bwd_one_reduce=[True, False], bwd_warps=[8, 16, 32], bwd_per_sm=[1, 2]))
+               bwd=(_grid(bwd_split=[True], bwd_prefetch=[False, True], bwd_warps=[8, 16], bwd_per_sm=[1, 2])
+                    + _grid(bwd_split=[False], bwd_warps=[16], bwd_per_sm=[1])))
     pos = torch.arange(t, device=DEV)
     cos, sin = numerics.rope_cos_sin(pos, d, 10000.0)
     ssmax = numerics.ssmax_scale(pos)
@@ -87,7 +88,7 @@ def _cases(t, h, hq, hkv, d, inter):
         return [qk[:, :hq * d].view(t, hq, d), qk[:, hq * d:].view(t, hkv, d), rnd(d), rnd(d)]
 
     qk_fwd = _grid(fwd_tokens=[1], fwd_warps=[4])
-    qk_bwd = _grid(bwd_tokens=[2, 4, 8, 16], bwd_warps=[1, 2, 4])
+    qk_bwd = _grid(bwd_heads=[8, 16], bwd_tokens=[4, 8, 16], bwd_warps=[2, 4, 8])
     yield dict(name="qk_norm_rope", module=qk_norm, inputs=qk_inputs,
                run=lambda x: ops.qk_norm_rope(x[0], x[1], x[2], x[3], cos, sin, 1e-6, backend="triton"), n_grad=4,
                fwd_bytes=2 * qk_bytes + t * d * 4, bwd_bytes=3 * qk_bytes + t * d * 4, reorders=set(),

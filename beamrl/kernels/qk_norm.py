@@ -23,7 +23,7 @@ from beamrl.kernels._triton_utils import LAUNCH_OPTIONS, kernel_flags, mul_rn, r
 MODE_NORM, MODE_ROPE, MODE_SSMAX = 0, 1, 2
 
 # Launch tuning (benchmarks/kernel_sweep.py times the choices on a GPU); none changes a result bit.
-TUNING: dict = {"fwd_tokens": 1, "fwd_warps": 4, "bwd_tokens": 8, "bwd_warps": 4}
+TUNING: dict = {"fwd_tokens": 1, "fwd_warps": 4, "bwd_tokens": 8, "bwd_warps": 4, "bwd_heads": 16}
 
 
 @triton.jit
@@ -185,9 +185,9 @@ def _check(x: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name}: head_dim must be twice a power of two for this kernel, got {d}")
 
 
-def _heads_per_block(heads: int) -> int:
-    """The largest power of two (at most 16) dividing the head count: blocks need no head mask."""
-    return min(16, heads & -heads)
+def _heads_per_block(heads: int, cap: int = 16) -> int:
+    """The largest power of two (at most `cap`) dividing the head count: blocks need no head mask."""
+    return min(cap, heads & -heads)
 
 
 def _optional_inputs(cos, sin, scale, dummy):
@@ -219,7 +219,8 @@ class _QKNorm(torch.autograd.Function):
         mode_q, mode_k = ctx.modes
         t, hq, d = q.shape
         hk = k.shape[1]
-        hbq, hbk = _heads_per_block(hq), _heads_per_block(hk)
+        cap = int(TUNING["bwd_heads"])
+        hbq, hbk = _heads_per_block(hq, cap), _heads_per_block(hk, cap)
         nq = hq // hbq
         tb = int(TUNING["bwd_tokens"])
         tiles = triton.cdiv(t, tb)

@@ -110,19 +110,13 @@ def _bwd_row_loads(branch_ptr, h_ptr, g_res_ptr, g_pre_ptr, row, T, H, cols, m, 
 
 
 @triton.jit
-def _add4(a0, a1, a2, a3, b0, b1, b2, b3):
-    return a0 + b0, a1 + b1, a2 + b2, a3 + b3
-
-
-@triton.jit
 def _bwd_kernel(branch_ptr, h_ptr, g_res_ptr, g_pre_ptr, post_w_ptr, pre_w_ptr, rstd_post_ptr, rstd_pre_ptr,
                 d_branch_ptr, d_res_ptr, dw_post_ptr, dw_pre_ptr, T, H, inv_h, s_branch, s_res, rows_per_prog,
-                HAS_PRE_GRAD: tl.constexpr, HAS_RES_GRAD: tl.constexpr, BLOCK: tl.constexpr,
-                PREFETCH: tl.constexpr, ONE_REDUCE: tl.constexpr):
-    # Each program walks rows_per_prog whole rows (BLOCK >= H) and keeps its weight-gradient partials in
-    # registers; a chunked multi-pass variant with the partials in L2 measured slower on the H200
-    # (0.63 vs 0.44 ms fwd+bwd at 8192 x 5120, docs/benchmarks.md). PREFETCH issues the next row's loads
-    # before the current row's math, so a program has two rows of loads in flight.
+                HAS_PRE_GRAD: tl.constexpr, HAS_RES_GRAD: tl.constexpr, BLOCK: tl.constexpr):
+    # Each program walks rows_per_prog whole rows (BLOCK >= H, one next-power-of-two block) and keeps its
+    # weight-gradient partials in registers. Measured slower on the H200 and removed (docs/benchmarks.md): a
+    # chunked multi-pass variant with the partials in L2, prefetching the next row (register spills), and one
+    # combined reduction of four row sums.
     inv_h = tl.cast(inv_h, tl.float32)
     s_branch = tl.cast(s_branch, tl.float32)
     s_res = tl.cast(s_res, tl.float32)
@@ -135,51 +129,25 @@ def _bwd_kernel(branch_ptr, h_ptr, g_res_ptr, g_pre_ptr, post_w_ptr, pre_w_ptr, 
     acc_wq = tl.zeros([BLOCK], dtype=tl.float32)
     if HAS_PRE_GRAD:
         wq = tl.load(pre_w_ptr + cols, mask=m, other=0.0).to(tl.float32)
-    first = pid.to(tl.int64) * rows_per_prog
-    nb, nh, ngh, ngp = _bwd_row_loads(branch_ptr, h_ptr, g_res_ptr, g_pre_ptr, first, T, H, cols, m, HAS_PRE_GRAD,
-                                      HAS_RES_GRAD)
     for i in range(rows_per_prog):
-        row = first + i
-        if PREFETCH:
-            b_raw, h_raw, gh_raw, gp_raw = nb, nh, ngh, ngp
-            nb, nh, ngh, ngp = _bwd_row_loads(branch_ptr, h_ptr, g_res_ptr, g_pre_ptr, row + 1, T, H, cols,
-                                              m & (i + 1 < rows_per_prog), HAS_PRE_GRAD, HAS_RES_GRAD)
-        else:
-            b_raw, h_raw, gh_raw, gp_raw = _bwd_row_loads(branch_ptr, h_ptr, g_res_ptr, g_pre_ptr, row, T, H, cols,
-                                                          m, HAS_PRE_GRAD, HAS_RES_GRAD)
+        row = pid.to(tl.int64) * rows_per_prog + i
+        b_raw, h_raw, gh_raw, gp_raw = _bwd_row_loads(branch_ptr, h_ptr, g_res_ptr, g_pre_ptr, row, T, H, cols, m,
+                                                      HAS_PRE_GRAD, HAS_RES_GRAD)
         rm = m & (row < T)
         off = row * H + cols
         gh = gh_raw.to(tl.float32)
-        b = b_raw.to(tl.float32)
-        rstd = tl.load(rstd_post_ptr + row, mask=row < T, other=0.0)
-        bh = b * rstd
-        if ONE_REDUCE and HAS_PRE_GRAD:
-            # Both row sums in one cross-warp reduction: the post-norm's sum over gn*wp*bh expands into sums
-            # that do not need gh first (gh = g_res + rstd2 * (gp*wq - hh * c1/H)).
-            h = h_raw.to(tl.float32)
+        if HAS_PRE_GRAD:
             rstd2 = tl.load(rstd_pre_ptr + row, mask=row < T, other=0.0)
+            hh = h_raw.to(tl.float32) * rstd2
             gp = gp_raw.to(tl.float32)
-            hh = h * rstd2
             gpw = gp * wq
-            wbh = wp * bh
-            c1, sb, sc, sd = tl.reduce((gpw * hh, gh * wbh, gpw * wbh, hh * wbh), 0, _add4)
-            k1 = c1 * inv_h
-            c2 = s_branch * (sb + rstd2 * sc - rstd2 * k1 * sd)
+            gh += rstd2 * (gpw - hh * (tl.sum(gpw * hh, axis=0) * inv_h))
             acc_wq += gp * hh
-            gh += rstd2 * (gpw - hh * k1)
-            gn = gh * s_branch
-        else:
-            if HAS_PRE_GRAD:
-                h = h_raw.to(tl.float32)
-                rstd2 = tl.load(rstd_pre_ptr + row, mask=row < T, other=0.0)
-                gp = gp_raw.to(tl.float32)
-                hh = h * rstd2
-                gpw = gp * wq
-                gh += rstd2 * (gpw - hh * (tl.sum(gpw * hh, axis=0) * inv_h))
-                acc_wq += gp * hh
-            gn = gh * s_branch
-            c2 = tl.sum(gn * wp * bh, axis=0)
-        db = rstd * (gn * wp - bh * (c2 * inv_h))
+        rstd = tl.load(rstd_post_ptr + row, mask=row < T, other=0.0)
+        bh = b_raw.to(tl.float32) * rstd
+        gn = gh * s_branch
+        gnw = gn * wp
+        db = rstd * (gnw - bh * (tl.sum(gnw * bh, axis=0) * inv_h))
         acc_wp += gn * bh
         tl.store(d_branch_ptr + off, db.to(d_branch_ptr.dtype.element_ty), mask=rm)
         tl.store(d_res_ptr + off, (gh * s_res).to(d_res_ptr.dtype.element_ty), mask=rm)
@@ -188,10 +156,102 @@ def _bwd_kernel(branch_ptr, h_ptr, g_res_ptr, g_pre_ptr, post_w_ptr, pre_w_ptr, 
         tl.store(dw_pre_ptr + pid * H + cols, acc_wq, mask=m)
 
 
+@triton.jit
+def _bwd_split_kernel(branch_ptr, h_ptr, g_res_ptr, g_pre_ptr, post_w_ptr, pre_w_ptr, rstd_post_ptr, rstd_pre_ptr,
+                      d_branch_ptr, d_res_ptr, dw_post_ptr, dw_pre_ptr, T, H, inv_h, s_branch, s_res, rows_per_prog,
+                      HAS_PRE_GRAD: tl.constexpr, HAS_RES_GRAD: tl.constexpr, BA: tl.constexpr, BB: tl.constexpr,
+                      PREFETCH: tl.constexpr):
+    # `_bwd_kernel` with the row held as two power-of-two pieces [0, BA) and [BA, BA + BB) (5120 = 4096 + 1024)
+    # instead of one next-power-of-two block (8192, 37.5 % masked lanes): the same math in 10 instead of 16
+    # registers per thread and tensor at 16 warps, which leaves room for the next row's prefetched loads.
+    inv_h = tl.cast(inv_h, tl.float32)
+    s_branch = tl.cast(s_branch, tl.float32)
+    s_res = tl.cast(s_res, tl.float32)
+    pid = tl.program_id(0)
+    ca = tl.arange(0, BA)
+    cb = BA + tl.arange(0, BB)
+    ma = ca < H
+    mb = cb < H
+    wpa = tl.load(post_w_ptr + ca, mask=ma, other=0.0).to(tl.float32)
+    wpb = tl.load(post_w_ptr + cb, mask=mb, other=0.0).to(tl.float32)
+    wqa = tl.zeros([BA], dtype=tl.float32)
+    wqb = tl.zeros([BB], dtype=tl.float32)
+    if HAS_PRE_GRAD:
+        wqa = tl.load(pre_w_ptr + ca, mask=ma, other=0.0).to(tl.float32)
+        wqb = tl.load(pre_w_ptr + cb, mask=mb, other=0.0).to(tl.float32)
+    apa = tl.zeros([BA], dtype=tl.float32)
+    apb = tl.zeros([BB], dtype=tl.float32)
+    aqa = tl.zeros([BA], dtype=tl.float32)
+    aqb = tl.zeros([BB], dtype=tl.float32)
+    first = pid.to(tl.int64) * rows_per_prog
+    nba, nha, ngha, ngpa = _bwd_row_loads(branch_ptr, h_ptr, g_res_ptr, g_pre_ptr, first, T, H, ca, ma, HAS_PRE_GRAD,
+                                          HAS_RES_GRAD)
+    nbb, nhb, nghb, ngpb = _bwd_row_loads(branch_ptr, h_ptr, g_res_ptr, g_pre_ptr, first, T, H, cb, mb, HAS_PRE_GRAD,
+                                          HAS_RES_GRAD)
+    for i in range(rows_per_prog):
+        row = first + i
+        if PREFETCH:
+            ba_, ha_, gha_, gpa_ = nba, nha, ngha, ngpa
+            bb_, hb_, ghb_, gpb_ = nbb, nhb, nghb, ngpb
+            more = i + 1 < rows_per_prog
+            nba, nha, ngha, ngpa = _bwd_row_loads(branch_ptr, h_ptr, g_res_ptr, g_pre_ptr, row + 1, T, H, ca,
+                                                  ma & more, HAS_PRE_GRAD, HAS_RES_GRAD)
+            nbb, nhb, nghb, ngpb = _bwd_row_loads(branch_ptr, h_ptr, g_res_ptr, g_pre_ptr, row + 1, T, H, cb,
+                                                  mb & more, HAS_PRE_GRAD, HAS_RES_GRAD)
+        else:
+            ba_, ha_, gha_, gpa_ = _bwd_row_loads(branch_ptr, h_ptr, g_res_ptr, g_pre_ptr, row, T, H, ca, ma,
+                                                  HAS_PRE_GRAD, HAS_RES_GRAD)
+            bb_, hb_, ghb_, gpb_ = _bwd_row_loads(branch_ptr, h_ptr, g_res_ptr, g_pre_ptr, row, T, H, cb, mb,
+                                                  HAS_PRE_GRAD, HAS_RES_GRAD)
+        gha = gha_.to(tl.float32)
+        ghb = ghb_.to(tl.float32)
+        if HAS_PRE_GRAD:
+            rstd2 = tl.load(rstd_pre_ptr + row, mask=row < T, other=0.0)
+            hha = ha_.to(tl.float32) * rstd2
+            hhb = hb_.to(tl.float32) * rstd2
+            gpa = gpa_.to(tl.float32)
+            gpb = gpb_.to(tl.float32)
+            gpwa = gpa * wqa
+            gpwb = gpb * wqb
+            c1 = (tl.sum(gpwa * hha, axis=0) + tl.sum(gpwb * hhb, axis=0)) * inv_h
+            gha += rstd2 * (gpwa - hha * c1)
+            ghb += rstd2 * (gpwb - hhb * c1)
+            aqa += gpa * hha
+            aqb += gpb * hhb
+        rstd = tl.load(rstd_post_ptr + row, mask=row < T, other=0.0)
+        bha = ba_.to(tl.float32) * rstd
+        bhb = bb_.to(tl.float32) * rstd
+        gna = gha * s_branch
+        gnb = ghb * s_branch
+        gnwa = gna * wpa
+        gnwb = gnb * wpb
+        c2 = (tl.sum(gnwa * bha, axis=0) + tl.sum(gnwb * bhb, axis=0)) * inv_h
+        apa += gna * bha
+        apb += gnb * bhb
+        rok = row < T
+        tl.store(d_branch_ptr + row * H + ca, (rstd * (gnwa - bha * c2)).to(d_branch_ptr.dtype.element_ty),
+                 mask=ma & rok)
+        tl.store(d_branch_ptr + row * H + cb, (rstd * (gnwb - bhb * c2)).to(d_branch_ptr.dtype.element_ty),
+                 mask=mb & rok)
+        tl.store(d_res_ptr + row * H + ca, (gha * s_res).to(d_res_ptr.dtype.element_ty), mask=ma & rok)
+        tl.store(d_res_ptr + row * H + cb, (ghb * s_res).to(d_res_ptr.dtype.element_ty), mask=mb & rok)
+    tl.store(dw_post_ptr + pid * H + ca, apa, mask=ma)
+    tl.store(dw_post_ptr + pid * H + cb, apb, mask=mb)
+    if HAS_PRE_GRAD:
+        tl.store(dw_pre_ptr + pid * H + ca, aqa, mask=ma)
+        tl.store(dw_pre_ptr + pid * H + cb, aqb, mask=mb)
+
+
+def _split_blocks(h: int) -> tuple[int, int]:
+    """The row as two power-of-two pieces: the largest power of two <= h, then the rest rounded up."""
+    ba = 1 << (h.bit_length() - 1)
+    return ba, (triton.next_power_of_2(h - ba) if h > ba else 1)
+
+
 # Launch tuning (benchmarks/kernel_sweep.py times the choices on a GPU). fwd_one_pass and fwd_chunk change the
 # FP32 sum-of-squares order (so the last bit of a few outputs); the others change only speed.
 TUNING: dict = {"fwd_one_pass": True, "fwd_chunk": 1024, "fwd_warps": 8, "bwd_warps": None, "bwd_per_sm": 1,
-                "bwd_prefetch": False, "bwd_one_reduce": False}
+                "bwd_prefetch": False, "bwd_split": True}
 
 
 def _fwd_launch(h: int) -> tuple[bool, int, int]:
@@ -243,12 +303,20 @@ class _SandwichResidual(torch.autograd.Function):
         g_res_c = g_res.contiguous() if g_res is not None else branch
         g_pre_c = g_pre.contiguous() if has_pre_grad else branch
         block, warps = _bwd_block(h)
-        _bwd_kernel[(progs,)](branch, out_res, g_res_c, g_pre_c, post_w, pre_w if has_pre_grad else post_w,
-                              rstd_post, rstd_pre if has_pre_grad else rstd_post, d_branch, d_res, dw_post,
-                              dw_pre if has_pre_grad else dw_post, t, h, 1.0 / h, s_branch, s_res,
-                              rows_per_prog, HAS_PRE_GRAD=has_pre_grad, HAS_RES_GRAD=g_res is not None,
-                              BLOCK=block, PREFETCH=bool(TUNING["bwd_prefetch"]),
-                              ONE_REDUCE=bool(TUNING["bwd_one_reduce"]), num_warps=warps)
+        if TUNING["bwd_split"]:
+            ba, bb = _split_blocks(h)
+            _bwd_split_kernel[(progs,)](
+                branch, out_res, g_res_c, g_pre_c, post_w, pre_w if has_pre_grad else post_w, rstd_post,
+                rstd_pre if has_pre_grad else rstd_post, d_branch, d_res, dw_post, dw_pre if has_pre_grad else dw_post,
+                t, h, 1.0 / h, s_branch, s_res, rows_per_prog, HAS_PRE_GRAD=has_pre_grad,
+                HAS_RES_GRAD=g_res is not None, BA=ba, BB=bb, PREFETCH=bool(TUNING["bwd_prefetch"]),
+                num_warps=warps)
+        else:
+            _bwd_kernel[(progs,)](
+                branch, out_res, g_res_c, g_pre_c, post_w, pre_w if has_pre_grad else post_w, rstd_post,
+                rstd_pre if has_pre_grad else rstd_post, d_branch, d_res, dw_post, dw_pre if has_pre_grad else dw_post,
+                t, h, 1.0 / h, s_branch, s_res, rows_per_prog, HAS_PRE_GRAD=has_pre_grad,
+                HAS_RES_GRAD=g_res is not None, BLOCK=block, num_warps=warps)
         d_post_w = dw_post.sum(0).to(post_w.dtype)
         d_pre_w = None
         if ctx.has_pre:

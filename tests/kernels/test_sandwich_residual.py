@@ -74,13 +74,14 @@ def _check_triton(checks, t, h, device, seed, max_mismatch_frac):
     checks.assert_near_bit_equal(h_f, eager[0], max_mismatch_frac)
 
 
-@pytest.fixture(params=[False, True], ids=["chunked-fwd/two-reductions-bwd", "one-pass-fwd/one-reduction-bwd"])
+@pytest.fixture(params=[(False, False, False), (True, True, False), (True, True, True)],
+                ids=["chunked-fwd/one-block-bwd", "one-pass-fwd/split-bwd", "one-pass-fwd/split-prefetch-bwd"])
 def forward_layout(request, monkeypatch):
-    """Both layouts of each kernel (sandwich_residual.TUNING "fwd_one_pass" and "bwd_one_reduce")."""
+    """Each layout of the kernels (sandwich_residual.TUNING "fwd_one_pass", "bwd_split", "bwd_prefetch")."""
     from beamrl.kernels import sandwich_residual
 
-    monkeypatch.setitem(sandwich_residual.TUNING, "fwd_one_pass", request.param)
-    monkeypatch.setitem(sandwich_residual.TUNING, "bwd_one_reduce", request.param)
+    for key, value in zip(("fwd_one_pass", "bwd_split", "bwd_prefetch"), request.param):
+        monkeypatch.setitem(sandwich_residual.TUNING, key, value)
     return request.param
 
 
