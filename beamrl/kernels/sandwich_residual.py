@@ -250,8 +250,8 @@ def _split_blocks(h: int) -> tuple[int, int]:
 
 # Launch tuning (benchmarks/kernel_sweep.py times the choices on a GPU). fwd_one_pass and fwd_chunk change the
 # FP32 sum-of-squares order (so the last bit of a few outputs); the others change only speed.
-TUNING: dict = {"fwd_one_pass": True, "fwd_chunk": 1024, "fwd_warps": 8, "bwd_warps": None, "bwd_per_sm": 1,
-                "bwd_prefetch": False, "bwd_split": True}
+TUNING: dict = {"fwd_one_pass": True, "fwd_chunk": 1024, "fwd_warps": 8, "bwd_warps": 8, "bwd_per_sm": 1,
+                "bwd_prefetch": True, "bwd_split": True}
 
 
 def _fwd_launch(h: int) -> tuple[bool, int, int]:
