@@ -1,6 +1,7 @@
 """Compile every beamrl Triton kernel for sm_90 without a GPU (catches API breaks between triton versions).
 
-    PYTHONPATH=. python benchmarks/compile_check.py        # prints per-kernel PTX facts
+    PYTHONPATH=. python benchmarks/compile_check.py               # prints per-kernel PTX facts
+    PYTHONPATH=. python benchmarks/compile_check.py --registers   # + registers and spills (ptxas -v, sm_90a)
 
 Uses `triton.compile` with an explicit `GPUTarget("cuda", 90, 32)`, so it runs on a CPU-only machine. It also
 reports whether the PTX contains FMA contraction (must not, for the forward kernels) and which rsqrt/exp/div
@@ -9,8 +10,11 @@ instructions were used.
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
 import sys
+import tempfile
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -44,12 +48,7 @@ def _cases():
            {"branch_ptr": BF, "h_ptr": BF, "g_res_ptr": BF, "g_pre_ptr": BF, "post_w_ptr": BF, "pre_w_ptr": BF,
             "rstd_post_ptr": F32, "rstd_pre_ptr": F32, "d_branch_ptr": BF, "d_res_ptr": BF, "dw_post_ptr": F32,
             "dw_pre_ptr": F32, "inv_h": "fp32", "s_branch": "fp32", "s_res": "fp32"},
-           {"HAS_PRE_GRAD": True, "HAS_RES_GRAD": True, "BLOCK": 8192}, 16, True)
-    yield ("sandwich bwd split", sandwich_residual._bwd_split_kernel,
-           {"branch_ptr": BF, "h_ptr": BF, "g_res_ptr": BF, "g_pre_ptr": BF, "post_w_ptr": BF, "pre_w_ptr": BF,
-            "rstd_post_ptr": F32, "rstd_pre_ptr": F32, "d_branch_ptr": BF, "d_res_ptr": BF, "dw_post_ptr": F32,
-            "dw_pre_ptr": F32, "inv_h": "fp32", "s_branch": "fp32", "s_res": "fp32"},
-           {"HAS_PRE_GRAD": True, "HAS_RES_GRAD": True, "BA": 4096, "BB": 1024, "PREFETCH": False}, 16, True)
+           {"HAS_PRE_GRAD": True, "HAS_RES_GRAD": True, "BA": 4096, "BB": 1024, "PREFETCH": True}, 8, True)
     for mq, mk in ((qk_norm.MODE_ROPE, qk_norm.MODE_ROPE), (qk_norm.MODE_SSMAX, qk_norm.MODE_NORM)):
         heads = {"HQ": 48, "HK": 8, "MODE_Q": mq, "MODE_K": mk, "HALF": 64, "HBQ": 16, "HBK": 8}
         yield (f"qk_norm fwd modes {mq}/{mk}", qk_norm._fwd_kernel,
@@ -85,7 +84,23 @@ _DIVISIBLE_INTS = {"stride_b", "stride_r", "stride_o", "stride_p", "H", "stride_
                    "sg_t", "sg_h", "I", "stride_gu", "sq_t", "sq_h", "sk_t", "sk_h"}
 
 
+def ptxas_registers(ptx: str) -> str:
+    """'regs=N spills=B' from the ptxas that ships with Triton (register pressure without a GPU)."""
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    try:
+        err = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True,
+                             text=True, timeout=120).stderr
+    finally:
+        os.unlink(f.name)
+    regs = re.search(r"Used (\d+) registers", err)
+    spills = re.search(r"(\d+) bytes spill stores", err)
+    return f"regs={regs.group(1) if regs else '?'} spills={spills.group(1) if spills else '?'}"
+
+
 def main() -> int:
+    registers = "--registers" in sys.argv
     target = GPUTarget("cuda", 90, 32)
     print(f"triton {triton.__version__}")
     ok = True
@@ -107,7 +122,8 @@ def main() -> int:
             if not fusion and facts["fma"]:
                 ok = False
                 print(f"FAIL {name}: FMA contraction in a forward kernel")
-            print(f"ok   {name:26s} shared={kern.metadata.shared} {facts}")
+            regs = f" {ptxas_registers(ptx)}" if registers else ""
+            print(f"ok   {name:26s} warps={warps} shared={kern.metadata.shared}{regs} {facts}")
         except Exception as err:  # report all kernels, fail at the end
             ok = False
             print(f"FAIL {name}: {type(err).__name__}: {str(err)[:400]}")

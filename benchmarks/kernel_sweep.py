@@ -76,8 +76,7 @@ def _cases(t, h, hq, hkv, d, inter):
                run=lambda x: ops.post_norm_residual_pre_norm(x[0], x[1], x[2], x[3], scales, 1e-6, backend="triton"),
                n_grad=4, fwd_bytes=4 * act, bwd_bytes=6 * act, reorders={"fwd_one_pass", "fwd_chunk", "fwd_warps"},
                fwd=fwd_one + fwd_chunk[4:6],
-               bwd=(_grid(bwd_split=[True], bwd_prefetch=[False, True], bwd_warps=[8, 16], bwd_per_sm=[1, 2])
-                    + _grid(bwd_split=[False], bwd_warps=[16], bwd_per_sm=[1])))
+               bwd=_grid(bwd_prefetch=[False, True], bwd_warps=[8, 16], bwd_per_sm=[1, 2]))
     pos = torch.arange(t, device=DEV)
     cos, sin = numerics.rope_cos_sin(pos, d, 10000.0)
     ssmax = numerics.ssmax_scale(pos)

@@ -111,59 +111,16 @@ def _bwd_row_loads(branch_ptr, h_ptr, g_res_ptr, g_pre_ptr, row, T, H, cols, m, 
 
 @triton.jit
 def _bwd_kernel(branch_ptr, h_ptr, g_res_ptr, g_pre_ptr, post_w_ptr, pre_w_ptr, rstd_post_ptr, rstd_pre_ptr,
-                d_branch_ptr, d_res_ptr, dw_post_ptr, dw_pre_ptr, T, H, inv_h, s_branch, s_res, rows_per_prog,
-                HAS_PRE_GRAD: tl.constexpr, HAS_RES_GRAD: tl.constexpr, BLOCK: tl.constexpr):
-    # Each program walks rows_per_prog whole rows (BLOCK >= H, one next-power-of-two block) and keeps its
-    # weight-gradient partials in registers. Measured slower on the H200 and removed (docs/benchmarks.md): a
-    # chunked multi-pass variant with the partials in L2, prefetching the next row (register spills), and one
-    # combined reduction of four row sums.
-    inv_h = tl.cast(inv_h, tl.float32)
-    s_branch = tl.cast(s_branch, tl.float32)
-    s_res = tl.cast(s_res, tl.float32)
-    pid = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
-    m = cols < H
-    wp = tl.load(post_w_ptr + cols, mask=m, other=0.0).to(tl.float32)
-    acc_wp = tl.zeros([BLOCK], dtype=tl.float32)
-    wq = tl.zeros([BLOCK], dtype=tl.float32)
-    acc_wq = tl.zeros([BLOCK], dtype=tl.float32)
-    if HAS_PRE_GRAD:
-        wq = tl.load(pre_w_ptr + cols, mask=m, other=0.0).to(tl.float32)
-    for i in range(rows_per_prog):
-        row = pid.to(tl.int64) * rows_per_prog + i
-        b_raw, h_raw, gh_raw, gp_raw = _bwd_row_loads(branch_ptr, h_ptr, g_res_ptr, g_pre_ptr, row, T, H, cols, m,
-                                                      HAS_PRE_GRAD, HAS_RES_GRAD)
-        rm = m & (row < T)
-        off = row * H + cols
-        gh = gh_raw.to(tl.float32)
-        if HAS_PRE_GRAD:
-            rstd2 = tl.load(rstd_pre_ptr + row, mask=row < T, other=0.0)
-            hh = h_raw.to(tl.float32) * rstd2
-            gp = gp_raw.to(tl.float32)
-            gpw = gp * wq
-            gh += rstd2 * (gpw - hh * (tl.sum(gpw * hh, axis=0) * inv_h))
-            acc_wq += gp * hh
-        rstd = tl.load(rstd_post_ptr + row, mask=row < T, other=0.0)
-        bh = b_raw.to(tl.float32) * rstd
-        gn = gh * s_branch
-        gnw = gn * wp
-        db = rstd * (gnw - bh * (tl.sum(gnw * bh, axis=0) * inv_h))
-        acc_wp += gn * bh
-        tl.store(d_branch_ptr + off, db.to(d_branch_ptr.dtype.element_ty), mask=rm)
-        tl.store(d_res_ptr + off, (gh * s_res).to(d_res_ptr.dtype.element_ty), mask=rm)
-    tl.store(dw_post_ptr + pid * H + cols, acc_wp, mask=m)
-    if HAS_PRE_GRAD:
-        tl.store(dw_pre_ptr + pid * H + cols, acc_wq, mask=m)
-
-
-@triton.jit
-def _bwd_split_kernel(branch_ptr, h_ptr, g_res_ptr, g_pre_ptr, post_w_ptr, pre_w_ptr, rstd_post_ptr, rstd_pre_ptr,
                       d_branch_ptr, d_res_ptr, dw_post_ptr, dw_pre_ptr, T, H, inv_h, s_branch, s_res, rows_per_prog,
                       HAS_PRE_GRAD: tl.constexpr, HAS_RES_GRAD: tl.constexpr, BA: tl.constexpr, BB: tl.constexpr,
                       PREFETCH: tl.constexpr):
-    # `_bwd_kernel` with the row held as two power-of-two pieces [0, BA) and [BA, BA + BB) (5120 = 4096 + 1024)
-    # instead of one next-power-of-two block (8192, 37.5 % masked lanes): the same math in 10 instead of 16
-    # registers per thread and tensor at 16 warps, which leaves room for the next row's prefetched loads.
+    # Each program walks rows_per_prog rows and keeps its FP32 weight-gradient partials in registers. The row is
+    # held as two power-of-two pieces [0, BA) and [BA, BA + BB) (5120 = 4096 + 1024) rather than one
+    # next-power-of-two block (8192, 37.5 % masked lanes): that block sat at the register cap with spills
+    # (ptxas), these pieces leave room for PREFETCH, the next row's loads issued before this row's math, so
+    # two rows of loads are in flight per program. Measured on the H200 (docs/benchmarks.md): one block 0.55 of
+    # copy bandwidth, pieces 0.57, pieces + prefetch 0.68; slower and removed: a chunked multi-pass variant with
+    # the partials in L2, prefetch on the one block (spills), one combined reduction of four row sums.
     inv_h = tl.cast(inv_h, tl.float32)
     s_branch = tl.cast(s_branch, tl.float32)
     s_res = tl.cast(s_res, tl.float32)
@@ -251,19 +208,13 @@ def _split_blocks(h: int) -> tuple[int, int]:
 # Launch tuning (benchmarks/kernel_sweep.py times the choices on a GPU). fwd_one_pass and fwd_chunk change the
 # FP32 sum-of-squares order (so the last bit of a few outputs); the others change only speed.
 TUNING: dict = {"fwd_one_pass": True, "fwd_chunk": 1024, "fwd_warps": 8, "bwd_warps": 8, "bwd_per_sm": 1,
-                "bwd_prefetch": True, "bwd_split": True}
+                "bwd_prefetch": True}
 
 
 def _fwd_launch(h: int) -> tuple[bool, int, int]:
     one_pass = bool(TUNING["fwd_one_pass"])
     chunk = triton.next_power_of_2(h) if one_pass else min(int(TUNING["fwd_chunk"]), triton.next_power_of_2(h))
     return one_pass, chunk, int(TUNING["fwd_warps"])
-
-
-def _bwd_block(h: int) -> tuple[int, int]:
-    block = triton.next_power_of_2(h)
-    auto = 16 if block >= 8192 else 8 if block >= 2048 else 4
-    return block, int(TUNING["bwd_warps"] or auto)
 
 
 class _SandwichResidual(torch.autograd.Function):
@@ -302,21 +253,12 @@ class _SandwichResidual(torch.autograd.Function):
         dw_pre = torch.empty(progs if has_pre_grad else 0, h, device=branch.device, dtype=torch.float32)
         g_res_c = g_res.contiguous() if g_res is not None else branch
         g_pre_c = g_pre.contiguous() if has_pre_grad else branch
-        block, warps = _bwd_block(h)
-        if TUNING["bwd_split"]:
-            ba, bb = _split_blocks(h)
-            _bwd_split_kernel[(progs,)](
-                branch, out_res, g_res_c, g_pre_c, post_w, pre_w if has_pre_grad else post_w, rstd_post,
-                rstd_pre if has_pre_grad else rstd_post, d_branch, d_res, dw_post, dw_pre if has_pre_grad else dw_post,
-                t, h, 1.0 / h, s_branch, s_res, rows_per_prog, HAS_PRE_GRAD=has_pre_grad,
-                HAS_RES_GRAD=g_res is not None, BA=ba, BB=bb, PREFETCH=bool(TUNING["bwd_prefetch"]),
-                num_warps=warps)
-        else:
-            _bwd_kernel[(progs,)](
-                branch, out_res, g_res_c, g_pre_c, post_w, pre_w if has_pre_grad else post_w, rstd_post,
-                rstd_pre if has_pre_grad else rstd_post, d_branch, d_res, dw_post, dw_pre if has_pre_grad else dw_post,
-                t, h, 1.0 / h, s_branch, s_res, rows_per_prog, HAS_PRE_GRAD=has_pre_grad,
-                HAS_RES_GRAD=g_res is not None, BLOCK=block, num_warps=warps)
+        ba, bb = _split_blocks(h)
+        _bwd_kernel[(progs,)](
+            branch, out_res, g_res_c, g_pre_c, post_w, pre_w if has_pre_grad else post_w, rstd_post,
+            rstd_pre if has_pre_grad else rstd_post, d_branch, d_res, dw_post, dw_pre if has_pre_grad else dw_post,
+            t, h, 1.0 / h, s_branch, s_res, rows_per_prog, HAS_PRE_GRAD=has_pre_grad, HAS_RES_GRAD=g_res is not None,
+            BA=ba, BB=bb, PREFETCH=bool(TUNING["bwd_prefetch"]), num_warps=int(TUNING["bwd_warps"]))
         d_post_w = dw_post.sum(0).to(post_w.dtype)
         d_pre_w = None
         if ctx.has_pre:

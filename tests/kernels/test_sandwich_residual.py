@@ -74,13 +74,12 @@ def _check_triton(checks, t, h, device, seed, max_mismatch_frac):
     checks.assert_near_bit_equal(h_f, eager[0], max_mismatch_frac)
 
 
-@pytest.fixture(params=[(False, False, False), (True, True, False), (True, True, True)],
-                ids=["chunked-fwd/one-block-bwd", "one-pass-fwd/split-bwd", "one-pass-fwd/split-prefetch-bwd"])
+@pytest.fixture(params=[(False, False), (True, True)], ids=["chunked-fwd/bwd", "one-pass-fwd/prefetch-bwd"])
 def forward_layout(request, monkeypatch):
-    """Each layout of the kernels (sandwich_residual.TUNING "fwd_one_pass", "bwd_split", "bwd_prefetch")."""
+    """Each layout of the kernels (sandwich_residual.TUNING "fwd_one_pass" and "bwd_prefetch")."""
     from beamrl.kernels import sandwich_residual
 
-    for key, value in zip(("fwd_one_pass", "bwd_split", "bwd_prefetch"), request.param):
+    for key, value in zip(("fwd_one_pass", "bwd_prefetch"), request.param):
         monkeypatch.setitem(sandwich_residual.TUNING, key, value)
     return request.param
 
