@@ -66,3 +66,12 @@ def markdown_table(headers: list[str], rows: list[list[object]]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(fmt(v) for v in r) + " |" for r in rows]
     return "\n".join(lines)
+
+
+def add_beam_width_args(ap) -> None:
+    """--tokens and Beam's attention widths (defaults: 8192 tokens, hidden 5120, 48/8 heads x 128)."""
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--hidden", type=int, default=5120)
+    ap.add_argument("--heads", type=int, default=48)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)

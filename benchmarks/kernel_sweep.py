@@ -28,7 +28,7 @@ if "--smoke-cpu" in sys.argv:  # Triton's own interpreter switch, read when the 
     os.environ["TRITON_INTERPRET"] = "1"
 DEV = "cuda" if torch.cuda.is_available() and "--smoke-cpu" not in sys.argv else "cpu"
 
-from benchmarks._bench_utils import copy_bandwidth_gbs, cuda_median_ms, markdown_table
+from benchmarks._bench_utils import add_beam_width_args, copy_bandwidth_gbs, cuda_median_ms, markdown_table
 
 
 def _copy_of_size_gbs(nbytes: int) -> float:
@@ -177,11 +177,7 @@ def sweep(case, copy_bw, rounding_modes) -> list[dict]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", type=int, default=8192)
-    ap.add_argument("--hidden", type=int, default=5120)
-    ap.add_argument("--heads", type=int, default=48)
-    ap.add_argument("--kv-heads", type=int, default=8)
-    ap.add_argument("--head-dim", type=int, default=128)
+    add_beam_width_args(ap)
     ap.add_argument("--intermediate", type=int, default=2560)
     ap.add_argument("--only", nargs="*", default=None)
     ap.add_argument("--json", type=str, default=None)

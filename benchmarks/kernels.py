@@ -13,11 +13,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 
 import torch
 
-from benchmarks._bench_utils import copy_bandwidth_gbs, cuda_median_ms, markdown_table
+if "--smoke-cpu" in sys.argv:  # Triton's own interpreter switch, read when the kernel modules are imported
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from benchmarks._bench_utils import add_beam_width_args, copy_bandwidth_gbs, cuda_median_ms, markdown_table
 from beamrl.kernels import ops
 from beamrl.models.beam import numerics
 
@@ -63,11 +67,7 @@ def _bench_op(name, make_inputs, run, fwd_bytes, bwd_bytes, copy_bw, n_grad_inpu
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", type=int, default=8192)
-    ap.add_argument("--hidden", type=int, default=5120)
-    ap.add_argument("--heads", type=int, default=48)
-    ap.add_argument("--kv-heads", type=int, default=8)
-    ap.add_argument("--head-dim", type=int, default=128)
+    add_beam_width_args(ap)
     ap.add_argument("--experts", type=int, default=256)
     ap.add_argument("--json", type=str, default=None)
     ap.add_argument("--smoke-cpu", action="store_true", help="tiny CPU run under TRITON_INTERPRET=1 (no timings)")

@@ -24,6 +24,13 @@ from beamrl.kernels._triton_utils import LAUNCH_OPTIONS, kernel_flags, mul_rn, n
 
 
 @triton.jit
+def _residual(b, r, wp, rstd, s_branch, s_res, ROUND_BF16: tl.constexpr):
+    """h' = bf16(bf16(n * s_b) + bf16(h * s_r)) with n = bf16(b * rstd * w_post), all in FP32 registers."""
+    n = rne_bf16(b * rstd * wp, ROUND_BF16)
+    return rne_bf16(rne_bf16(n * s_branch, ROUND_BF16) + rne_bf16(r * s_res, ROUND_BF16), ROUND_BF16)
+
+
+@triton.jit
 def _fwd_kernel(branch_ptr, residual_ptr, post_w_ptr, pre_w_ptr, out_res_ptr, out_pre_ptr, rstd_post_ptr,
                 rstd_pre_ptr, stride_b, stride_r, stride_o, stride_p, H, inv_h, eps, s_branch, s_res,
                 HAS_PRE: tl.constexpr, CHUNK: tl.constexpr, ONE_PASS: tl.constexpr, ROUND_BF16: tl.constexpr,
@@ -45,8 +52,7 @@ def _fwd_kernel(branch_ptr, residual_ptr, post_w_ptr, pre_w_ptr, out_res_ptr, ou
         wp = tl.load(post_w_ptr + offs, mask=m, other=0.0).to(tl.float32)
         rstd = tl.math.rsqrt(mul_rn(tl.sum(mul_rn(b, b, INTERPRET), axis=0), inv_h, INTERPRET) + eps)
         tl.store(rstd_post_ptr + row, rstd)
-        n = rne_bf16(b * rstd * wp, ROUND_BF16)
-        h = rne_bf16(rne_bf16(n * s_branch, ROUND_BF16) + rne_bf16(r * s_res, ROUND_BF16), ROUND_BF16)
+        h = _residual(b, r, wp, rstd, s_branch, s_res, ROUND_BF16)
         tl.store(out_res_ptr + row * stride_o + offs, h.to(out_res_ptr.dtype.element_ty), mask=m)
         if HAS_PRE:
             wq = tl.load(pre_w_ptr + offs, mask=m, other=0.0).to(tl.float32)
@@ -69,8 +75,7 @@ def _fwd_kernel(branch_ptr, residual_ptr, post_w_ptr, pre_w_ptr, out_res_ptr, ou
             b = tl.load(branch_ptr + row * stride_b + cols, mask=m, other=0.0).to(tl.float32)
             r = tl.load(residual_ptr + row * stride_r + cols, mask=m, other=0.0).to(tl.float32)
             wp = tl.load(post_w_ptr + cols, mask=m, other=0.0).to(tl.float32)
-            n = rne_bf16(b * rstd * wp, ROUND_BF16)
-            h = rne_bf16(rne_bf16(n * s_branch, ROUND_BF16) + rne_bf16(r * s_res, ROUND_BF16), ROUND_BF16)
+            h = _residual(b, r, wp, rstd, s_branch, s_res, ROUND_BF16)
             tl.store(out_res_ptr + row * stride_o + cols, h.to(out_res_ptr.dtype.element_ty), mask=m)
             acc2 += mul_rn(h, h, INTERPRET)
         if HAS_PRE:
@@ -83,8 +88,7 @@ def _fwd_kernel(branch_ptr, residual_ptr, post_w_ptr, pre_w_ptr, out_res_ptr, ou
                 r = tl.load(residual_ptr + row * stride_r + cols, mask=m, other=0.0).to(tl.float32)
                 wp = tl.load(post_w_ptr + cols, mask=m, other=0.0).to(tl.float32)
                 wq = tl.load(pre_w_ptr + cols, mask=m, other=0.0).to(tl.float32)
-                n = rne_bf16(b * rstd * wp, ROUND_BF16)
-                h = rne_bf16(rne_bf16(n * s_branch, ROUND_BF16) + rne_bf16(r * s_res, ROUND_BF16), ROUND_BF16)
+                h = _residual(b, r, wp, rstd, s_branch, s_res, ROUND_BF16)
                 p = rne_bf16(h * rstd2 * wq, ROUND_BF16)
                 tl.store(out_pre_ptr + row * stride_p + cols, p.to(out_pre_ptr.dtype.element_ty), mask=m)
 
