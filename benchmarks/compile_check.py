@@ -38,7 +38,8 @@ def _cases():
     yield ("sandwich fwd", sandwich_residual._fwd_kernel,
            {"branch_ptr": BF, "residual_ptr": BF, "post_w_ptr": BF, "pre_w_ptr": BF, "out_res_ptr": BF,
             "out_pre_ptr": BF, "rstd_post_ptr": F32, "rstd_pre_ptr": F32, "inv_h": "fp32", "eps": "fp32",
-            "s_branch": "fp32", "s_res": "fp32"}, {"HAS_PRE": True, "CHUNK": 1024, "ONE_PASS": False, **flags}, 4, False)
+            "s_branch": "fp32", "s_res": "fp32"}, {"HAS_PRE": True, "CHUNK": 1024, "ONE_PASS": False, **flags}, 4,
+           False)
     yield ("sandwich fwd one pass", sandwich_residual._fwd_kernel,
            {"branch_ptr": BF, "residual_ptr": BF, "post_w_ptr": BF, "pre_w_ptr": BF, "out_res_ptr": BF,
             "out_pre_ptr": BF, "rstd_post_ptr": F32, "rstd_pre_ptr": F32, "inv_h": "fp32", "eps": "fp32",

@@ -207,8 +207,8 @@ class _QKNorm(torch.autograd.Function):
             _fwd_kernel[(triton.cdiv(t, tb),)](
                 q, k, wq, wk, *_optional_inputs(cos, sin, scale, wq), qo, ko, t, q.stride(0),
                 q.stride(1), k.stride(0), k.stride(1), 1.0 / d, eps, HQ=hq, HK=hk, MODE_Q=mode_q, MODE_K=mode_k,
-                HALF=d // 2, HBQ=_heads_per_block(hq), HBK=_heads_per_block(hk), TB=tb, num_warps=int(TUNING["fwd_warps"]),
-                **kernel_flags(q.dtype), **LAUNCH_OPTIONS)
+                HALF=d // 2, HBQ=_heads_per_block(hq), HBK=_heads_per_block(hk), TB=tb,
+                num_warps=int(TUNING["fwd_warps"]), **kernel_flags(q.dtype), **LAUNCH_OPTIONS)
         ctx.save_for_backward(q, k, wq, wk, cos, sin, scale)
         ctx.eps, ctx.modes = eps, (mode_q, mode_k)
         return qo, ko

@@ -115,9 +115,9 @@ def _bwd_row_loads(branch_ptr, h_ptr, g_res_ptr, g_pre_ptr, row, T, H, cols, m, 
 
 @triton.jit
 def _bwd_kernel(branch_ptr, h_ptr, g_res_ptr, g_pre_ptr, post_w_ptr, pre_w_ptr, rstd_post_ptr, rstd_pre_ptr,
-                      d_branch_ptr, d_res_ptr, dw_post_ptr, dw_pre_ptr, T, H, inv_h, s_branch, s_res, rows_per_prog,
-                      HAS_PRE_GRAD: tl.constexpr, HAS_RES_GRAD: tl.constexpr, BA: tl.constexpr, BB: tl.constexpr,
-                      PREFETCH: tl.constexpr):
+                d_branch_ptr, d_res_ptr, dw_post_ptr, dw_pre_ptr, T, H, inv_h, s_branch, s_res, rows_per_prog,
+                HAS_PRE_GRAD: tl.constexpr, HAS_RES_GRAD: tl.constexpr, BA: tl.constexpr, BB: tl.constexpr,
+                PREFETCH: tl.constexpr):
     # Each program walks rows_per_prog rows and keeps its FP32 weight-gradient partials in registers. The row is
     # held as two power-of-two pieces [0, BA) and [BA, BA + BB) (5120 = 4096 + 1024) rather than one
     # next-power-of-two block (8192, 37.5 % masked lanes): that block sat at the register cap with spills
@@ -234,8 +234,8 @@ class _SandwichResidual(torch.autograd.Function):
         _fwd_kernel[(t,)](branch, residual, post_w, pre_w if has_pre else post_w, out_res, out_pre, rstd_post,
                           rstd_pre, branch.stride(0), residual.stride(0), out_res.stride(0),
                           out_pre.stride(0) if has_pre else 0, h, 1.0 / h, eps, s_branch, s_res,
-                          HAS_PRE=has_pre, CHUNK=chunk, ONE_PASS=one_pass, num_warps=warps, **kernel_flags(branch.dtype),
-                          **LAUNCH_OPTIONS)
+                          HAS_PRE=has_pre, CHUNK=chunk, ONE_PASS=one_pass, num_warps=warps,
+                          **kernel_flags(branch.dtype), **LAUNCH_OPTIONS)
         ctx.save_for_backward(branch, out_res, post_w, pre_w if has_pre else None, rstd_post, rstd_pre)
         ctx.scalars = (s_branch, s_res)
         ctx.has_pre = has_pre
