@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import ray
@@ -24,12 +23,6 @@ def ray_get(refs, timeout: float, what: str):
     except ray.exceptions.RayTaskError as e:
         cause = e.cause if getattr(e, "cause", None) is not None else e
         raise ActorCallError(f"{what}: {type(cause).__name__}: {cause}") from cause
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def init_local_ray(num_cpus: int, temp_dir: Path, object_store_mb: int = 512) -> None:

@@ -9,13 +9,14 @@ from pathlib import Path
 
 from beamrl.loop.ray_utils import ActorCallError, ray_get
 from beamrl.sync.bucketing import bucketize
+from beamrl.sync.forwarding_receiver import ForwardingReceiver
 from beamrl.sync.protocol import WeightReceiver, WeightSyncError
 
 # Ray adds its own latency on top of an engine call's timeout; the engine enforces the call's own limit.
 _RPC_SLACK_S = 10.0
 
 
-class ActorReceiver(WeightReceiver):
+class ActorReceiver(ForwardingReceiver):
     """A `WeightReceiver` whose engine lives in an `EngineActor` (same or another node)."""
 
     def __init__(self, handle, name: str, tp_size: int = 1):
@@ -29,38 +30,12 @@ class ActorReceiver(WeightReceiver):
     def tp_size(self) -> int:
         return self._tp
 
-    def _call(self, method: str, timeout: float, *args):
+    def _forward(self, method: str, timeout: float, *args):
         try:
             return ray_get(self._handle.call.remote(method, *args, timeout=timeout), timeout + _RPC_SLACK_S,
                            f"{self._name}.{method}")
         except ActorCallError as e:
             raise WeightSyncError(str(e)) from None
-
-    def begin_weight_update(self, timeout):
-        return self._call("begin_weight_update", timeout)
-
-    def update_weights_from_tensor(self, bucket, timeout):
-        return self._call("update_weights_from_tensor", timeout, bucket)
-
-    def init_weights_update_group(self, master_address, master_port, rank_offset, world_size, group_name, backend,
-                                  timeout):
-        return self._call("init_weights_update_group", timeout, master_address, master_port, rank_offset,
-                          world_size, group_name, backend)
-
-    def update_weights_from_distributed(self, names, dtypes, shapes, group_name, timeout):
-        return self._call("update_weights_from_distributed", timeout, names, dtypes, shapes, group_name)
-
-    def destroy_weights_update_group(self, group_name, timeout):
-        return self._call("destroy_weights_update_group", timeout, group_name)
-
-    def update_weights_from_disk(self, path, timeout):
-        return self._call("update_weights_from_disk", timeout, path)
-
-    def update_weight_version(self, new_version, timeout):
-        return self._call("update_weight_version", timeout, new_version)
-
-    def end_weight_update(self, new_version, timeout):
-        return self._call("end_weight_update", timeout, new_version)
 
 
 class WeightPusher:

@@ -154,7 +154,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("beamrl.parity.fused_vs_eager needs a CUDA GPU (the fused path is CUDA-only)", file=sys.stderr)
         return 2
-    from beamrl.trainer.megatron.launch import free_port
+    from beamrl.net import free_port
     from beamrl.trainer.megatron.parallel import ParallelConfig, initialize_parallel
 
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")

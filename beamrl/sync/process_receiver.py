@@ -20,7 +20,8 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from beamrl.sync.protocol import WeightReceiver, WeightSyncError
+from beamrl.sync.forwarding_receiver import ForwardingReceiver
+from beamrl.sync.protocol import WeightSyncError
 
 _POLL_S = 0.05
 
@@ -50,7 +51,7 @@ def _serve(conn, factory: Callable[..., Any], args: tuple) -> None:
             conn.send(("error", f"{type(exc).__name__}: {exc}"))
 
 
-class ProcessReceiver(WeightReceiver):
+class ProcessReceiver(ForwardingReceiver):
     """`WeightReceiver` proxy for a receiver living in a spawned child process."""
 
     def __init__(self, factory: Callable[..., Any], args: tuple = (), name: str = "process-receiver",
@@ -109,32 +110,8 @@ class ProcessReceiver(WeightReceiver):
                 raise WeightSyncError(f"{self._name}: {method}: receiver process is gone ({exc})") from exc
             return self._wait(method, timeout)
 
-    # -- WeightReceiver ----------------------------------------------------------------------------------
-    def begin_weight_update(self, timeout: float) -> None:
-        self.call("begin_weight_update", timeout, timeout=timeout)
-
-    def update_weights_from_tensor(self, bucket, timeout: float) -> None:
-        self.call("update_weights_from_tensor", bucket, timeout, timeout=timeout)
-
-    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
-                                  world_size: int, group_name: str, backend: str, timeout: float) -> None:
-        self.call("init_weights_update_group", master_address, master_port, rank_offset, world_size, group_name,
-                  backend, timeout, timeout=timeout)
-
-    def update_weights_from_distributed(self, names, dtypes, shapes, group_name: str, timeout: float) -> None:
-        self.call("update_weights_from_distributed", names, dtypes, shapes, group_name, timeout, timeout=timeout)
-
-    def destroy_weights_update_group(self, group_name: str, timeout: float) -> None:
-        self.call("destroy_weights_update_group", group_name, timeout, timeout=timeout)
-
-    def update_weights_from_disk(self, path: str, timeout: float) -> None:
-        self.call("update_weights_from_disk", path, timeout, timeout=timeout)
-
-    def update_weight_version(self, new_version: int, timeout: float) -> None:
-        self.call("update_weight_version", new_version, timeout, timeout=timeout)
-
-    def end_weight_update(self, new_version: int, timeout: float) -> None:
-        self.call("end_weight_update", new_version, timeout, timeout=timeout)
+    def _forward(self, method: str, timeout: float, *args: Any) -> Any:
+        return self.call(method, *args, timeout, timeout=timeout)
 
     # -- lifecycle ---------------------------------------------------------------------------------------
     def kill(self) -> None:

@@ -12,19 +12,11 @@ process-group timeout).
 
 from __future__ import annotations
 
-import socket
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
-
-
-def free_port(address: str = "127.0.0.1") -> int:
-    """A TCP port that is free now on `address` (the trainer hosts the store there)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((address, 0))
-        return s.getsockname()[1]
 
 
 def init_update_group(backend: str, master_address: str, master_port: int, world_size: int, rank: int,

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import time
 
 import numpy as np
@@ -17,6 +16,7 @@ import pytest
 import torch
 
 from beamrl.models.beam import preset
+from beamrl.net import free_port
 from beamrl.rollout.protocol import EngineError, GenerateRequest, SamplingParams
 from beamrl.sync.flat_bucket import FlatBucket
 from beamrl.sync.protocol import WeightSyncError
@@ -29,12 +29,6 @@ ENGINES = [pytest.param("sglang", marks=pytest.mark.slow), pytest.param("sglang-
 T = 180.0  # generous call timeout: the CPU is shared
 # Engines whose logprobs come from a real Beam forward (the fake's are pseudo-random).
 REAL_NUMERICS = {"sglang", "sglang-http", "native"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +49,7 @@ def engine(request, checkpoint):
     if name in ("sglang", "sglang-http"):
         from beamrl.rollout.sglang.config import SGLangEngineConfig
 
-        cfg = SGLangEngineConfig.cpu_test(checkpoint, dtype="float32", enable_fp32_lm_head=True, port=_free_port())
+        cfg = SGLangEngineConfig.cpu_test(checkpoint, dtype="float32", enable_fp32_lm_head=True, port=free_port())
         if name == "sglang":
             from beamrl.rollout.sglang.engine import SGLangEngine
 

@@ -22,7 +22,8 @@ from beamrl.sync.flat_bucket import FlatBucket
 from beamrl.sync.protocol import Bucket, WeightReceiver, WeightSyncError
 from beamrl.sync.transports import TRANSPORTS
 from beamrl.sync.transports.base import ReceiverTransport
-from beamrl.sync.update_group import broadcast_from_rank0, destroy_update_group, free_port, init_update_group
+from beamrl.net import free_port
+from beamrl.sync.update_group import broadcast_from_rank0, destroy_update_group, init_update_group
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
-import socket
 import tempfile
 import time
 import traceback
@@ -26,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import multiprocessing as mp
+
+from beamrl.net import free_port
 
 #: Environment every rank gets unless the caller overrides it (CPU is shared; compiles cost seconds).
 DEFAULT_ENV = {"OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1", "MKL_NUM_THREADS": "1"}
@@ -38,13 +39,6 @@ class LaunchError(RuntimeError):
         self.rank, self.remote_traceback = rank, remote_traceback
         super().__init__(message if remote_traceback is None else f"{message}\n--- rank {rank} traceback ---\n"
                                                                    f"{remote_traceback}")
-
-
-def free_port() -> int:
-    """A TCP port that was free a moment ago on 127.0.0.1 (the usual bind-to-0 trick)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank_main(fn: Callable[..., Any], args: tuple, rank: int, world_size: int, env: dict[str, str],

@@ -16,7 +16,7 @@ from beamrl.rollout.native import NativeEngine
 from beamrl.rollout.protocol import EngineError, GenerateRequest, SamplingParams
 from beamrl.sync.flat_bucket import FlatBucket, aligned_order
 from beamrl.sync.protocol import WeightSyncError
-from beamrl.sync.update_group import free_port
+from beamrl.net import free_port
 
 T_OUT = 120.0
 

@@ -7,18 +7,13 @@ re-raises the first child failure. Children set OMP_NUM_THREADS=1 / TORCHDYNAMO_
 from __future__ import annotations
 
 import os
-import socket
 import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from beamrl.net import free_port
 
 
 def init_megatron(rank: int, world: int, port: int, *, tp: int = 1, ep: int = 1, pp: int = 1, vpp=None,
