@@ -117,8 +117,7 @@ def run_megatron_parity(checkpoint: Path, layout: MegatronLayout, dtype: str = "
     check_checkpoint(checkpoint)
     config = BeamConfig.from_json_file(checkpoint)
     try:  # refuse a layout the model cannot take before spawning anything
-        layout.parallel_config().check_model(config.num_hidden_layers, config.num_experts, config.num_attention_heads,
-                                             config.num_key_value_heads, bool(config.moe_layers))
+        layout.parallel_config().validate(config)
     except ParallelConfigError as e:
         raise ParityInputError(f"--trainer megatron layout {layout.describe()}: {e}") from None
     prompts = random_prompts(config.vocab_size, num_sequences, seq_len, seed)

@@ -12,9 +12,13 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from beamrl.models.beam.config import BeamConfig
 
 
 class ParallelConfigError(ValueError):
@@ -64,19 +68,24 @@ class ParallelConfig:
             raise ParallelConfigError(f"world size {world_size} is not divisible by etp*ep*pp = {emp} ({self})")
         return world_size // mp
 
-    def check_model(self, num_layers: int, num_experts: int, num_heads: int, num_kv_heads: int,
-                    has_moe: bool) -> None:
-        """Raise `ParallelConfigError` if the model cannot be split this way."""
+    def validate(self, config: "BeamConfig") -> None:
+        """Raise `ParallelConfigError` (naming the field) if Beam `config` cannot be split this way."""
         stages = self.pp * self.num_model_chunks
-        if num_layers % stages:
-            raise ParallelConfigError(f"num_hidden_layers={num_layers} must be divisible by pp*vpp = {stages}")
-        if num_heads % self.tp or num_kv_heads % self.tp:
-            raise ParallelConfigError(f"tp={self.tp} must divide num_attention_heads={num_heads} and "
-                                      f"num_key_value_heads={num_kv_heads}")
-        if has_moe and num_experts % self.ep:
-            raise ParallelConfigError(f"ep={self.ep} must divide num_experts={num_experts}")
-        if has_moe and self.tp > 1 and not self.sp:
-            raise ParallelConfigError("MoE with tp > 1 needs sp=True (Megatron refuses MoE+TP without SP)")
+        if config.num_hidden_layers % stages:
+            raise ParallelConfigError(f"num_hidden_layers={config.num_hidden_layers} must be divisible by pp*vpp = "
+                                      f"{stages}")
+        for name in ("num_attention_heads", "num_key_value_heads", "vocab_size"):
+            if getattr(config, name) % self.tp:
+                raise ParallelConfigError(f"ParallelConfig.tp={self.tp} must divide {name}={getattr(config, name)}")
+        if self.etp != 1:
+            raise ParallelConfigError(f"ParallelConfig.etp={self.etp}: only etp=1 is supported (Beam's per-expert BF16 "
+                                      "rounding after the weighted down GEMM needs whole experts per rank)")
+        if config.moe_layers:
+            if config.num_experts % self.ep:
+                raise ParallelConfigError(f"ParallelConfig.ep={self.ep} must divide num_experts={config.num_experts}")
+            if self.tp > 1 and not self.sp:
+                raise ParallelConfigError("ParallelConfig.sp must be True with tp > 1 and MoE layers (Megatron "
+                                          "refuses MoE + TP without sequence parallelism)")
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -95,8 +95,7 @@ class TrainerConfig:
         if self.logprob_micro_batch_sequences < 1:
             raise TrainerConfigError("TrainerConfig.logprob_micro_batch_sequences must be >= 1")
         m = self.model
-        self.parallel.check_model(m.num_hidden_layers, m.num_experts, m.num_attention_heads,
-                                  m.num_key_value_heads, bool(m.moe_layers))
+        self.parallel.validate(m)
 
     @property
     def params_dtype(self) -> torch.dtype:
@@ -109,11 +108,9 @@ ModelBuilder = Callable[..., torch.nn.Module]
 
 def _beam_builder(cfg: TrainerConfig):
     """The Beam model's TransformerConfig and chunk builder (beamrl.trainer.megatron.model)."""
-    from beamrl.trainer.megatron.model import ParallelSettings, beam_transformer_config, build_beam_gpt_model
+    from beamrl.trainer.megatron.model import beam_transformer_config, build_beam_gpt_model
 
-    p = cfg.parallel
-    settings = ParallelSettings(tp=p.tp, sp=p.sp, ep=p.ep, etp=p.etp, pp=p.pp, vpp=p.vpp)
-    tconfig = beam_transformer_config(cfg.model, settings, dtype=cfg.params_dtype,
+    tconfig = beam_transformer_config(cfg.model, cfg.parallel, dtype=cfg.params_dtype,
                                       use_fused_kernels=cfg.use_fused_kernels,
                                       recompute="full" if cfg.recompute else "none")
 

@@ -2,6 +2,7 @@
 
 import pytest
 
+from beamrl.models.beam import preset
 from beamrl.trainer.megatron.parallel import ParallelConfig, ParallelConfigError
 
 
@@ -29,10 +30,10 @@ def test_world_and_model_divisibility():
         ParallelConfig(tp=2, sp=True).dp(3)
     with pytest.raises(ParallelConfigError, match="etp\\*ep\\*pp"):
         ParallelConfig(ep=4).dp(2)
-    p = ParallelConfig(pp=2, vpp=2)
     with pytest.raises(ParallelConfigError, match="num_hidden_layers=6 must be divisible by pp\\*vpp = 4"):
-        p.check_model(num_layers=6, num_experts=16, num_heads=4, num_kv_heads=2, has_moe=True)
-    with pytest.raises(ParallelConfigError, match="needs sp=True"):
-        ParallelConfig(tp=2).check_model(num_layers=4, num_experts=16, num_heads=4, num_kv_heads=2, has_moe=True)
-    with pytest.raises(ParallelConfigError, match="ep=3 must divide num_experts=16"):
-        ParallelConfig(ep=3).check_model(num_layers=4, num_experts=16, num_heads=4, num_kv_heads=2, has_moe=True)
+        ParallelConfig(pp=2, vpp=2).validate(preset("tiny"))
+    with pytest.raises(ParallelConfigError, match="sp must be True"):
+        ParallelConfig(tp=2).validate(preset("tiny"))
+    with pytest.raises(ParallelConfigError, match="ep=3 must divide num_experts"):
+        ParallelConfig(ep=3).validate(preset("tiny"))
+    ParallelConfig(tp=2, sp=True, ep=2).validate(preset("tiny"))

@@ -23,48 +23,7 @@ import torch
 from megatron.core.transformer import TransformerConfig
 
 from beamrl.models.beam.config import BeamConfig
-
-
-class BeamParallelError(ValueError):
-    """A parallel layout that Beam's Megatron modules cannot run (names the field and why)."""
-
-
-@dataclass(frozen=True)
-class ParallelSettings:
-    """Model-parallel layout. tp: tensor, sp: sequence parallel (required for MoE when tp > 1), ep: expert,
-    etp: expert tensor (only 1 is supported: Beam's exact expert rounding needs whole experts), pp: pipeline,
-    vpp: virtual pipeline chunks per stage (None = no interleaving)."""
-
-    tp: int = 1
-    sp: bool = False
-    ep: int = 1
-    etp: int = 1
-    pp: int = 1
-    vpp: Optional[int] = None
-
-    def validate(self, config: BeamConfig) -> None:
-        for name in ("tp", "ep", "etp", "pp"):
-            if getattr(self, name) < 1:
-                raise BeamParallelError(f"ParallelSettings.{name}={getattr(self, name)} must be >= 1")
-        if self.etp != 1:
-            raise BeamParallelError(f"ParallelSettings.etp={self.etp}: only etp=1 is supported (Beam's per-expert "
-                                    "BF16 rounding after the weighted down GEMM needs whole experts per rank)")
-        if config.num_key_value_heads % self.tp:
-            raise BeamParallelError(f"ParallelSettings.tp={self.tp} must divide num_key_value_heads="
-                                    f"{config.num_key_value_heads}")
-        if config.vocab_size % self.tp:
-            raise BeamParallelError(f"ParallelSettings.tp={self.tp} must divide vocab_size={config.vocab_size}")
-        if self.tp > 1 and not self.sp and config.moe_layers:
-            raise BeamParallelError("ParallelSettings.sp must be True when tp > 1 with MoE layers (Megatron rule: "
-                                    "MoE + TP requires sequence parallelism)")
-        if config.moe_layers and config.num_experts % self.ep:
-            raise BeamParallelError(f"ParallelSettings.ep={self.ep} must divide num_experts={config.num_experts}")
-        chunks = self.pp * (self.vpp or 1)
-        if config.num_hidden_layers % chunks:
-            raise BeamParallelError(f"num_hidden_layers={config.num_hidden_layers} must split evenly over "
-                                    f"pp*vpp={chunks} model chunks")
-        if self.vpp is not None and self.pp < 2:
-            raise BeamParallelError("ParallelSettings.vpp needs pp >= 2")
+from beamrl.trainer.megatron.parallel import ParallelConfig
 
 
 @dataclass
@@ -88,7 +47,7 @@ class BeamTransformerConfig(TransformerConfig):
         return "flex" if self.use_fused_kernels else "eager"
 
 
-def beam_transformer_config(config: BeamConfig, parallel: ParallelSettings = ParallelSettings(), *,
+def beam_transformer_config(config: BeamConfig, parallel: ParallelConfig = ParallelConfig(), *,
                             dtype: torch.dtype = torch.bfloat16, use_fused_kernels: bool = False,
                             recompute: Literal["none", "full"] = "none", **overrides) -> BeamTransformerConfig:
     """The Megatron config of Beam for one parallel layout and dtype (float32 for exact CPU tests, bfloat16

@@ -24,7 +24,8 @@ from megatron.core.models.gpt import GPTModel
 
 from beamrl.models.beam import numerics
 from beamrl.models.beam.config import BeamConfig
-from beamrl.trainer.megatron.model.config_bridge import BeamTransformerConfig, ParallelSettings, beam_transformer_config
+from beamrl.trainer.megatron.model.config_bridge import BeamTransformerConfig, beam_transformer_config
+from beamrl.trainer.megatron.parallel import ParallelConfig
 from beamrl.trainer.megatron.model.spec import beam_block_spec
 
 
@@ -45,18 +46,19 @@ class BeamGPTModel(GPTModel):
         return numerics.softcap(logits, self.config.beam.final_logit_softcapping)
 
 
-def current_parallel_settings() -> ParallelSettings:
+def current_parallel_settings() -> ParallelConfig:
     """The layout of the initialised Megatron parallel state."""
     tp = parallel_state.get_tensor_model_parallel_world_size()
     vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
-    return ParallelSettings(tp=tp, sp=tp > 1, ep=parallel_state.get_expert_model_parallel_world_size(),
-                            etp=parallel_state.get_expert_tensor_parallel_world_size(),
-                            pp=parallel_state.get_pipeline_model_parallel_world_size(), vpp=vpp)
+    return ParallelConfig(tp=tp, sp=tp > 1, ep=parallel_state.get_expert_model_parallel_world_size(),
+                          etp=parallel_state.get_expert_tensor_parallel_world_size(),
+                          pp=parallel_state.get_pipeline_model_parallel_world_size(),
+                          vpp=vpp if vpp and vpp > 1 else None)
 
 
 def build_beam_gpt_model(config: BeamConfig, *, params_dtype: torch.dtype = torch.bfloat16, pre_process: bool = True,
                          post_process: bool = True, vp_stage: Optional[int] = None, use_fused_kernels: bool = False,
-                         recompute: Literal["none", "full"] = "none", parallel: Optional[ParallelSettings] = None,
+                         recompute: Literal["none", "full"] = "none", parallel: Optional[ParallelConfig] = None,
                          transformer_config: Optional[BeamTransformerConfig] = None) -> BeamGPTModel:
     """Build this rank's Beam model chunk (pipeline stage `pre_process`/`post_process`, virtual chunk `vp_stage`).
 

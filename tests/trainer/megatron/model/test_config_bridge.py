@@ -1,4 +1,4 @@
-"""BeamConfig -> TransformerConfig bridge and ParallelSettings validation."""
+"""BeamConfig -> TransformerConfig bridge and ParallelConfig.validate against a Beam config."""
 
 import pytest
 import torch
@@ -14,10 +14,11 @@ def _world():
 
 
 def test_beam_fields_are_carried():
-    from beamrl.trainer.megatron.model import ParallelSettings, beam_transformer_config
+    from beamrl.trainer.megatron.model import beam_transformer_config
+    from beamrl.trainer.megatron.parallel import ParallelConfig
 
     c = preset("tiny")
-    t = beam_transformer_config(c, ParallelSettings(), dtype=torch.float32)
+    t = beam_transformer_config(c, ParallelConfig(), dtype=torch.float32)
     assert t.num_layers == 6 and t.num_query_groups == 2 and t.kv_channels == 16
     assert t.window_size == (c.sliding_window - 1, 0)
     assert t.window_attn_skip_freq == [1, 1, 0, 1, 1, 0]  # 1 = sliding layer
@@ -36,7 +37,7 @@ def test_beam_fields_are_carried():
     (dict(pp=4), "num_hidden_layers"), (dict(vpp=2), "vpp"),
 ])
 def test_bad_layouts_name_the_field(settings, field):
-    from beamrl.trainer.megatron.model import BeamParallelError, ParallelSettings
+    from beamrl.trainer.megatron.parallel import ParallelConfig, ParallelConfigError
 
-    with pytest.raises(BeamParallelError, match=field):
-        ParallelSettings(**settings).validate(preset("tiny"))
+    with pytest.raises(ParallelConfigError, match=field):
+        ParallelConfig(**settings).validate(preset("tiny"))
