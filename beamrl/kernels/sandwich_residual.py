@@ -209,8 +209,9 @@ def _split_blocks(h: int) -> tuple[int, int]:
     return ba, (triton.next_power_of_2(h - ba) if h > ba else 1)
 
 
-# Launch tuning (benchmarks/kernel_sweep.py times the choices on a GPU). fwd_one_pass and fwd_chunk change the
-# FP32 sum-of-squares order (so the last bit of a few outputs); the others change only speed.
+# Launch tuning (benchmarks/kernel_sweep.py times the choices on a GPU). A choice can change the order of FP32
+# sums (the last bits of a few outputs and gradients), never a rounding point; the sweep checks each against the
+# defaults.
 TUNING: dict = {"fwd_one_pass": True, "fwd_chunk": 1024, "fwd_warps": 8, "bwd_warps": 8, "bwd_per_sm": 1,
                 "bwd_prefetch": True}
 
