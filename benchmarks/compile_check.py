@@ -60,11 +60,6 @@ def _cases():
                {"q_ptr": BF, "k_ptr": BF, "wq_ptr": BF, "wk_ptr": BF, "cos_ptr": F32, "sin_ptr": F32,
                 "scale_ptr": F32, "gq_ptr": BF, "gk_ptr": BF, "dq_ptr": BF, "dk_ptr": BF, "dw_ptr": F32,
                 "inv_d": "fp32", "eps": "fp32"}, {**heads, "TB": 4}, 4, True)
-    yield ("qk_norm bwd tokens layout", qk_norm._bwd_tokens_kernel,
-           {"q_ptr": BF, "k_ptr": BF, "wq_ptr": BF, "wk_ptr": BF, "cos_ptr": F32, "sin_ptr": F32, "scale_ptr": F32,
-            "gq_ptr": BF, "gk_ptr": BF, "dq_ptr": BF, "dk_ptr": BF, "dwq_ptr": F32, "dwk_ptr": F32, "inv_d": "fp32",
-            "eps": "fp32"}, {"HQ": 48, "HK": 8, "MODE_Q": qk_norm.MODE_ROPE, "MODE_K": qk_norm.MODE_ROPE, "HALF": 64,
-                             "HBQ": 16, "HBK": 8, "TB": 2}, 4, True)
     yield ("output_gate fwd", output_gate._fwd_kernel, {"o_ptr": BF, "g_ptr": BF, "b_ptr": BF, "y_ptr": BF},
            {"D": 128, "HB": 16, "TB": 1, **flags}, 4, True)  # FMAs only inside libdevice expf (as CUDA's expf)
     yield ("output_gate bwd", output_gate._bwd_kernel,

@@ -87,8 +87,7 @@ def _cases(t, h, hq, hkv, d, inter):
         return [qk[:, :hq * d].view(t, hq, d), qk[:, hq * d:].view(t, hkv, d), rnd(d), rnd(d)]
 
     qk_fwd = _grid(fwd_tokens=[1], fwd_warps=[4])
-    qk_bwd = (_grid(bwd_layout=["tokens"], bwd_heads=[8, 16], bwd_tokens=[1, 2, 4], bwd_warps=[4, 8])
-              + _grid(bwd_layout=["blocks"], bwd_heads=[16], bwd_tokens=[8], bwd_warps=[4]))
+    qk_bwd = _grid(bwd_heads=[8, 16], bwd_tokens=[4, 8, 16], bwd_warps=[2, 4, 8])
     yield dict(name="qk_norm_rope", module=qk_norm, inputs=qk_inputs,
                run=lambda x: ops.qk_norm_rope(x[0], x[1], x[2], x[3], cos, sin, 1e-6, backend="triton"), n_grad=4,
                fwd_bytes=2 * qk_bytes + t * d * 4, bwd_bytes=3 * qk_bytes + t * d * 4, reorders=set(),

@@ -25,8 +25,7 @@ MODE_NORM, MODE_ROPE, MODE_SSMAX = 0, 1, 2
 # Launch tuning (benchmarks/kernel_sweep.py times the choices on a GPU). A choice can change the order of FP32
 # sums (the last bits of a few outputs and gradients), never a rounding point; the sweep checks each against the
 # defaults.
-TUNING: dict = {"fwd_tokens": 1, "fwd_warps": 4, "bwd_layout": "blocks", "bwd_tokens": 8, "bwd_warps": 4,
-                "bwd_heads": 16}
+TUNING: dict = {"fwd_tokens": 1, "fwd_warps": 4, "bwd_tokens": 8, "bwd_warps": 4, "bwd_heads": 16}
 
 
 @triton.jit
@@ -179,54 +178,6 @@ def _bwd_tokens(x_ptr, go_ptr, dx_ptr, w1, w2, cos_ptr, sin_ptr, scale_ptr, pid_
     return tl.sum(a1, axis=0), tl.sum(a2, axis=0)
 
 
-@triton.jit
-def _bwd_tokens_kernel(q_ptr, k_ptr, wq_ptr, wk_ptr, cos_ptr, sin_ptr, scale_ptr, gq_ptr, gk_ptr, dq_ptr, dk_ptr,
-                       dwq_ptr, dwk_ptr, T, sq_t, sq_h, sk_t, sk_h, inv_d, eps, HQ: tl.constexpr, HK: tl.constexpr,
-                       MODE_Q: tl.constexpr, MODE_K: tl.constexpr, HALF: tl.constexpr, HBQ: tl.constexpr,
-                       HBK: tl.constexpr, TB: tl.constexpr):
-    # The forward's layout: a program takes TB tokens with all of their q and k head blocks (unrolled), so the
-    # loads of every block of a token are in flight together and cos/sin are read once per token. Norm-weight
-    # gradient partials stay [heads, D/2] in registers and are reduced once per program into dwq / dwk [programs,
-    # D] (FP32; torch sums them).
-    inv_d = tl.cast(inv_d, tl.float32)
-    eps = tl.cast(eps, tl.float32)
-    pid = tl.program_id(0)
-    c = tl.arange(0, HALF)
-    wq1 = tl.load(wq_ptr + c).to(tl.float32)[None, :]
-    wq2 = tl.load(wq_ptr + HALF + c).to(tl.float32)[None, :]
-    wk1 = tl.load(wk_ptr + c).to(tl.float32)[None, :]
-    wk2 = tl.load(wk_ptr + HALF + c).to(tl.float32)[None, :]
-    aq1 = tl.zeros([HBQ, HALF], dtype=tl.float32)
-    aq2 = tl.zeros([HBQ, HALF], dtype=tl.float32)
-    ak1 = tl.zeros([HBK, HALF], dtype=tl.float32)
-    ak2 = tl.zeros([HBK, HALF], dtype=tl.float32)
-    for i in range(TB):
-        t = pid.to(tl.int64) * TB + i
-        if t < T:
-            co = tl.zeros([1, HALF], dtype=tl.float32)
-            si = tl.zeros([1, HALF], dtype=tl.float32)
-            sc = tl.cast(1.0, tl.float32)
-            if MODE_Q == 1 or MODE_K == 1:
-                co = tl.load(cos_ptr + t * HALF + c)[None, :]
-                si = tl.load(sin_ptr + t * HALF + c)[None, :]
-            if MODE_Q == 2 or MODE_K == 2:
-                sc = tl.load(scale_ptr + t)
-            for hb in tl.static_range(HQ // HBQ):
-                p1, p2 = _bwd_rows(q_ptr, gq_ptr, dq_ptr, wq1, wq2, t, hb * HBQ, sq_t, sq_h, co, si, sc, inv_d, eps,
-                                   HQ, MODE_Q, HALF, HBQ)
-                aq1 += p1
-                aq2 += p2
-            for hb in tl.static_range(HK // HBK):
-                p1, p2 = _bwd_rows(k_ptr, gk_ptr, dk_ptr, wk1, wk2, t, hb * HBK, sk_t, sk_h, co, si, sc, inv_d, eps,
-                                   HK, MODE_K, HALF, HBK)
-                ak1 += p1
-                ak2 += p2
-    tl.store(dwq_ptr + pid * (2 * HALF) + c, tl.sum(aq1, axis=0))
-    tl.store(dwq_ptr + pid * (2 * HALF) + HALF + c, tl.sum(aq2, axis=0))
-    tl.store(dwk_ptr + pid * (2 * HALF) + c, tl.sum(ak1, axis=0))
-    tl.store(dwk_ptr + pid * (2 * HALF) + HALF + c, tl.sum(ak2, axis=0))
-
-
 def _check(x: torch.Tensor, name: str) -> None:
     if x.dim() != 3 or x.stride(-1) != 1:
         raise ValueError(f"{name} must be [T, heads, head_dim] with a unit last stride, got shape "
@@ -277,18 +228,9 @@ class _QKNorm(torch.autograd.Function):
         tiles = triton.cdiv(t, tb)
         dq = torch.empty((t, hq, d), device=q.device, dtype=q.dtype)
         dk = torch.empty((t, hk, d), device=k.device, dtype=k.dtype)
+        dw = torch.empty(tiles, nq + hk // hbk, d, device=q.device, dtype=torch.float32)  # every slot is written
         gq = gq.contiguous() if gq is not None else torch.zeros_like(dq)
         gk = gk.contiguous() if gk is not None else torch.zeros_like(dk)
-        if TUNING["bwd_layout"] == "tokens":
-            dwq = torch.zeros(tiles, d, device=q.device, dtype=torch.float32)
-            dwk = torch.zeros(tiles, d, device=q.device, dtype=torch.float32)
-            if t:
-                _bwd_tokens_kernel[(tiles,)](
-                    q, k, wq, wk, *_optional_inputs(cos, sin, scale, wq), gq, gk, dq, dk, dwq, dwk, t, q.stride(0),
-                    q.stride(1), k.stride(0), k.stride(1), 1.0 / d, ctx.eps, HQ=hq, HK=hk, MODE_Q=mode_q,
-                    MODE_K=mode_k, HALF=d // 2, HBQ=hbq, HBK=hbk, TB=tb, num_warps=int(TUNING["bwd_warps"]))
-            return (dq, dk, dwq.sum(0).to(wq.dtype), dwk.sum(0).to(wk.dtype), None, None, None, None, None, None)
-        dw = torch.empty(tiles, nq + hk // hbk, d, device=q.device, dtype=torch.float32)  # every slot is written
         if t:
             _bwd_kernel[(tiles, nq + hk // hbk)](
                 q, k, wq, wk, *_optional_inputs(cos, sin, scale, wq), gq, gk, dq, dk, dw, t,

@@ -81,21 +81,12 @@ def _check_triton(checks, t, hq, hkv, d, device, seed, max_mismatch_frac, pos_of
             assert checks.rel_err(f.grad, e.grad) < 2e-2, op.__name__
 
 
-@pytest.fixture(params=["blocks", "tokens"])
-def backward_layout(request, monkeypatch):
-    """Both backward layouts (qk_norm.TUNING["bwd_layout"])."""
-    from beamrl.kernels import qk_norm
-
-    monkeypatch.setitem(qk_norm.TUNING, "bwd_layout", request.param)
-    return request.param
-
-
-def test_triton_kernel_tiny(checks, kernel_device, backward_layout):
+def test_triton_kernel_tiny(checks, kernel_device):
     _check_triton(checks, 5, 6, 2, 16, kernel_device, seed=2, max_mismatch_frac=0.05, pos_offset=1000)
 
 
 @CUDA
-def test_triton_kernel_real_width(checks, backward_layout):
+def test_triton_kernel_real_width(checks):
     _check_triton(checks, 2048, 48, 8, 128, torch.device("cuda"), seed=3, max_mismatch_frac=1e-4, pos_offset=5000)
 
 
