@@ -40,6 +40,11 @@ def _cases():
             "out_pre_ptr": BF, "rstd_post_ptr": F32, "rstd_pre_ptr": F32, "inv_h": "fp32", "eps": "fp32",
             "s_branch": "fp32", "s_res": "fp32"}, {"HAS_PRE": True, "CHUNK": 1024, "ONE_PASS": False, **flags}, 4,
            False)
+    yield ("sandwich fwd, bit-trick rounding", sandwich_residual._fwd_kernel,
+           {"branch_ptr": BF, "residual_ptr": BF, "post_w_ptr": BF, "pre_w_ptr": BF, "out_res_ptr": BF,
+            "out_pre_ptr": BF, "rstd_post_ptr": F32, "rstd_pre_ptr": F32, "inv_h": "fp32", "eps": "fp32",
+            "s_branch": "fp32", "s_res": "fp32"}, {"HAS_PRE": True, "CHUNK": 8192, "ONE_PASS": True, **flags,
+                                                   "ROUND_BF16": 1}, 8, False)
     yield ("sandwich fwd one pass", sandwich_residual._fwd_kernel,
            {"branch_ptr": BF, "residual_ptr": BF, "post_w_ptr": BF, "pre_w_ptr": BF, "out_res_ptr": BF,
             "out_pre_ptr": BF, "rstd_post_ptr": F32, "rstd_pre_ptr": F32, "inv_h": "fp32", "eps": "fp32",
@@ -64,7 +69,7 @@ def _cases():
            {"D": 128, "HB": 16, "TB": 1, **flags}, 4, True)  # FMAs only inside libdevice expf (as CUDA's expf)
     yield ("output_gate bwd", output_gate._bwd_kernel,
            {"o_ptr": BF, "g_ptr": BF, "b_ptr": BF, "gy_ptr": BF, "do_ptr": BF, "dg_ptr": BF, "db_ptr": F32},
-           {"D": 128, "HB": 64, **flags}, 8, True)
+           {"D": 128, "HB": 16, **flags}, 4, True)
     yield ("swiglu fwd", swiglu._fwd_kernel, {"gu_ptr": BF, "act_ptr": BF}, {"RB": 4, "BLOCK": 512, **flags}, 4, True)
     yield ("swiglu bwd", swiglu._bwd_kernel, {"gu_ptr": BF, "da_ptr": BF, "dgu_ptr": BF},
            {"RB": 2, "BLOCK": 512, "INTERPRET": False}, 4, True)

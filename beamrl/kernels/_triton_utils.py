@@ -5,7 +5,7 @@ Why explicit rounding: the kernels must reproduce the eager reference's BF16 rou
 intermediate rounding is explicit and the final `.to(bfloat16)` is exact. On a GPU it is the hardware's
 round-to-nearest-even conversion (`cvt.rn.bf16.f32`, one instruction); under TRITON_INTERPRET=1, whose
 FP32->BF16 cast truncates instead of rounding, it is the integer bit trick. The bit trick costs ~7 integer
-instructions per rounding, which made the many-rounding kernels (sandwich norm: 9 per element) compute-bound
+instructions per rounding, which made the many-rounding kernels (sandwich norm: 5 to 9 per element) compute-bound
 on the H200 (docs/benchmarks.md).
 """
 

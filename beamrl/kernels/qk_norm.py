@@ -248,6 +248,8 @@ def _qk_norm_pair(q, k, q_weight, k_weight, eps, mode_q, mode_k, cos=None, sin=N
     t, _, d = q.shape
     if k.shape[0] != t or k.shape[2] != d:
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must share tokens and head_dim")
+    if k.dtype != q.dtype:  # one launch rounds both as q's dtype says
+        raise ValueError(f"q ({q.dtype}) and k ({k.dtype}) must have the same dtype")
     if MODE_ROPE in (mode_q, mode_k):
         for name, v in (("cos", cos), ("sin", sin)):
             if v is None or v.shape != (t, d // 2) or v.dtype != torch.float32:

@@ -16,6 +16,7 @@ at most `MAX_RATIO` times eager's max. |F - E| with free routing and the agreeme
 too: on random weights near-tied top-k choices flip under any 1-ulp change, as between TP1 and TP2.
 
     python -m beamrl.parity.fused_vs_eager --layers 2 --json /tmp/fused_vs_eager.json   # one CUDA GPU
+    python -m beamrl.parity.fused_vs_eager --tiny --self-check                          # the comparison, on CPU
 """
 
 from __future__ import annotations
@@ -86,12 +87,12 @@ def route_agreement(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(same[moe].float().mean()) if moe.any() else 1.0
 
 
-def real_width_config(layers: int) -> BeamConfig:
-    """`small`'s real widths (hidden 5120, 48/8 heads x 128, 16 experts of 2560, top-8) with `layers` layers:
-    SWA and full/SSMax alternating, the first dense and the rest MoE."""
+def real_width_config(layers: int, widths: str = "small") -> BeamConfig:
+    """`small`'s real widths (hidden 5120, 48/8 heads x 128, 16 experts of 2560, top-8), or another preset's,
+    with `layers` layers: SWA and full/SSMax alternating, the first dense and the rest MoE."""
     kinds = [SLIDING if i % 2 == 0 else FULL for i in range(layers)]
     mlps = [DENSE] + [SPARSE] * (layers - 1)
-    return preset("small").replace(num_hidden_layers=layers, layer_types=kinds, mlp_layer_types=mlps)
+    return preset(widths).replace(num_hidden_layers=layers, layer_types=kinds, mlp_layer_types=mlps)
 
 
 def _free() -> None:
@@ -117,14 +118,25 @@ def _run(config, weights, batch, dtype: str, fused: bool, routes=None):
 
 
 def compare(config: BeamConfig, num_sequences: int, seq_len: int, seed: int = 0,
-            log=lambda m: print(m, flush=True)) -> FusedVsEager:
-    """Run the four passes of the module docstring on one CUDA device (a 1-rank Megatron world must exist)."""
+            log=lambda m: print(m, flush=True), candidate_fused: bool = True) -> FusedVsEager:
+    """Run the four passes of the module docstring on one CUDA device (in a 1-rank torch.distributed world, as
+    `main` sets up). TF32 is off for the duration (the FP32 yardstick must be FP32) and restored after.
+
+    candidate_fused=False scores the "fused" passes with the eager path too: a self-check of the comparison
+    itself (every fused-vs-eager gap must then be exactly 0), which also runs on CPU."""
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        return _compare(config, num_sequences, seq_len, seed, log, candidate_fused)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+
+
+def _compare(config, num_sequences, seq_len, seed, log, candidate_fused) -> FusedVsEager:
     from beamrl.models.beam.weights import random_state_dict
     from beamrl.trainer.protocol import PackedBatch
 
     t0 = time.perf_counter()
-    torch.backends.cuda.matmul.allow_tf32 = False  # the FP32 yardstick must be FP32
-    torch.backends.cudnn.allow_tf32 = False
     weights = random_state_dict(config, seed, torch.bfloat16)  # router / correction bias stay FP32
     g = torch.Generator().manual_seed(seed + 1)
     batch = PackedBatch.from_sequences(list(torch.randint(1, config.vocab_size, (num_sequences, seq_len),
@@ -132,9 +144,9 @@ def compare(config: BeamConfig, num_sequences: int, seq_len: int, seed: int = 0,
     log("eager bf16 (free routing, recorded)")
     e, r_e = _run(config, weights, batch, "bfloat16", fused=False)
     log("fused bf16 (free routing, recorded)")
-    f, r_f = _run(config, weights, batch, "bfloat16", fused=True)
+    f, r_f = _run(config, weights, batch, "bfloat16", fused=candidate_fused)
     log("fused bf16 (eager routes replayed)")
-    fr, _ = _run(config, weights, batch, "bfloat16", fused=True, routes=r_e)
+    fr, _ = _run(config, weights, batch, "bfloat16", fused=candidate_fused, routes=r_e)
     log("eager fp32 (eager routes replayed)")
     x, _ = _run(config, {k: v.float() for k, v in weights.items()}, batch, "float32", fused=False, routes=r_e)
     return FusedVsEager(tokens=int(e.numel()), params=config.num_parameters(), eager_vs_fp32=Gap.of(e, x),
@@ -150,9 +162,13 @@ def main(argv=None) -> int:
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=str, default=None)
+    p.add_argument("--tiny", action="store_true", help="the `tiny` preset's widths instead of the real ones")
+    p.add_argument("--self-check", action="store_true",
+                   help="score the fused passes with the eager path too (runs on CPU; every fused gap must be 0)")
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("beamrl.parity.fused_vs_eager needs a CUDA GPU (the fused path is CUDA-only)", file=sys.stderr)
+    if not torch.cuda.is_available() and not args.self_check:
+        print("beamrl.parity.fused_vs_eager needs a CUDA GPU (the fused path is CUDA-only); --self-check runs "
+              "the comparison itself on CPU", file=sys.stderr)
         return 2
     from beamrl.net import free_port
     from beamrl.trainer.megatron.parallel import ParallelConfig, initialize_parallel
@@ -162,7 +178,8 @@ def main(argv=None) -> int:
                  ("MASTER_PORT", str(free_port()))):
         os.environ.setdefault(k, v)
     initialize_parallel(ParallelConfig())
-    result = compare(real_width_config(args.layers), args.num_sequences, args.seq_len, args.seed)
+    config = real_width_config(args.layers, "tiny" if args.tiny else "small")
+    result = compare(config, args.num_sequences, args.seq_len, args.seed, candidate_fused=not args.self_check)
     out = result.to_dict()
     print(json.dumps(out, indent=1))
     if args.json:

@@ -1,7 +1,8 @@
 """A `WeightReceiver` that stands for an engine living elsewhere (a child process, a Ray actor).
 
-Every protocol call becomes `engine.<method>(*args, timeout)` on the other side; a subclass only says how a call
-travels there (`_forward`) and who it is (`name`, `tp_size`). The two proxies (`sync.process_receiver` over a
+Every protocol call becomes the engine's `<method>(*args, timeout)` on the other side (the Ray actor passes
+`timeout` by keyword); a subclass only says how a call travels there (`_forward`) and who it is (`name`,
+`tp_size`). The two proxies (`sync.process_receiver` over a
 pipe, `loop.weight_sync.ActorReceiver` over Ray) share this one list of forwarded methods, so a method added to
 the protocol cannot be forwarded by one and forgotten by the other.
 """
@@ -19,7 +20,8 @@ class ForwardingReceiver(WeightReceiver):
 
     @abc.abstractmethod
     def _forward(self, method: str, timeout: float, *args: Any) -> Any:
-        """Run `method(*args, timeout)` on the remote engine within `timeout` seconds (plus transport slack)."""
+        """Run `method(*args, timeout)` on the remote engine; give up (raising `WeightSyncError`) after `timeout`
+        seconds plus whatever slack the transport needs (Ray adds some, the pipe none)."""
 
     def begin_weight_update(self, timeout: float) -> None:
         self._forward("begin_weight_update", timeout)

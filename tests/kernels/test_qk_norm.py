@@ -96,3 +96,11 @@ def test_bad_cos_shape_is_refused():
     q, k, qw, kw, cos, sin, _ = _inputs(3, 2, 1, 8, torch.bfloat16, "cpu")
     with pytest.raises(ValueError, match="cos"):
         fused_qk_norm_rope(q, k, qw, kw, cos[:2], sin, EPS)
+
+
+def test_mixed_q_k_dtypes_are_refused():
+    from beamrl.kernels.qk_norm import fused_qk_norm_rope
+
+    q, k, qw, kw, cos, sin, _ = _inputs(3, 2, 1, 8, torch.bfloat16, "cpu")
+    with pytest.raises(ValueError, match="same dtype"):
+        fused_qk_norm_rope(q, k.float(), qw, kw, cos, sin, EPS)

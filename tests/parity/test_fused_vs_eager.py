@@ -1,5 +1,7 @@
 """Fused vs eager trainer logprobs: the bf16-tolerance criterion (CPU) and the real comparison (CUDA, issue #6)."""
 
+import json
+import os
 import subprocess
 import sys
 
@@ -42,6 +44,22 @@ def test_command_refuses_without_cuda():
     p = subprocess.run([sys.executable, "-m", "beamrl.parity.fused_vs_eager", "--layers", "2"], capture_output=True,
                        text=True, timeout=120)
     assert p.returncode == 2 and "CUDA" in p.stderr
+
+
+def test_self_check_runs_the_four_passes_on_cpu(tmp_path):
+    """The comparison itself (record, replay, FP32 yardstick) on the real Megatron trainer, with the eager path
+    in place of the fused one: fused-vs-eager gaps must be exactly 0, bf16-vs-FP32 must not."""
+    out = tmp_path / "self_check.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
+    p = subprocess.run([sys.executable, "-m", "beamrl.parity.fused_vs_eager", "--tiny", "--self-check", "--layers",
+                        "2", "--num-sequences", "2", "--seq-len", "32", "--json", str(out)], capture_output=True,
+                       text=True, timeout=300, env=env)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["fused_vs_eager_free"] == {"mean": 0.0, "max": 0.0}
+    assert r["fused_vs_eager_replayed"] == {"mean": 0.0, "max": 0.0}
+    assert r["free_route_agreement"] == 1.0 and r["fused_vs_fp32"] == r["eager_vs_fp32"]
+    assert r["eager_vs_fp32"]["mean"] > 0 and r["tokens"] == 64 and r["within_bf16_tolerance"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused path is CUDA-only; run on the H200")
