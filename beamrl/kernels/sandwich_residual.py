@@ -31,6 +31,16 @@ def _residual(b, r, wp, rstd, s_branch, s_res, ROUND_BF16: tl.constexpr):
 
 
 @triton.jit
+def _residual_chunk(branch_ptr, residual_ptr, post_w_ptr, row, stride_b, stride_r, cols, m, rstd, s_branch, s_res,
+                    ROUND_BF16: tl.constexpr):
+    """`_residual` of one chunk of a row, loading its branch, residual and post-norm weight."""
+    b = tl.load(branch_ptr + row * stride_b + cols, mask=m, other=0.0).to(tl.float32)
+    r = tl.load(residual_ptr + row * stride_r + cols, mask=m, other=0.0).to(tl.float32)
+    wp = tl.load(post_w_ptr + cols, mask=m, other=0.0).to(tl.float32)
+    return _residual(b, r, wp, rstd, s_branch, s_res, ROUND_BF16)
+
+
+@triton.jit
 def _fwd_kernel(branch_ptr, residual_ptr, post_w_ptr, pre_w_ptr, out_res_ptr, out_pre_ptr, rstd_post_ptr,
                 rstd_pre_ptr, stride_b, stride_r, stride_o, stride_p, H, inv_h, eps, s_branch, s_res,
                 HAS_PRE: tl.constexpr, CHUNK: tl.constexpr, ONE_PASS: tl.constexpr, ROUND_BF16: tl.constexpr,
@@ -72,10 +82,8 @@ def _fwd_kernel(branch_ptr, residual_ptr, post_w_ptr, pre_w_ptr, out_res_ptr, ou
         for c0 in range(0, H, CHUNK):
             cols = c0 + offs
             m = cols < H
-            b = tl.load(branch_ptr + row * stride_b + cols, mask=m, other=0.0).to(tl.float32)
-            r = tl.load(residual_ptr + row * stride_r + cols, mask=m, other=0.0).to(tl.float32)
-            wp = tl.load(post_w_ptr + cols, mask=m, other=0.0).to(tl.float32)
-            h = _residual(b, r, wp, rstd, s_branch, s_res, ROUND_BF16)
+            h = _residual_chunk(branch_ptr, residual_ptr, post_w_ptr, row, stride_b, stride_r, cols, m, rstd,
+                                s_branch, s_res, ROUND_BF16)
             tl.store(out_res_ptr + row * stride_o + cols, h.to(out_res_ptr.dtype.element_ty), mask=m)
             acc2 += mul_rn(h, h, INTERPRET)
         if HAS_PRE:
@@ -84,11 +92,9 @@ def _fwd_kernel(branch_ptr, residual_ptr, post_w_ptr, pre_w_ptr, out_res_ptr, ou
             for c0 in range(0, H, CHUNK):
                 cols = c0 + offs
                 m = cols < H
-                b = tl.load(branch_ptr + row * stride_b + cols, mask=m, other=0.0).to(tl.float32)
-                r = tl.load(residual_ptr + row * stride_r + cols, mask=m, other=0.0).to(tl.float32)
-                wp = tl.load(post_w_ptr + cols, mask=m, other=0.0).to(tl.float32)
                 wq = tl.load(pre_w_ptr + cols, mask=m, other=0.0).to(tl.float32)
-                h = _residual(b, r, wp, rstd, s_branch, s_res, ROUND_BF16)
+                h = _residual_chunk(branch_ptr, residual_ptr, post_w_ptr, row, stride_b, stride_r, cols, m, rstd,
+                                    s_branch, s_res, ROUND_BF16)
                 p = rne_bf16(h * rstd2 * wq, ROUND_BF16)
                 tl.store(out_pre_ptr + row * stride_p + cols, p.to(out_pre_ptr.dtype.element_ty), mask=m)
 
