@@ -174,9 +174,9 @@ def main(argv=None) -> int:
     from beamrl.trainer.megatron.parallel import ParallelConfig, initialize_parallel
 
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    for k, v in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1"),
-                 ("MASTER_PORT", str(free_port()))):
-        os.environ.setdefault(k, v)
+    # Always a world of its own: an inherited MASTER_PORT (a parent's live store) would collide.
+    os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(free_port())})
     initialize_parallel(ParallelConfig())
     config = real_width_config(args.layers, "tiny" if args.tiny else "small")
     result = compare(config, args.num_sequences, args.seq_len, args.seed, candidate_fused=not args.self_check)
