@@ -52,10 +52,11 @@ def _free() -> None:
 
 
 def _one_rank_world() -> None:
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29517")
-    for k, v in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
-        os.environ.setdefault(k, v)
+    """A 1-rank world of its own: an inherited MASTER_PORT (a parent's live store) would collide."""
+    from beamrl.net import free_port
+
+    os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(free_port())})
 
 
 def real_width_two_layers():
