@@ -2,6 +2,7 @@
 
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -50,10 +51,14 @@ def test_self_check_runs_the_four_passes_on_cpu(tmp_path):
     """The comparison itself (record, replay, FP32 yardstick) on the real Megatron trainer, with the eager path
     in place of the fused one: fused-vs-eager gaps must be exactly 0, bf16-vs-FP32 must not."""
     out = tmp_path / "self_check.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1", "MASTER_PORT": "1"}  # overridden
-    p = subprocess.run([sys.executable, "-m", "beamrl.parity.fused_vs_eager", "--tiny", "--self-check", "--layers",
-                        "2", "--num-sequences", "2", "--seq-len", "32", "--json", str(out)], capture_output=True,
-                       text=True, timeout=300, env=env)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:  # a parent's live store on MASTER_PORT
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(busy.getsockname()[1])}
+        p = subprocess.run([sys.executable, "-m", "beamrl.parity.fused_vs_eager", "--tiny", "--self-check",
+                            "--layers", "2", "--num-sequences", "2", "--seq-len", "32", "--json", str(out)],
+                           capture_output=True, text=True, timeout=300, env=env)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     r = json.loads(out.read_text())
     assert r["fused_vs_eager_free"] == {"mean": 0.0, "max": 0.0}
