@@ -75,3 +75,14 @@ def add_beam_width_args(ap) -> None:
     ap.add_argument("--heads", type=int, default=48)
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
+
+
+def write_kernel_rows(path: str | None, copy_gbs: float, device: str, args, rows: list[dict]) -> None:
+    """The JSON of a kernel benchmark run (kernels.py, kernel_sweep.py): the copy ceiling, device, torch, the
+    command's arguments and every row; nothing when `path` is None."""
+    if path:
+        import json
+
+        with open(path, "w") as f:
+            json.dump(dict(copy_gbs=copy_gbs, device=device, torch=torch.__version__, args=vars(args), rows=rows), f,
+                      indent=1)

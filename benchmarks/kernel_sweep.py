@@ -28,7 +28,8 @@ if "--smoke-cpu" in sys.argv:  # Triton's own interpreter switch, read when the 
     os.environ["TRITON_INTERPRET"] = "1"
 DEV = "cuda" if torch.cuda.is_available() and "--smoke-cpu" not in sys.argv else "cpu"
 
-from benchmarks._bench_utils import add_beam_width_args, copy_bandwidth_gbs, cuda_median_ms, markdown_table
+from benchmarks._bench_utils import (add_beam_width_args, copy_bandwidth_gbs, cuda_median_ms, markdown_table,
+                                     write_kernel_rows)
 
 
 def _copy_of_size_gbs(nbytes: int) -> float:
@@ -211,10 +212,7 @@ def main(argv=None) -> int:
                       json.dumps(bb["config"]), d["copy_same_size_gbs"] / copy_bw])
     print(markdown_table(["op", "default fwd / copy", "best fwd / copy", "best fwd config", "default bwd / copy",
                           "best bwd / copy", "best bwd config", "same-size copy / copy"], table))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(copy_gbs=copy_bw, device=name, torch=torch.__version__,
-                           args=vars(args), rows=rows), f, indent=1)
+    write_kernel_rows(args.json, copy_bw, name, args, rows)
     return 0
 
 

@@ -11,7 +11,6 @@ at this size. Prints a markdown table; --json writes all numbers.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -21,7 +20,8 @@ import torch
 if "--smoke-cpu" in sys.argv:  # Triton's own interpreter switch, read when the kernel modules are imported
     os.environ["TRITON_INTERPRET"] = "1"
 
-from benchmarks._bench_utils import add_beam_width_args, copy_bandwidth_gbs, cuda_median_ms, markdown_table
+from benchmarks._bench_utils import (add_beam_width_args, copy_bandwidth_gbs, cuda_median_ms, markdown_table,
+                                     write_kernel_rows)
 from beamrl.kernels import ops
 from beamrl.models.beam import numerics
 
@@ -172,10 +172,7 @@ def main(argv=None) -> int:
     print(markdown_table(["op", "backend", "fwd ms", "fwd ms incl. host", "fwd GB/s", "fwd / copy", "fwd speed-up",
                           "fwd+bwd ms",
                           "fwd+bwd / copy", "fwd+bwd speed-up", "fwd bit mismatches vs eager"], table))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(copy_gbs=copy_bw, device=name, torch=torch.__version__,
-                           args=vars(args), rows=rows), f, indent=1)
+    write_kernel_rows(args.json, copy_bw, name, args, rows)
     return 0
 
 
