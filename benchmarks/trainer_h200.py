@@ -37,7 +37,7 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 
 from beamrl.models.beam import preset  # noqa: E402
-from beamrl.models.beam.config import DENSE, FULL, SLIDING, SPARSE  # noqa: E402
+from beamrl.parity.fused_vs_eager import real_width_config  # noqa: E402
 
 
 def _sync() -> None:
@@ -57,15 +57,6 @@ def _one_rank_world() -> None:
 
     os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": str(free_port())})
-
-
-def real_width_two_layers():
-    """`small`'s real widths with one dense and one MoE layer (SWA then full/SSMax)."""
-    return preset("small").replace(num_hidden_layers=2, layer_types=[SLIDING, FULL], mlp_layer_types=[DENSE, SPARSE])
-
-
-def tiny_two_layers():
-    return preset("tiny").replace(num_hidden_layers=2, layer_types=[SLIDING, FULL], mlp_layer_types=[DENSE, SPARSE])
 
 
 def _trainer(config, use_fused_kernels: bool = False):
@@ -165,10 +156,10 @@ def fused_vs_eager(config, num_sequences: int, seq_len: int, seed: int = 0) -> d
 def sections(args) -> list[tuple[str, callable]]:
     dev = args.device
     if args.tiny:
-        two_layers, train_cfg = tiny_two_layers(), preset("tiny")
+        two_layers, train_cfg = real_width_config(2, "tiny"), preset("tiny")
         n, s, tr = 2, 16, dict(seq_len=16, seqs_per_micro_batch=2, micro_batches=2, warmup=1, steps=2)
     else:
-        two_layers, train_cfg = real_width_two_layers(), preset("small")
+        two_layers, train_cfg = real_width_config(2), preset("small")
         n, s, tr = args.num_sequences, args.seq_len, dict(seq_len=args.train_seq_len,
                                                            seqs_per_micro_batch=args.seqs_per_micro_batch,
                                                            micro_batches=args.micro_batches, warmup=args.warmup,

@@ -33,6 +33,7 @@ import torch
 
 from beamrl.models.beam import preset
 from beamrl.models.beam.config import BeamConfig, DENSE, FULL, SLIDING, SPARSE
+from beamrl.parity.comparison import routing_matches
 
 #: Fused mean |dlogprob| vs FP32 may be at most this multiple of eager bf16's.
 MEAN_RATIO = 1.25
@@ -78,13 +79,9 @@ class FusedVsEager:
         return out
 
 
-def route_agreement(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Fraction of (token, MoE layer) top-k sets that agree; routes [T, layers, k] with -1 on dense layers."""
-    if a.shape != b.shape:
-        raise ValueError(f"routes {tuple(a.shape)} vs {tuple(b.shape)}")
-    moe = (a[:, :, 0] >= 0) | (b[:, :, 0] >= 0)
-    same = (a.sort(-1).values == b.sort(-1).values).all(-1)
-    return float(same[moe].float().mean()) if moe.any() else 1.0
+def route_agreement(a: torch.Tensor, b: torch.Tensor, moe_layers) -> float:
+    """Fraction of (token, MoE layer) top-k sets that agree; routes [T, layers, k] (`comparison.routing_matches`)."""
+    return float(routing_matches(a.numpy(), b.numpy(), moe_layers).mean())
 
 
 def real_width_config(layers: int, widths: str = "small") -> BeamConfig:
@@ -151,7 +148,7 @@ def _compare(config, num_sequences, seq_len, seed, log, candidate_fused) -> Fuse
     x, _ = _run(config, {k: v.float() for k, v in weights.items()}, batch, "float32", fused=False, routes=r_e)
     return FusedVsEager(tokens=int(e.numel()), params=config.num_parameters(), eager_vs_fp32=Gap.of(e, x),
                         fused_vs_fp32=Gap.of(fr, x), fused_vs_eager_replayed=Gap.of(fr, e),
-                        fused_vs_eager_free=Gap.of(f, e), free_route_agreement=route_agreement(r_f, r_e),
+                        fused_vs_eager_free=Gap.of(f, e), free_route_agreement=route_agreement(r_f, r_e, config.moe_layers),
                         seconds=time.perf_counter() - t0)
 
 

@@ -34,9 +34,9 @@ def test_gap_refuses_non_finite_logprobs():
 def test_route_agreement_counts_sets_on_moe_layers_only():
     a = torch.tensor([[[-1, -1], [1, 2]], [[-1, -1], [3, 4]]])
     b = torch.tensor([[[-1, -1], [2, 1]], [[-1, -1], [3, 5]]])  # same set in token 0, not in token 1
-    assert route_agreement(a, b) == 0.5
+    assert route_agreement(a, b, [1]) == 0.5
     with pytest.raises(ValueError):
-        route_agreement(a, b[:1])
+        route_agreement(a, b[:1], [1])
 
 
 def test_command_refuses_without_cuda():
