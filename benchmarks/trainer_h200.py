@@ -51,14 +51,6 @@ def _free() -> None:
         torch.cuda.empty_cache()
 
 
-def _one_rank_world() -> None:
-    """A 1-rank world of its own: an inherited MASTER_PORT (a parent's live store) would collide."""
-    from beamrl.net import free_port
-
-    os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": str(free_port())})
-
-
 def _trainer(config, use_fused_kernels: bool = False):
     from beamrl.trainer.megatron.worker import MegatronTrainer, OptimizerSettings, TrainerConfig
 
@@ -213,7 +205,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda but CUDA is not available (use --device cpu --tiny)")
-    _one_rank_world()
+    from beamrl.trainer.megatron.launch import set_one_rank_world_env
+
+    set_one_rank_world_env()
     from beamrl.trainer.megatron.parallel import ParallelConfig, initialize_parallel
 
     initialize_parallel(ParallelConfig())

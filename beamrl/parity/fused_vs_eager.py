@@ -167,13 +167,11 @@ def main(argv=None) -> int:
         print("beamrl.parity.fused_vs_eager needs a CUDA GPU (the fused path is CUDA-only); --self-check runs "
               "the comparison itself on CPU", file=sys.stderr)
         return 2
-    from beamrl.net import free_port
+    from beamrl.trainer.megatron.launch import set_one_rank_world_env
     from beamrl.trainer.megatron.parallel import ParallelConfig, initialize_parallel
 
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    # Always a world of its own: an inherited MASTER_PORT (a parent's live store) would collide.
-    os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": str(free_port())})
+    set_one_rank_world_env()
     initialize_parallel(ParallelConfig())
     config = real_width_config(args.layers, "tiny" if args.tiny else "small")
     result = compare(config, args.num_sequences, args.seq_len, args.seed, candidate_fused=not args.self_check)
