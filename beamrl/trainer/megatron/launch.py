@@ -41,6 +41,13 @@ class LaunchError(RuntimeError):
                                                                    f"{remote_traceback}")
 
 
+def set_one_rank_world_env() -> None:
+    """Environment for a 1-rank world in this process on a fresh port. An inherited MASTER_PORT (a parent's
+    live store) would collide, so every variable is set, not defaulted."""
+    os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(free_port())})
+
+
 def _rank_main(fn: Callable[..., Any], args: tuple, rank: int, world_size: int, env: dict[str, str],
                result_dir: str) -> None:
     """Child entry point: set env, run fn, write ("ok", result) or ("error", traceback) to rank{r}.pkl."""
