@@ -20,7 +20,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from beamrl.kernels import moe_combine, output_gate, qk_norm, router_topk, sandwich_residual, swiglu
+from beamrl.kernels import moe_combine, output_gate, partial_sums, qk_norm, router_topk, sandwich_residual, swiglu
 
 BF = "*bf16"
 F32 = "*fp32"
@@ -54,7 +54,14 @@ def _cases():
            {"branch_ptr": BF, "h_ptr": BF, "g_res_ptr": BF, "g_pre_ptr": BF, "post_w_ptr": BF, "pre_w_ptr": BF,
             "rstd_post_ptr": F32, "rstd_pre_ptr": F32, "d_branch_ptr": BF, "d_res_ptr": BF, "dw_post_ptr": F32,
             "dw_pre_ptr": F32, "inv_h": "fp32", "s_branch": "fp32", "s_res": "fp32"},
-           {"HAS_PRE_GRAD": True, "HAS_RES_GRAD": True, "BA": 4096, "BB": 1024, "PREFETCH": True}, 8, True)
+           {"HAS_PRE_GRAD": True, "HAS_RES_GRAD": True, "BA": 4096, "BB": 1024, "PREFETCH": True, "STAGES": 1}, 8,
+           True)
+    yield ("sandwich bwd staged", sandwich_residual._bwd_kernel,
+           {"branch_ptr": BF, "h_ptr": BF, "g_res_ptr": BF, "g_pre_ptr": BF, "post_w_ptr": BF, "pre_w_ptr": BF,
+            "rstd_post_ptr": F32, "rstd_pre_ptr": F32, "d_branch_ptr": BF, "d_res_ptr": BF, "dw_post_ptr": F32,
+            "dw_pre_ptr": F32, "inv_h": "fp32", "s_branch": "fp32", "s_res": "fp32"},
+           {"HAS_PRE_GRAD": True, "HAS_RES_GRAD": True, "BA": 4096, "BB": 1024, "PREFETCH": False, "STAGES": 3}, 8,
+           True)
     for mq, mk in ((qk_norm.MODE_ROPE, qk_norm.MODE_ROPE), (qk_norm.MODE_SSMAX, qk_norm.MODE_NORM)):
         heads = {"HQ": 48, "HK": 8, "MODE_Q": mq, "MODE_K": mk, "HALF": 64, "HBQ": 16, "HBK": 8}
         yield (f"qk_norm fwd modes {mq}/{mk}", qk_norm._fwd_kernel,
@@ -64,7 +71,11 @@ def _cases():
         yield (f"qk_norm bwd modes {mq}/{mk}", qk_norm._bwd_kernel,
                {"q_ptr": BF, "k_ptr": BF, "wq_ptr": BF, "wk_ptr": BF, "cos_ptr": F32, "sin_ptr": F32,
                 "scale_ptr": F32, "gq_ptr": BF, "gk_ptr": BF, "dq_ptr": BF, "dk_ptr": BF, "dw_ptr": F32,
-                "inv_d": "fp32", "eps": "fp32"}, {**heads, "TB": 4}, 4, True)
+                "inv_d": "fp32", "eps": "fp32"}, {**heads, "TB": 4, "STAGES": 1}, 4, True)
+        yield (f"qk_norm bwd staged {mq}/{mk}", qk_norm._bwd_kernel,
+               {"q_ptr": BF, "k_ptr": BF, "wq_ptr": BF, "wk_ptr": BF, "cos_ptr": F32, "sin_ptr": F32,
+                "scale_ptr": F32, "gq_ptr": BF, "gk_ptr": BF, "dq_ptr": BF, "dk_ptr": BF, "dw_ptr": F32,
+                "inv_d": "fp32", "eps": "fp32"}, {**heads, "TB": 16, "STAGES": 3}, 4, True)
     yield ("output_gate fwd", output_gate._fwd_kernel, {"o_ptr": BF, "g_ptr": BF, "b_ptr": BF, "y_ptr": BF},
            {"D": 128, "HB": 16, "TB": 1, **flags}, 4, True)  # FMAs only inside libdevice expf (as CUDA's expf)
     yield ("output_gate bwd", output_gate._bwd_kernel,
@@ -79,6 +90,8 @@ def _cases():
     yield ("moe_combine bwd", moe_combine._bwd_kernel,
            {"y_ptr": BF, "pos_ptr": "*i64", "w_ptr": F32, "g_ptr": BF, "dy_ptr": BF, "dw_ptr": F32, "scaling": "fp32"},
            {"K": 8, "BLOCK": 8192}, 16, True)
+    yield ("partial sums", partial_sums._sum_kernel, {"src_ptr": F32, "out_ptr": BF}, {"ROWS": 16, "COLS": 256}, 4,
+           True)
     yield ("router top-k", router_topk._topk_kernel,
            {"z_ptr": F32, "bias_ptr": F32, "w_ptr": F32, "id_ptr": "*i64", "eps": "fp32"},
            {"E": 256, "G": 8, "K": 8, "KG": 4, "KP": 8, "BT": 16, "ROUND_BF16": False, "INTERPRET": False}, 4, True)
@@ -124,7 +137,7 @@ def main() -> int:
                       ("div.rn", r"div\.rn\.f32"), ("div.full", r"div\.full"), ("ld.v4", r"ld\.global\.v4"),
                       ("ld.scalar16", r"ld\.global\.b16"), ("cvt.bf16", r"cvt\.rn\.bf16"),
                       ("ld.v2", r"ld\.global\.v2"), ("ld.b32", r"ld\.global\.b32"), ("st.v4", r"st\.global\.v4"),
-                      ("local", r"\.local"))}
+                      ("local", r"\.local"), ("cp.async", r"cp\.async\.(?:ca|cg)"))}
             if not fusion and facts["fma"]:
                 ok = False
                 print(f"FAIL {name}: FMA contraction in a forward kernel")

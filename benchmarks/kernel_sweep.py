@@ -78,7 +78,8 @@ def _cases(t, h, hq, hkv, d, inter):
                run=lambda x: ops.post_norm_residual_pre_norm(x[0], x[1], x[2], x[3], scales, 1e-6, backend="triton"),
                n_grad=4, fwd_bytes=4 * act, bwd_bytes=6 * act, reorders={"fwd_one_pass", "fwd_chunk", "fwd_warps"},
                fwd=fwd_one + fwd_chunk[4:6],
-               bwd=_grid(bwd_prefetch=[False, True], bwd_warps=[8, 16], bwd_per_sm=[1, 2]))
+               bwd=(_grid(bwd_prefetch=[True], bwd_stages=[1], bwd_warps=[8], bwd_finish=["torch", "triton"])
+                    + _grid(bwd_prefetch=[False], bwd_stages=[2, 3, 4], bwd_warps=[8, 16], bwd_finish=["triton"])))
     pos = torch.arange(t, device=DEV)
     cos, sin = numerics.rope_cos_sin(pos, d, 10000.0)
     ssmax = numerics.ssmax_scale(pos)
@@ -89,7 +90,8 @@ def _cases(t, h, hq, hkv, d, inter):
         return [qk[:, :hq * d].view(t, hq, d), qk[:, hq * d:].view(t, hkv, d), rnd(d), rnd(d)]
 
     qk_fwd = _grid(fwd_tokens=[1], fwd_warps=[4])
-    qk_bwd = _grid(bwd_heads=[8, 16], bwd_tokens=[4, 8, 16], bwd_warps=[2, 4, 8])
+    qk_bwd = (_grid(bwd_tokens=[8], bwd_stages=[1], bwd_warps=[4], bwd_finish=["torch"])
+              + _grid(bwd_tokens=[8, 16, 32], bwd_stages=[1, 2, 3], bwd_warps=[4, 8], bwd_finish=["triton"]))
     yield dict(name="qk_norm_rope", module=qk_norm, inputs=qk_inputs,
                run=lambda x: ops.qk_norm_rope(x[0], x[1], x[2], x[3], cos, sin, 1e-6, backend="triton"), n_grad=4,
                fwd_bytes=2 * qk_bytes + t * d * 4, bwd_bytes=3 * qk_bytes + t * d * 4, reorders=set(),

@@ -19,13 +19,15 @@ import triton
 import triton.language as tl
 
 from beamrl.kernels._triton_utils import LAUNCH_OPTIONS, kernel_flags, mul_rn, rne_bf16
+from beamrl.kernels.partial_sums import sum_partials
 
 MODE_NORM, MODE_ROPE, MODE_SSMAX = 0, 1, 2
 
 # Launch tuning (benchmarks/kernel_sweep.py times the choices on a GPU). A choice can change the order of FP32
 # sums (the last bits of a few outputs and gradients), never a rounding point; the sweep checks each against the
 # defaults.
-TUNING: dict = {"fwd_tokens": 1, "fwd_warps": 4, "bwd_tokens": 8, "bwd_warps": 4, "bwd_heads": 16}
+TUNING: dict = {"fwd_tokens": 1, "fwd_warps": 4, "bwd_tokens": 8, "bwd_warps": 4, "bwd_heads": 16, "bwd_stages": 1,
+                "bwd_finish": "triton"}
 
 
 @triton.jit
@@ -87,10 +89,11 @@ def _fwd_kernel(q_ptr, k_ptr, wq_ptr, wk_ptr, cos_ptr, sin_ptr, scale_ptr, qo_pt
 
 
 @triton.jit
-def _bwd_rows(x_ptr, go_ptr, dx_ptr, w1, w2, t, h0, stride_t, stride_h, co, si, sc, inv_d, eps,
+def _bwd_rows(x_ptr, go_ptr, dx_ptr, w1, w2, t, ok, h0, stride_t, stride_h, co, si, sc, inv_d, eps,
               HEADS: tl.constexpr, MODE: tl.constexpr, HALF: tl.constexpr, HB: tl.constexpr):
-    """dx of one [HB, D] block (stored) and its per-element norm-weight gradient terms [HB, D/2] x 2 (summed over
-    heads by the caller once per program: a cross-warp reduction per token measured 2x slower)."""
+    """dx of one [HB, D] block (stored where `ok`, i.e. t < T; t itself is always a valid token) and its
+    per-element norm-weight gradient terms [HB, D/2] x 2, zero unless `ok` (summed over heads by the caller once
+    per program: a cross-warp reduction per token measured 2x slower)."""
     hd = h0 + tl.arange(0, HB)
     c = tl.arange(0, HALF)
     src = t * stride_t + (hd * stride_h)[:, None] + c[None, :]
@@ -115,19 +118,20 @@ def _bwd_rows(x_ptr, go_ptr, dx_ptr, w1, w2, t, h0, stride_t, stride_h, co, si, 
     gw1 = gn1 * w1
     gw2 = gn2 * w2
     dot = ((tl.sum(gw1 * xh1, axis=1) + tl.sum(gw2 * xh2, axis=1)) * inv_d)[:, None]
-    tl.store(dx_ptr + dst, (rstd * (gw1 - xh1 * dot)).to(dx_ptr.dtype.element_ty))
-    tl.store(dx_ptr + dst + HALF, (rstd * (gw2 - xh2 * dot)).to(dx_ptr.dtype.element_ty))
-    return gn1 * xh1, gn2 * xh2
+    sm = (hd < HEADS)[:, None] & ok  # [HB, 1]: every head of the block, only for a real token
+    tl.store(dx_ptr + dst, (rstd * (gw1 - xh1 * dot)).to(dx_ptr.dtype.element_ty), mask=sm)
+    tl.store(dx_ptr + dst + HALF, (rstd * (gw2 - xh2 * dot)).to(dx_ptr.dtype.element_ty), mask=sm)
+    return tl.where(ok, gn1 * xh1, 0.0), tl.where(ok, gn2 * xh2, 0.0)
 
 
 @triton.jit
 def _bwd_kernel(q_ptr, k_ptr, wq_ptr, wk_ptr, cos_ptr, sin_ptr, scale_ptr, gq_ptr, gk_ptr, dq_ptr, dk_ptr, dw_ptr,
                 T, sq_t, sq_h, sk_t, sk_h, inv_d, eps, HQ: tl.constexpr, HK: tl.constexpr, MODE_Q: tl.constexpr,
                 MODE_K: tl.constexpr, HALF: tl.constexpr, HBQ: tl.constexpr, HBK: tl.constexpr,
-                TB: tl.constexpr):
+                TB: tl.constexpr, STAGES: tl.constexpr):
     # Grid (token tiles, head blocks): program (i, j) handles TB tokens of q's head block j (j < HQ/HBQ) or of
-    # k's block j - HQ/HBQ, and writes its norm-weight gradient partial to dw [tiles, blocks, D] (FP32; torch
-    # sums it). Measured slower on the H200 (docs/benchmarks.md): a persistent per-SM loop with the partials in
+    # k's block j - HQ/HBQ, and writes its norm-weight gradient partial to dw [blocks, tiles, D] (FP32, summed
+    # by partial_sums). Measured slower on the H200 (docs/benchmarks.md): a persistent per-SM loop with the partials in
     # registers (0.27-0.53 of copy bandwidth), and the forward's layout, all head blocks of a token per program
     # (0.48-0.54, 168 registers at 4 warps), against 0.67-0.69 here.
     inv_d = tl.cast(inv_d, tl.float32)
@@ -144,11 +148,11 @@ def _bwd_kernel(q_ptr, k_ptr, wq_ptr, wk_ptr, cos_ptr, sin_ptr, scale_ptr, gq_pt
         w2 = tl.load(wk_ptr + HALF + c).to(tl.float32)[None, :]
     if is_q:
         a1, a2 = _bwd_tokens(q_ptr, gq_ptr, dq_ptr, w1, w2, cos_ptr, sin_ptr, scale_ptr, pid_t, blk * HBQ, T, sq_t,
-                             sq_h, inv_d, eps, HQ, MODE_Q, HALF, HBQ, TB)
+                             sq_h, inv_d, eps, HQ, MODE_Q, HALF, HBQ, TB, STAGES)
     else:
         a1, a2 = _bwd_tokens(k_ptr, gk_ptr, dk_ptr, w1, w2, cos_ptr, sin_ptr, scale_ptr, pid_t,
-                             (blk - HQ // HBQ) * HBK, T, sk_t, sk_h, inv_d, eps, HK, MODE_K, HALF, HBK, TB)
-    base = dw_ptr + (pid_t * tl.num_programs(1) + blk) * (2 * HALF)
+                             (blk - HQ // HBQ) * HBK, T, sk_t, sk_h, inv_d, eps, HK, MODE_K, HALF, HBK, TB, STAGES)
+    base = dw_ptr + (blk * tl.num_programs(0) + pid_t) * (2 * HALF)  # [blocks, tiles, D]: q rows, then k rows
     tl.store(base + c, a1)
     tl.store(base + HALF + c, a2)
 
@@ -156,26 +160,29 @@ def _bwd_kernel(q_ptr, k_ptr, wq_ptr, wk_ptr, cos_ptr, sin_ptr, scale_ptr, gq_pt
 @triton.jit
 def _bwd_tokens(x_ptr, go_ptr, dx_ptr, w1, w2, cos_ptr, sin_ptr, scale_ptr, pid_t, h0, T, stride_t, stride_h, inv_d,
                 eps, HEADS: tl.constexpr, MODE: tl.constexpr, HALF: tl.constexpr, HB: tl.constexpr,
-                TB: tl.constexpr):
+                TB: tl.constexpr, STAGES: tl.constexpr):
     """TB tokens of one head block; returns the block's norm-weight gradient partial (two [HALF] halves)."""
     c = tl.arange(0, HALF)
     a1 = tl.zeros([HB, HALF], dtype=tl.float32)
     a2 = tl.zeros([HB, HALF], dtype=tl.float32)
-    for i in range(TB):
-        t = pid_t.to(tl.int64) * TB + i
-        if t < T:
-            co = tl.zeros([1, HALF], dtype=tl.float32)
-            si = tl.zeros([1, HALF], dtype=tl.float32)
-            sc = tl.cast(1.0, tl.float32)
-            if MODE == 1:
-                co = tl.load(cos_ptr + t * HALF + c)[None, :]
-                si = tl.load(sin_ptr + t * HALF + c)[None, :]
-            if MODE == 2:
-                sc = tl.load(scale_ptr + t)
-            p1, p2 = _bwd_rows(x_ptr, go_ptr, dx_ptr, w1, w2, t, h0, stride_t, stride_h, co, si, sc, inv_d, eps,
-                               HEADS, MODE, HALF, HB)
-            a1 += p1
-            a2 += p2
+    # No branch on t < T: the last tile's missing tokens re-read token T - 1 and store nothing, so the loop body
+    # is straight-line and Triton's pipeliner can stage the next tokens' loads (STAGES > 1).
+    for i in tl.range(0, TB, num_stages=STAGES):
+        t_raw = pid_t.to(tl.int64) * TB + i
+        ok = t_raw < T
+        t = tl.minimum(t_raw, T - 1)
+        co = tl.zeros([1, HALF], dtype=tl.float32)
+        si = tl.zeros([1, HALF], dtype=tl.float32)
+        sc = tl.cast(1.0, tl.float32)
+        if MODE == 1:
+            co = tl.load(cos_ptr + t * HALF + c)[None, :]
+            si = tl.load(sin_ptr + t * HALF + c)[None, :]
+        if MODE == 2:
+            sc = tl.load(scale_ptr + t)
+        p1, p2 = _bwd_rows(x_ptr, go_ptr, dx_ptr, w1, w2, t, ok, h0, stride_t, stride_h, co, si, sc, inv_d, eps,
+                           HEADS, MODE, HALF, HB)
+        a1 += p1
+        a2 += p2
     return tl.sum(a1, axis=0), tl.sum(a2, axis=0)
 
 
@@ -229,17 +236,20 @@ class _QKNorm(torch.autograd.Function):
         tiles = triton.cdiv(t, tb)
         dq = torch.empty((t, hq, d), device=q.device, dtype=q.dtype)
         dk = torch.empty((t, hk, d), device=k.device, dtype=k.dtype)
-        dw = torch.empty(tiles, nq + hk // hbk, d, device=q.device, dtype=torch.float32)  # every slot is written
+        nk = hk // hbk
+        dw = torch.empty((nq + nk) * tiles, d, device=q.device, dtype=torch.float32)  # every row is written
         gq = gq.contiguous() if gq is not None else torch.zeros_like(dq)
         gk = gk.contiguous() if gk is not None else torch.zeros_like(dk)
         if t:
-            _bwd_kernel[(tiles, nq + hk // hbk)](
+            _bwd_kernel[(tiles, nq + nk)](
                 q, k, wq, wk, *_optional_inputs(cos, sin, scale, wq), gq, gk, dq, dk, dw, t,
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), 1.0 / d, ctx.eps, HQ=hq, HK=hk, MODE_Q=mode_q,
-                MODE_K=mode_k, HALF=d // 2, HBQ=hbq, HBK=hbk, TB=tb, num_warps=int(TUNING["bwd_warps"]))
-        dw = dw.sum(0)
-        return (dq, dk, dw[:nq].sum(0).to(wq.dtype), dw[nq:].sum(0).to(wk.dtype), None, None, None, None, None,
-                None)
+                MODE_K=mode_k, HALF=d // 2, HBQ=hbq, HBK=hbk, TB=tb, STAGES=int(TUNING["bwd_stages"]),
+                num_warps=int(TUNING["bwd_warps"]))
+        same = wq.dtype == wk.dtype
+        sums = sum_partials(dw, (nq * tiles, nk * tiles), wq.dtype if same else torch.float32,
+                            TUNING["bwd_finish"])
+        return dq, dk, sums[0].to(wq.dtype), sums[1].to(wk.dtype), None, None, None, None, None, None
 
 
 def _qk_norm_pair(q, k, q_weight, k_weight, eps, mode_q, mode_k, cos=None, sin=None, scale=None):

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from beamrl.kernels._triton_utils import LAUNCH_OPTIONS, kernel_flags, mul_rn, num_programs_for_reduction, rne_bf16
+from beamrl.kernels.partial_sums import sum_partials
 
 
 @triton.jit
@@ -123,7 +124,7 @@ def _bwd_row_loads(branch_ptr, h_ptr, g_res_ptr, g_pre_ptr, row, T, H, cols, m, 
 def _bwd_kernel(branch_ptr, h_ptr, g_res_ptr, g_pre_ptr, post_w_ptr, pre_w_ptr, rstd_post_ptr, rstd_pre_ptr,
                 d_branch_ptr, d_res_ptr, dw_post_ptr, dw_pre_ptr, T, H, inv_h, s_branch, s_res, rows_per_prog,
                 HAS_PRE_GRAD: tl.constexpr, HAS_RES_GRAD: tl.constexpr, BA: tl.constexpr, BB: tl.constexpr,
-                PREFETCH: tl.constexpr):
+                PREFETCH: tl.constexpr, STAGES: tl.constexpr):
     # Each program walks rows_per_prog rows and keeps its FP32 weight-gradient partials in registers. The row is
     # held as two power-of-two pieces [0, BA) and [BA, BA + BB) (5120 = 4096 + 1024) rather than one
     # next-power-of-two block (8192, 37.5 % masked lanes): that block sat at the register cap with spills
@@ -131,6 +132,8 @@ def _bwd_kernel(branch_ptr, h_ptr, g_res_ptr, g_pre_ptr, post_w_ptr, pre_w_ptr, 
     # two rows of loads are in flight per program. Measured on the H200 (docs/benchmarks.md): one block 0.55 of
     # copy bandwidth, pieces 0.57, pieces + prefetch 0.68; slower and removed: a chunked multi-pass variant with
     # the partials in L2, prefetch on the one block (spills), one combined reduction of four row sums.
+    # STAGES > 1 lets Triton's loop pipeliner stage the next rows' loads in shared memory (cp.async) instead:
+    # more rows in flight than the register file allows (use it with PREFETCH off).
     inv_h = tl.cast(inv_h, tl.float32)
     s_branch = tl.cast(s_branch, tl.float32)
     s_res = tl.cast(s_res, tl.float32)
@@ -155,7 +158,7 @@ def _bwd_kernel(branch_ptr, h_ptr, g_res_ptr, g_pre_ptr, post_w_ptr, pre_w_ptr, 
                                           HAS_RES_GRAD)
     nbb, nhb, nghb, ngpb = _bwd_row_loads(branch_ptr, h_ptr, g_res_ptr, g_pre_ptr, first, T, H, cb, mb, HAS_PRE_GRAD,
                                           HAS_RES_GRAD)
-    for i in range(rows_per_prog):
+    for i in tl.range(0, rows_per_prog, num_stages=STAGES):
         row = first + i
         if PREFETCH:
             ba_, ha_, gha_, gpa_ = nba, nha, ngha, ngpa
@@ -219,7 +222,7 @@ def _split_blocks(h: int) -> tuple[int, int]:
 # sums (the last bits of a few outputs and gradients), never a rounding point; the sweep checks each against the
 # defaults.
 TUNING: dict = {"fwd_one_pass": True, "fwd_chunk": 1024, "fwd_warps": 8, "bwd_warps": 8, "bwd_per_sm": 1,
-                "bwd_prefetch": True}
+                "bwd_prefetch": True, "bwd_stages": 1, "bwd_finish": "triton"}
 
 
 def _fwd_launch(h: int) -> tuple[bool, int, int]:
@@ -260,20 +263,23 @@ class _SandwichResidual(torch.autograd.Function):
         rows_per_prog = triton.cdiv(t, progs)
         d_branch = torch.empty_like(branch)
         d_res = torch.empty_like(branch)
-        dw_post = torch.empty(progs, h, device=branch.device, dtype=torch.float32)
-        dw_pre = torch.empty(progs if has_pre_grad else 0, h, device=branch.device, dtype=torch.float32)
+        n_w = 2 if has_pre_grad else 1
+        dw = torch.empty(n_w * progs, h, device=branch.device, dtype=torch.float32)  # post rows, then pre rows
         g_res_c = g_res.contiguous() if g_res is not None else branch
         g_pre_c = g_pre.contiguous() if has_pre_grad else branch
         ba, bb = _split_blocks(h)
         _bwd_kernel[(progs,)](
             branch, out_res, g_res_c, g_pre_c, post_w, pre_w if has_pre_grad else post_w, rstd_post,
-            rstd_pre if has_pre_grad else rstd_post, d_branch, d_res, dw_post, dw_pre if has_pre_grad else dw_post,
+            rstd_pre if has_pre_grad else rstd_post, d_branch, d_res, dw, dw[progs:] if has_pre_grad else dw,
             t, h, 1.0 / h, s_branch, s_res, rows_per_prog, HAS_PRE_GRAD=has_pre_grad, HAS_RES_GRAD=g_res is not None,
-            BA=ba, BB=bb, PREFETCH=bool(TUNING["bwd_prefetch"]), num_warps=int(TUNING["bwd_warps"]))
-        d_post_w = dw_post.sum(0).to(post_w.dtype)
+            BA=ba, BB=bb, PREFETCH=bool(TUNING["bwd_prefetch"]), STAGES=int(TUNING["bwd_stages"]),
+            num_warps=int(TUNING["bwd_warps"]))
+        same = not has_pre_grad or pre_w.dtype == post_w.dtype
+        sums = sum_partials(dw, (progs,) * n_w, post_w.dtype if same else torch.float32, TUNING["bwd_finish"])
+        d_post_w = sums[0].to(post_w.dtype)
         d_pre_w = None
         if ctx.has_pre:
-            d_pre_w = dw_pre.sum(0).to(pre_w.dtype) if has_pre_grad else torch.zeros_like(pre_w)
+            d_pre_w = sums[1].to(pre_w.dtype) if has_pre_grad else torch.zeros_like(pre_w)
         return d_branch, d_res, d_post_w, d_pre_w, None, None, None
 
 

@@ -81,12 +81,23 @@ def _check_triton(checks, t, hq, hkv, d, device, seed, max_mismatch_frac, pos_of
             assert checks.rel_err(f.grad, e.grad) < 2e-2, op.__name__
 
 
-def test_triton_kernel_tiny(checks, kernel_device):
+@pytest.fixture(params=[(8, 1, "torch"), (4, 3, "triton")], ids=["torch-sums", "staged-bwd"])
+def bwd_layout(request, monkeypatch):
+    """Backward layouts (qk_norm.TUNING "bwd_tokens", "bwd_stages", "bwd_finish"). The tiny test's 5 tokens
+    leave a partial last token tile in both (the staged loop re-reads the last token and must store nothing)."""
+    from beamrl.kernels import qk_norm
+
+    for key, value in zip(("bwd_tokens", "bwd_stages", "bwd_finish"), request.param):
+        monkeypatch.setitem(qk_norm.TUNING, key, value)
+    return request.param
+
+
+def test_triton_kernel_tiny(checks, kernel_device, bwd_layout):
     _check_triton(checks, 5, 6, 2, 16, kernel_device, seed=2, max_mismatch_frac=0.05, pos_offset=1000)
 
 
 @CUDA
-def test_triton_kernel_real_width(checks):
+def test_triton_kernel_real_width(checks, bwd_layout):
     _check_triton(checks, 2048, 48, 8, 128, torch.device("cuda"), seed=3, max_mismatch_frac=1e-4, pos_offset=5000)
 
 

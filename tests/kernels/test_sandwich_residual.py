@@ -74,12 +74,14 @@ def _check_triton(checks, t, h, device, seed, max_mismatch_frac):
     checks.assert_near_bit_equal(h_f, eager[0], max_mismatch_frac)
 
 
-@pytest.fixture(params=[(False, False), (True, True)], ids=["chunked-fwd/bwd", "one-pass-fwd/prefetch-bwd"])
+@pytest.fixture(params=[(False, False, 1, "torch"), (True, True, 1, "triton"), (True, False, 3, "triton")],
+                ids=["chunked-fwd/bwd", "one-pass-fwd/prefetch-bwd", "one-pass-fwd/staged-bwd"])
 def forward_layout(request, monkeypatch):
-    """Each layout of the kernels (sandwich_residual.TUNING "fwd_one_pass" and "bwd_prefetch")."""
+    """Each layout of the kernels (sandwich_residual.TUNING "fwd_one_pass", "bwd_prefetch", "bwd_stages" and
+    how the weight-gradient partials are summed, "bwd_finish")."""
     from beamrl.kernels import sandwich_residual
 
-    for key, value in zip(("fwd_one_pass", "bwd_prefetch"), request.param):
+    for key, value in zip(("fwd_one_pass", "bwd_prefetch", "bwd_stages", "bwd_finish"), request.param):
         monkeypatch.setitem(sandwich_residual.TUNING, key, value)
     return request.param
 

@@ -1,0 +1,39 @@
+"""partial_sums.sum_partials: column sums of one or two row segments, cast, in one launch (interpreter or CUDA)."""
+
+import pytest
+import torch
+
+from beamrl.kernels import partial_sums
+from beamrl.kernels.partial_sums import sum_partials
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("rows,n,total", [((37,), 300, 37), ((5, 19), 70, 30), ((0, 3), 16, 3)])
+def test_segment_sums_match_float64(kernel_device, backend, rows, n, total, monkeypatch):
+    # several row tiles, a partial last row tile and column block, an empty segment, rows beyond the segments
+    monkeypatch.setitem(partial_sums.TUNING, "cols", 64)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(total + 2, n, generator=g)
+    out = sum_partials(x.to(kernel_device), rows, torch.float32, backend).cpu()
+    assert out.shape == (len(rows), n)
+    start = 0
+    for i, r in enumerate(rows):
+        ref = x[start:start + r].double().sum(0)
+        torch.testing.assert_close(out[i].double(), ref, rtol=1e-6, atol=1e-5)
+        start += r
+
+
+def test_cast_rounds_the_fp32_sum_once(kernel_device):
+    x = torch.full((4, 8), 1.0 + 2.0 ** -10)  # sum 4 + 2^-8: not a bf16 value; rounds to 4
+    out = sum_partials(x.to(kernel_device), (4,), torch.bfloat16).cpu()
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out[0], (x.sum(0)).to(torch.bfloat16))
+
+
+def test_bad_input_is_refused():
+    with pytest.raises(ValueError, match="FP32"):
+        sum_partials(torch.zeros(2, 3, dtype=torch.float64), (2,), torch.float32)
+    with pytest.raises(ValueError, match="segment"):
+        sum_partials(torch.zeros(2, 3), (2, 1), torch.float32)
+    with pytest.raises(ValueError, match="backend"):
+        sum_partials(torch.zeros(2, 3), (2,), torch.float32, backend="numpy")
