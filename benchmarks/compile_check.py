@@ -90,7 +90,7 @@ def _cases():
     yield ("moe_combine bwd", moe_combine._bwd_kernel,
            {"y_ptr": BF, "pos_ptr": "*i64", "w_ptr": F32, "g_ptr": BF, "dy_ptr": BF, "dw_ptr": F32, "scaling": "fp32"},
            {"K": 8, "BLOCK": 8192}, 16, True)
-    yield ("partial sums", partial_sums._sum_kernel, {"src_ptr": F32, "out_ptr": BF}, {"ROWS": 16, "COLS": 256}, 4,
+    yield ("partial sums", partial_sums._sum_kernel, {"src_ptr": F32, "out_ptr": BF}, {"ROWS": 32, "COLS": 32, "STAGES": 3}, 4,
            True)
     yield ("router top-k", router_topk._topk_kernel,
            {"z_ptr": F32, "bias_ptr": F32, "w_ptr": F32, "id_ptr": "*i64", "eps": "fp32"},

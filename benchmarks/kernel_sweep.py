@@ -79,7 +79,7 @@ def _cases(t, h, hq, hkv, d, inter):
                n_grad=4, fwd_bytes=4 * act, bwd_bytes=6 * act, reorders={"fwd_one_pass", "fwd_chunk", "fwd_warps"},
                fwd=fwd_one + fwd_chunk[4:6],
                bwd=(_grid(bwd_prefetch=[True], bwd_stages=[1], bwd_warps=[8], bwd_finish=["torch", "triton"])
-                    + _grid(bwd_prefetch=[False], bwd_stages=[2, 3, 4], bwd_warps=[8, 16], bwd_finish=["triton"])))
+                    + _grid(bwd_prefetch=[False], bwd_stages=[3], bwd_warps=[8], bwd_finish=["torch", "triton"])))
     pos = torch.arange(t, device=DEV)
     cos, sin = numerics.rope_cos_sin(pos, d, 10000.0)
     ssmax = numerics.ssmax_scale(pos)
@@ -90,8 +90,8 @@ def _cases(t, h, hq, hkv, d, inter):
         return [qk[:, :hq * d].view(t, hq, d), qk[:, hq * d:].view(t, hkv, d), rnd(d), rnd(d)]
 
     qk_fwd = _grid(fwd_tokens=[1], fwd_warps=[4])
-    qk_bwd = (_grid(bwd_tokens=[8], bwd_stages=[1], bwd_warps=[4], bwd_finish=["torch"])
-              + _grid(bwd_tokens=[8, 16, 32], bwd_stages=[1, 2, 3], bwd_warps=[4, 8], bwd_finish=["triton"]))
+    qk_bwd = (_grid(bwd_tokens=[8, 32], bwd_stages=[1, 3], bwd_warps=[4], bwd_finish=["torch"])
+              + _grid(bwd_tokens=[8, 16, 32, 64], bwd_stages=[1, 3, 4], bwd_warps=[4], bwd_finish=["triton"]))
     yield dict(name="qk_norm_rope", module=qk_norm, inputs=qk_inputs,
                run=lambda x: ops.qk_norm_rope(x[0], x[1], x[2], x[3], cos, sin, 1e-6, backend="triton"), n_grad=4,
                fwd_bytes=2 * qk_bytes + t * d * 4, bwd_bytes=3 * qk_bytes + t * d * 4, reorders=set(),

@@ -15,7 +15,8 @@ import triton.language as tl
 
 
 @triton.jit
-def _sum_kernel(src_ptr, out_ptr, N, rows_0, rows_1, ROWS: tl.constexpr, COLS: tl.constexpr):
+def _sum_kernel(src_ptr, out_ptr, N, rows_0, rows_1, ROWS: tl.constexpr, COLS: tl.constexpr,
+                STAGES: tl.constexpr):
     seg = tl.program_id(0)
     cols = tl.program_id(1) * COLS + tl.arange(0, COLS)
     cm = cols < N
@@ -23,15 +24,17 @@ def _sum_kernel(src_ptr, out_ptr, N, rows_0, rows_1, ROWS: tl.constexpr, COLS: t
     count = tl.where(seg == 0, rows_0, rows_1)
     acc = tl.zeros([ROWS, COLS], dtype=tl.float32)
     r = tl.arange(0, ROWS)
-    for r0 in range(0, count, ROWS):
+    for r0 in tl.range(0, count, ROWS, num_stages=STAGES):  # tall segments (q/k: ~10^3 rows): loads in flight
         rows = r0 + r
         m = (rows < count)[:, None] & cm[None, :]
         acc += tl.load(src_ptr + (start + rows).to(tl.int64)[:, None] * N + cols[None, :], mask=m, other=0.0)
     tl.store(out_ptr + seg * N + cols, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty), mask=cm)
 
 
-# Launch shape (benchmarks/kernel_sweep.py times the kernels that call this; it changes only the FP32 sum order).
-TUNING: dict = {"rows": 16, "cols": 256, "warps": 4}
+# Launch shape; it changes only the FP32 sum order. Narrow column blocks give a tall, thin segment (q/k norm
+# partials: [~10^3, 128]) several programs; one 128-wide program per segment took ~20 us more per q/k backward
+# on the H200 than torch's sums (docs/benchmarks.md).
+TUNING: dict = {"rows": 32, "cols": 32, "warps": 4, "stages": 3}
 
 
 def sum_partials(partials: torch.Tensor, rows: tuple[int, ...], dtype: torch.dtype,
@@ -55,5 +58,6 @@ def sum_partials(partials: torch.Tensor, rows: tuple[int, ...], dtype: torch.dty
         return out
     cols = min(int(TUNING["cols"]), triton.next_power_of_2(n))
     _sum_kernel[(len(rows), triton.cdiv(n, cols))](partials, out, n, rows[0], rows[1] if len(rows) > 1 else 0,
-                                                   ROWS=int(TUNING["rows"]), COLS=cols, num_warps=int(TUNING["warps"]))
+                                                   ROWS=int(TUNING["rows"]), COLS=cols, STAGES=int(TUNING["stages"]),
+                                                   num_warps=int(TUNING["warps"]))
     return out

@@ -222,7 +222,7 @@ def _split_blocks(h: int) -> tuple[int, int]:
 # sums (the last bits of a few outputs and gradients), never a rounding point; the sweep checks each against the
 # defaults.
 TUNING: dict = {"fwd_one_pass": True, "fwd_chunk": 1024, "fwd_warps": 8, "bwd_warps": 8, "bwd_per_sm": 1,
-                "bwd_prefetch": True, "bwd_stages": 1, "bwd_finish": "triton"}
+                "bwd_prefetch": False, "bwd_stages": 3, "bwd_finish": "triton"}
 
 
 def _fwd_launch(h: int) -> tuple[bool, int, int]:
