@@ -26,8 +26,19 @@ MODE_NORM, MODE_ROPE, MODE_SSMAX = 0, 1, 2
 # Launch tuning (benchmarks/kernel_sweep.py times the choices on a GPU). A choice can change the order of FP32
 # sums (the last bits of a few outputs and gradients), never a rounding point; the sweep checks each against the
 # defaults.
-TUNING: dict = {"fwd_tokens": 1, "fwd_warps": 4, "bwd_tokens": 8, "bwd_warps": 4, "bwd_heads": 16, "bwd_stages": 1,
+TUNING: dict = {"fwd_tokens": 1, "fwd_warps": 4, "bwd_tokens": 64, "bwd_warps": 4, "bwd_heads": 16, "bwd_stages": 3,
                 "bwd_finish": "triton"}
+
+
+def _bwd_token_tile(tokens: int, blocks: int, device: torch.device) -> int:
+    """TUNING's token tile, halved (not below 8) while the grid would give an SM fewer than 3 programs: short
+    micro-batches keep the GPU full, long ones keep few weight-gradient partials."""
+    tb = int(TUNING["bwd_tokens"])
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        while tb > 8 and triton.cdiv(tokens, tb) * blocks < 3 * sms:
+            tb //= 2
+    return tb
 
 
 @triton.jit
@@ -232,11 +243,11 @@ class _QKNorm(torch.autograd.Function):
         cap = int(TUNING["bwd_heads"])
         hbq, hbk = _heads_per_block(hq, cap), _heads_per_block(hk, cap)
         nq = hq // hbq
-        tb = int(TUNING["bwd_tokens"])
+        nk = hk // hbk
+        tb = _bwd_token_tile(t, nq + nk, q.device)
         tiles = triton.cdiv(t, tb)
         dq = torch.empty((t, hq, d), device=q.device, dtype=q.dtype)
         dk = torch.empty((t, hk, d), device=k.device, dtype=k.dtype)
-        nk = hk // hbk
         dw = torch.empty((nq + nk) * tiles, d, device=q.device, dtype=torch.float32)  # every row is written
         gq = gq.contiguous() if gq is not None else torch.zeros_like(dq)
         gk = gk.contiguous() if gk is not None else torch.zeros_like(dk)

@@ -81,10 +81,11 @@ def _check_triton(checks, t, hq, hkv, d, device, seed, max_mismatch_frac, pos_of
             assert checks.rel_err(f.grad, e.grad) < 2e-2, op.__name__
 
 
-@pytest.fixture(params=[(8, 1, "torch"), (4, 3, "triton")], ids=["torch-sums", "staged-bwd"])
+@pytest.fixture(params=[(8, 1, "torch"), (4, 3, "triton"), (64, 3, "triton")],
+                ids=["torch-sums", "staged-bwd", "staged-bwd-long-tiles"])
 def bwd_layout(request, monkeypatch):
     """Backward layouts (qk_norm.TUNING "bwd_tokens", "bwd_stages", "bwd_finish"). The tiny test's 5 tokens
-    leave a partial last token tile in both (the staged loop re-reads the last token and must store nothing)."""
+    leave a partial last token tile in each (the staged loop re-reads the last token and must store nothing)."""
     from beamrl.kernels import qk_norm
 
     for key, value in zip(("bwd_tokens", "bwd_stages", "bwd_finish"), request.param):
@@ -115,3 +116,18 @@ def test_mixed_q_k_dtypes_are_refused():
     q, k, qw, kw, cos, sin, _ = _inputs(3, 2, 1, 8, torch.bfloat16, "cpu")
     with pytest.raises(ValueError, match="same dtype"):
         fused_qk_norm_rope(q, k.float(), qw, kw, cos, sin, EPS)
+
+
+def test_backward_token_tile_keeps_every_sm_busy(monkeypatch):
+    # The tile shrinks (not below 8) until the grid gives each SM at least 3 programs (H200: 132 SMs).
+    from types import SimpleNamespace
+
+    from beamrl.kernels import qk_norm
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _: SimpleNamespace(multi_processor_count=132))
+    monkeypatch.setitem(qk_norm.TUNING, "bwd_tokens", 64)
+    cuda = torch.device("cuda")
+    assert qk_norm._bwd_token_tile(8192, 4, cuda) == 64  # 512 programs >= 396
+    assert qk_norm._bwd_token_tile(4096, 4, cuda) == 32
+    assert qk_norm._bwd_token_tile(100, 4, cuda) == 8
+    assert qk_norm._bwd_token_tile(100, 4, torch.device("cpu")) == 64  # the interpreter: TUNING as set
