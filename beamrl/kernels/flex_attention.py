@@ -23,7 +23,10 @@ _COMPILED = {}
 
 
 def _flex_fn(device: torch.device):
-    if device.type != "cuda":
+    # Inside an outer torch.compile the plain function is traced into that graph and compiled with it. Building
+    # the compiled wrapper there instead (a side effect during tracing) left a wrapper that later ran FlexAttention
+    # uncompiled outside the graph: 300 ms instead of ~50 ms per Beam layer on the H200 (docs/benchmarks.md).
+    if device.type != "cuda" or torch.compiler.is_compiling():
         return flex_attention
     if "cuda" not in _COMPILED:
         _COMPILED["cuda"] = torch.compile(flex_attention, dynamic=False)

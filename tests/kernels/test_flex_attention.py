@@ -67,3 +67,18 @@ def test_flex_forward_backward_cuda(checks, window):
     of.backward(go)
     for a, b in zip(le, lf):
         assert checks.rel_err(b.grad, a.grad) < 2e-2
+
+
+def test_the_compiled_wrapper_is_never_built_while_tracing(monkeypatch):
+    # Under an outer torch.compile the plain function is returned (and traced into that graph); the compiled
+    # wrapper is only built, once, outside any trace. Built during tracing, it later ran uncompiled (H200: 6x slower).
+    from beamrl.kernels import flex_attention as fa
+
+    monkeypatch.setattr(fa, "_COMPILED", {})
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert fa._flex_fn(torch.device("cuda")) is fa.flex_attention
+    assert fa._COMPILED == {}
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
+    built = fa._flex_fn(torch.device("cuda"))
+    assert built is not fa.flex_attention and fa._flex_fn(torch.device("cuda")) is built
+    assert fa._flex_fn(torch.device("cpu")) is fa.flex_attention
