@@ -80,5 +80,6 @@ def test_the_compiled_wrapper_is_never_built_while_tracing(monkeypatch):
     assert fa._COMPILED == {}
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
     built = fa._flex_fn(torch.device("cuda"))
-    assert built is not fa.flex_attention and fa._flex_fn(torch.device("cuda")) is built
+    assert list(fa._COMPILED) == ["cuda"] and built is fa._COMPILED["cuda"]
+    assert fa._flex_fn(torch.device("cuda")) is built
     assert fa._flex_fn(torch.device("cpu")) is fa.flex_attention
