@@ -4,7 +4,7 @@
 
 o, g: [T, H, D] (any token/head strides, unit last stride); bias: [H]. One program per (tokens, block of heads)
 reads o and g once and writes y once. The backward pass recomputes the gate from g and writes d_o, d_g and per-program
-bias-gradient partials (summed by torch). The sigmoid is PyTorch's `1 / (1 + expf(-x))` with libdevice expf
+bias-gradient partials (summed by `partial_sums`). The sigmoid is PyTorch's `1 / (1 + expf(-x))` with libdevice expf
 and an IEEE division, so the BF16 forward equals the eager reference bit for bit.
 """
 

@@ -1,14 +1,15 @@
 """Fused sandwich post-norm -> depth-scaled residual -> next pre-norm (beam-numerics §3.2, §3.8).
 
-One program per token row reads the sublayer output and the residual from DRAM once (re-reads hit L2) and
-writes the new residual and the next sublayer's normed input:
+The forward reads the sublayer output and the residual from DRAM once (re-reads hit L2) and writes the new
+residual and the next sublayer's normed input, one row per program or (TUNING "fwd_stages") a few programs
+per SM walking rows through a pipelined loop:
 
     n  = bf16(fp32(branch) * rstd(branch) * fp32(w_post))
     h' = bf16(bf16(n * s_b) + bf16(h * s_r))          # s_b, s_r FP32 scalars
     p  = bf16(fp32(h') * rstd(h') * fp32(w_pre))
 
-The backward pass (one pass per row, weight gradients as per-program FP32 partials summed by torch) treats
-the roundings as identity, as autograd through the eager reference does. `backward_reference` is the same
+The backward pass (one pass per row, one program per SM walking rows through a pipelined loop, weight
+gradients as per-program FP32 partials summed by `partial_sums`) treats the roundings as identity, as autograd through the eager reference does. `backward_reference` is the same
 math in plain torch, tested against autograd in float64.
 """
 
@@ -101,6 +102,52 @@ def _fwd_kernel(branch_ptr, residual_ptr, post_w_ptr, pre_w_ptr, out_res_ptr, ou
 
 
 @triton.jit
+def _fwd_staged_kernel(branch_ptr, residual_ptr, post_w_ptr, pre_w_ptr, out_res_ptr, out_pre_ptr, rstd_post_ptr,
+                       rstd_pre_ptr, stride_b, stride_r, stride_o, stride_p, T, H, inv_h, eps, s_branch, s_res,
+                       HAS_PRE: tl.constexpr, BA: tl.constexpr, BB: tl.constexpr, STAGES: tl.constexpr,
+                       ROUND_BF16: tl.constexpr, INTERPRET: tl.constexpr):
+    # A few programs per SM walk rows; each holds the norm weights once and the row as two power-of-two pieces
+    # (no masked lanes at 5120 = 4096 + 1024), and the pipelined loop stages the next rows' loads in shared
+    # memory, as the backward kernel does.
+    inv_h = tl.cast(inv_h, tl.float32)
+    eps = tl.cast(eps, tl.float32)
+    s_branch = tl.cast(s_branch, tl.float32)
+    s_res = tl.cast(s_res, tl.float32)
+    ca = tl.arange(0, BA)
+    cb = BA + tl.arange(0, BB)
+    ma = ca < H
+    mb = cb < H
+    wpa = tl.load(post_w_ptr + ca, mask=ma, other=0.0).to(tl.float32)
+    wpb = tl.load(post_w_ptr + cb, mask=mb, other=0.0).to(tl.float32)
+    wqa = tl.zeros([BA], dtype=tl.float32)
+    wqb = tl.zeros([BB], dtype=tl.float32)
+    if HAS_PRE:
+        wqa = tl.load(pre_w_ptr + ca, mask=ma, other=0.0).to(tl.float32)
+        wqb = tl.load(pre_w_ptr + cb, mask=mb, other=0.0).to(tl.float32)
+    for row in tl.range(tl.program_id(0), T, tl.num_programs(0), num_stages=STAGES):
+        r64 = tl.cast(row, tl.int64)  # (an int under the interpreter)
+        ba = tl.load(branch_ptr + r64 * stride_b + ca, mask=ma, other=0.0).to(tl.float32)
+        bb = tl.load(branch_ptr + r64 * stride_b + cb, mask=mb, other=0.0).to(tl.float32)
+        ra = tl.load(residual_ptr + r64 * stride_r + ca, mask=ma, other=0.0).to(tl.float32)
+        rb = tl.load(residual_ptr + r64 * stride_r + cb, mask=mb, other=0.0).to(tl.float32)
+        ss = tl.sum(mul_rn(ba, ba, INTERPRET), axis=0) + tl.sum(mul_rn(bb, bb, INTERPRET), axis=0)
+        rstd = tl.math.rsqrt(mul_rn(ss, inv_h, INTERPRET) + eps)
+        tl.store(rstd_post_ptr + r64, rstd)
+        ha = _residual(ba, ra, wpa, rstd, s_branch, s_res, ROUND_BF16)
+        hb = _residual(bb, rb, wpb, rstd, s_branch, s_res, ROUND_BF16)
+        tl.store(out_res_ptr + r64 * stride_o + ca, ha.to(out_res_ptr.dtype.element_ty), mask=ma)
+        tl.store(out_res_ptr + r64 * stride_o + cb, hb.to(out_res_ptr.dtype.element_ty), mask=mb)
+        if HAS_PRE:
+            ss2 = tl.sum(mul_rn(ha, ha, INTERPRET), axis=0) + tl.sum(mul_rn(hb, hb, INTERPRET), axis=0)
+            rstd2 = tl.math.rsqrt(mul_rn(ss2, inv_h, INTERPRET) + eps)
+            tl.store(rstd_pre_ptr + r64, rstd2)
+            pa = rne_bf16(ha * rstd2 * wqa, ROUND_BF16)
+            pb = rne_bf16(hb * rstd2 * wqb, ROUND_BF16)
+            tl.store(out_pre_ptr + r64 * stride_p + ca, pa.to(out_pre_ptr.dtype.element_ty), mask=ma)
+            tl.store(out_pre_ptr + r64 * stride_p + cb, pb.to(out_pre_ptr.dtype.element_ty), mask=mb)
+
+
+@triton.jit
 def _bwd_row_loads(branch_ptr, h_ptr, g_res_ptr, g_pre_ptr, row, T, H, cols, m, HAS_PRE_GRAD: tl.constexpr,
                    HAS_RES_GRAD: tl.constexpr):
     """One row's backward inputs in their storage dtype (branch, h', grad of h', grad of the pre-norm output)."""
@@ -124,16 +171,15 @@ def _bwd_row_loads(branch_ptr, h_ptr, g_res_ptr, g_pre_ptr, row, T, H, cols, m, 
 def _bwd_kernel(branch_ptr, h_ptr, g_res_ptr, g_pre_ptr, post_w_ptr, pre_w_ptr, rstd_post_ptr, rstd_pre_ptr,
                 d_branch_ptr, d_res_ptr, dw_post_ptr, dw_pre_ptr, T, H, inv_h, s_branch, s_res, rows_per_prog,
                 HAS_PRE_GRAD: tl.constexpr, HAS_RES_GRAD: tl.constexpr, BA: tl.constexpr, BB: tl.constexpr,
-                PREFETCH: tl.constexpr, STAGES: tl.constexpr):
+                STAGES: tl.constexpr):
     # Each program walks rows_per_prog rows and keeps its FP32 weight-gradient partials in registers. The row is
     # held as two power-of-two pieces [0, BA) and [BA, BA + BB) (5120 = 4096 + 1024) rather than one
-    # next-power-of-two block (8192, 37.5 % masked lanes): that block sat at the register cap with spills
-    # (ptxas), these pieces leave room for PREFETCH, the next row's loads issued before this row's math, so
-    # two rows of loads are in flight per program. Measured on the H200 (docs/benchmarks.md): one block 0.55 of
-    # copy bandwidth, pieces 0.57, pieces + prefetch 0.68; slower and removed: a chunked multi-pass variant with
-    # the partials in L2, prefetch on the one block (spills), one combined reduction of four row sums.
-    # STAGES > 1 lets Triton's loop pipeliner stage the next rows' loads in shared memory (cp.async) instead:
-    # more rows in flight than the register file allows (use it with PREFETCH off).
+    # next-power-of-two block (8192, 37.5 % masked lanes, which sat at the register cap with spills), and the
+    # pipelined loop (STAGES) stages the next rows' loads in shared memory (cp.async): more rows in flight than
+    # the register file allows. Measured on the H200 (docs/benchmarks.md), fraction of copy bandwidth: one block
+    # 0.55, pieces 0.57, pieces + the next row's loads issued by hand 0.68-0.73, pieces + 3 stages 0.88. Slower
+    # and removed: a chunked multi-pass variant with the partials in L2, one combined reduction of four row sums,
+    # the hand-written prefetch.
     inv_h = tl.cast(inv_h, tl.float32)
     s_branch = tl.cast(s_branch, tl.float32)
     s_res = tl.cast(s_res, tl.float32)
@@ -154,25 +200,12 @@ def _bwd_kernel(branch_ptr, h_ptr, g_res_ptr, g_pre_ptr, post_w_ptr, pre_w_ptr, 
     aqa = tl.zeros([BA], dtype=tl.float32)
     aqb = tl.zeros([BB], dtype=tl.float32)
     first = pid.to(tl.int64) * rows_per_prog
-    nba, nha, ngha, ngpa = _bwd_row_loads(branch_ptr, h_ptr, g_res_ptr, g_pre_ptr, first, T, H, ca, ma, HAS_PRE_GRAD,
-                                          HAS_RES_GRAD)
-    nbb, nhb, nghb, ngpb = _bwd_row_loads(branch_ptr, h_ptr, g_res_ptr, g_pre_ptr, first, T, H, cb, mb, HAS_PRE_GRAD,
-                                          HAS_RES_GRAD)
     for i in tl.range(0, rows_per_prog, num_stages=STAGES):
         row = first + i
-        if PREFETCH:
-            ba_, ha_, gha_, gpa_ = nba, nha, ngha, ngpa
-            bb_, hb_, ghb_, gpb_ = nbb, nhb, nghb, ngpb
-            more = i + 1 < rows_per_prog
-            nba, nha, ngha, ngpa = _bwd_row_loads(branch_ptr, h_ptr, g_res_ptr, g_pre_ptr, row + 1, T, H, ca,
-                                                  ma & more, HAS_PRE_GRAD, HAS_RES_GRAD)
-            nbb, nhb, nghb, ngpb = _bwd_row_loads(branch_ptr, h_ptr, g_res_ptr, g_pre_ptr, row + 1, T, H, cb,
-                                                  mb & more, HAS_PRE_GRAD, HAS_RES_GRAD)
-        else:
-            ba_, ha_, gha_, gpa_ = _bwd_row_loads(branch_ptr, h_ptr, g_res_ptr, g_pre_ptr, row, T, H, ca, ma,
-                                                  HAS_PRE_GRAD, HAS_RES_GRAD)
-            bb_, hb_, ghb_, gpb_ = _bwd_row_loads(branch_ptr, h_ptr, g_res_ptr, g_pre_ptr, row, T, H, cb, mb,
-                                                  HAS_PRE_GRAD, HAS_RES_GRAD)
+        ba_, ha_, gha_, gpa_ = _bwd_row_loads(branch_ptr, h_ptr, g_res_ptr, g_pre_ptr, row, T, H, ca, ma,
+                                              HAS_PRE_GRAD, HAS_RES_GRAD)
+        bb_, hb_, ghb_, gpb_ = _bwd_row_loads(branch_ptr, h_ptr, g_res_ptr, g_pre_ptr, row, T, H, cb, mb,
+                                              HAS_PRE_GRAD, HAS_RES_GRAD)
         gha = gha_.to(tl.float32)
         ghb = ghb_.to(tl.float32)
         if HAS_PRE_GRAD:
@@ -221,8 +254,8 @@ def _split_blocks(h: int) -> tuple[int, int]:
 # Launch tuning (benchmarks/kernel_sweep.py times the choices on a GPU). A choice can change the order of FP32
 # sums (the last bits of a few outputs and gradients), never a rounding point; the sweep checks each against the
 # defaults.
-TUNING: dict = {"fwd_one_pass": True, "fwd_chunk": 1024, "fwd_warps": 8, "bwd_warps": 8, "bwd_per_sm": 1,
-                "bwd_prefetch": False, "bwd_stages": 3, "bwd_finish": "triton"}
+TUNING: dict = {"fwd_one_pass": True, "fwd_chunk": 1024, "fwd_warps": 8, "fwd_stages": 0, "fwd_per_sm": 2,
+                "bwd_warps": 8, "bwd_per_sm": 1, "bwd_stages": 3, "bwd_finish": "triton"}
 
 
 def _fwd_launch(h: int) -> tuple[bool, int, int]:
@@ -241,11 +274,18 @@ class _SandwichResidual(torch.autograd.Function):
         rstd_post = torch.empty(t, device=branch.device, dtype=torch.float32)
         rstd_pre = torch.empty(t if has_pre else 0, device=branch.device, dtype=torch.float32)
         one_pass, chunk, warps = _fwd_launch(h)
-        _fwd_kernel[(t,)](branch, residual, post_w, pre_w if has_pre else post_w, out_res, out_pre, rstd_post,
-                          rstd_pre, branch.stride(0), residual.stride(0), out_res.stride(0),
-                          out_pre.stride(0) if has_pre else 0, h, 1.0 / h, eps, s_branch, s_res,
-                          HAS_PRE=has_pre, CHUNK=chunk, ONE_PASS=one_pass, num_warps=warps,
-                          **kernel_flags(branch.dtype), **LAUNCH_OPTIONS)
+        args = (branch, residual, post_w, pre_w if has_pre else post_w, out_res, out_pre, rstd_post, rstd_pre,
+                branch.stride(0), residual.stride(0), out_res.stride(0), out_pre.stride(0) if has_pre else 0)
+        stages = int(TUNING["fwd_stages"])
+        if stages and t:
+            ba, bb = _split_blocks(h)
+            progs = num_programs_for_reduction(branch.device, t, int(TUNING["fwd_per_sm"]))
+            _fwd_staged_kernel[(progs,)](*args, t, h, 1.0 / h, eps, s_branch, s_res, HAS_PRE=has_pre, BA=ba, BB=bb,
+                                         STAGES=stages, num_warps=warps, **kernel_flags(branch.dtype),
+                                         **LAUNCH_OPTIONS)
+        elif t:
+            _fwd_kernel[(t,)](*args, h, 1.0 / h, eps, s_branch, s_res, HAS_PRE=has_pre, CHUNK=chunk,
+                              ONE_PASS=one_pass, num_warps=warps, **kernel_flags(branch.dtype), **LAUNCH_OPTIONS)
         ctx.save_for_backward(branch, out_res, post_w, pre_w if has_pre else None, rstd_post, rstd_pre)
         ctx.scalars = (s_branch, s_res)
         ctx.has_pre = has_pre
@@ -272,7 +312,7 @@ class _SandwichResidual(torch.autograd.Function):
             branch, out_res, g_res_c, g_pre_c, post_w, pre_w if has_pre_grad else post_w, rstd_post,
             rstd_pre if has_pre_grad else rstd_post, d_branch, d_res, dw, dw[progs:] if has_pre_grad else dw,
             t, h, 1.0 / h, s_branch, s_res, rows_per_prog, HAS_PRE_GRAD=has_pre_grad, HAS_RES_GRAD=g_res is not None,
-            BA=ba, BB=bb, PREFETCH=bool(TUNING["bwd_prefetch"]), STAGES=int(TUNING["bwd_stages"]),
+            BA=ba, BB=bb, STAGES=int(TUNING["bwd_stages"]),
             num_warps=int(TUNING["bwd_warps"]))
         same = not has_pre_grad or pre_w.dtype == post_w.dtype
         sums = sum_partials(dw, (progs,) * n_w, post_w.dtype if same else torch.float32, TUNING["bwd_finish"])

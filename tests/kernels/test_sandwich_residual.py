@@ -74,14 +74,14 @@ def _check_triton(checks, t, h, device, seed, max_mismatch_frac):
     checks.assert_near_bit_equal(h_f, eager[0], max_mismatch_frac)
 
 
-@pytest.fixture(params=[(False, False, 1, "torch"), (True, True, 1, "triton"), (True, False, 3, "triton")],
-                ids=["chunked-fwd/bwd", "one-pass-fwd/prefetch-bwd", "one-pass-fwd/staged-bwd"])
+@pytest.fixture(params=[(False, 0, 1, "torch"), (True, 0, 3, "triton"), (True, 3, 3, "triton")],
+                ids=["chunked-fwd/plain-bwd", "one-pass-fwd/staged-bwd", "staged-fwd/bwd"])
 def forward_layout(request, monkeypatch):
-    """Each layout of the kernels (sandwich_residual.TUNING "fwd_one_pass", "bwd_prefetch", "bwd_stages" and
-    how the weight-gradient partials are summed, "bwd_finish")."""
+    """Each layout of the kernels (sandwich_residual.TUNING "fwd_one_pass", "fwd_stages", "bwd_stages" and how
+    the weight-gradient partials are summed, "bwd_finish")."""
     from beamrl.kernels import sandwich_residual
 
-    for key, value in zip(("fwd_one_pass", "bwd_prefetch", "bwd_stages", "bwd_finish"), request.param):
+    for key, value in zip(("fwd_one_pass", "fwd_stages", "bwd_stages", "bwd_finish"), request.param):
         monkeypatch.setitem(sandwich_residual.TUNING, key, value)
     return request.param
 
