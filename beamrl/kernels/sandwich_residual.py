@@ -254,7 +254,7 @@ def _split_blocks(h: int) -> tuple[int, int]:
 # Launch tuning (benchmarks/kernel_sweep.py times the choices on a GPU). A choice can change the order of FP32
 # sums (the last bits of a few outputs and gradients), never a rounding point; the sweep checks each against the
 # defaults.
-TUNING: dict = {"fwd_one_pass": True, "fwd_chunk": 1024, "fwd_warps": 8, "fwd_stages": 0, "fwd_per_sm": 2,
+TUNING: dict = {"fwd_one_pass": True, "fwd_chunk": 1024, "fwd_warps": 16, "fwd_stages": 3, "fwd_per_sm": 4,
                 "bwd_warps": 8, "bwd_per_sm": 1, "bwd_stages": 3, "bwd_finish": "triton"}
 
 

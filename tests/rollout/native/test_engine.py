@@ -220,7 +220,7 @@ _SENDER = textwrap.dedent("""
     from beamrl.sync.update_group import init_update_group, broadcast_from_rank0, destroy_update_group
     port = int(sys.argv[1])
     sd = random_state_dict(preset("tiny"), seed=6, dtype=torch.float32)
-    pg = init_update_group("gloo", "127.0.0.1", port, 2, 0, "native-test", 60.0)
+    pg = init_update_group("gloo", "127.0.0.1", port, 2, 0, "native-test", 180.0)
     names = list(sd)
     for i in range(0, len(names), 200):
         broadcast_from_rank0(pg, FlatBucket.from_named_tensors(aligned_order([(n, sd[n]) for n in names[i:i + 200]])).buffer)
@@ -228,20 +228,25 @@ _SENDER = textwrap.dedent("""
 """)
 
 
+# The sender is a fresh interpreter that imports torch and beamrl before it opens the rendezvous: on a loaded
+# 2-core CI machine that alone has taken most of a minute, so the group gets 3 minutes (a 60 s timeout flaked).
+_GROUP_TIMEOUT_S = 180.0
+
+
 def test_update_weights_from_distributed_gloo(engine, cfg):
     port = free_port()
     sender = subprocess.Popen([sys.executable, "-c", _SENDER, str(port)])
     try:
-        engine.init_weights_update_group("127.0.0.1", port, 1, 2, "native-test", "gloo", 60.0)
+        engine.init_weights_update_group("127.0.0.1", port, 1, 2, "native-test", "gloo", _GROUP_TIMEOUT_S)
         new = random_state_dict(cfg, seed=6, dtype=torch.float32)
         names = list(new)
         engine.begin_weight_update(T_OUT)
         for i in range(0, len(names), 200):
             b = _bucket(new, names[i:i + 200])
-            engine.update_weights_from_distributed(b.names, b.dtypes, b.shapes, "native-test", 60.0)
+            engine.update_weights_from_distributed(b.names, b.dtypes, b.shapes, "native-test", _GROUP_TIMEOUT_S)
         engine.end_weight_update(2, T_OUT)
         engine.destroy_weights_update_group("native-test", T_OUT)
-        assert sender.wait(60) == 0
+        assert sender.wait(_GROUP_TIMEOUT_S) == 0
     finally:
         if sender.poll() is None:
             sender.kill()
