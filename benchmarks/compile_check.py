@@ -25,6 +25,18 @@ from beamrl.kernels import moe_combine, output_gate, partial_sums, qk_norm, rout
 BF = "*bf16"
 F32 = "*fp32"
 
+# Argument types of the kernels compiled more than once below.
+SANDWICH_FWD = {"branch_ptr": BF, "residual_ptr": BF, "post_w_ptr": BF, "pre_w_ptr": BF, "out_res_ptr": BF,
+                "out_pre_ptr": BF, "rstd_post_ptr": F32, "rstd_pre_ptr": F32, "inv_h": "fp32", "eps": "fp32",
+                "s_branch": "fp32", "s_res": "fp32"}
+SANDWICH_BWD = {"branch_ptr": BF, "h_ptr": BF, "g_res_ptr": BF, "g_pre_ptr": BF, "post_w_ptr": BF, "pre_w_ptr": BF,
+                "rstd_post_ptr": F32, "rstd_pre_ptr": F32, "d_branch_ptr": BF, "d_res_ptr": BF, "dw_post_ptr": F32,
+                "dw_pre_ptr": F32, "inv_h": "fp32", "s_branch": "fp32", "s_res": "fp32"}
+QK_FWD = {"q_ptr": BF, "k_ptr": BF, "wq_ptr": BF, "wk_ptr": BF, "cos_ptr": F32, "sin_ptr": F32, "scale_ptr": F32,
+          "qo_ptr": BF, "ko_ptr": BF, "inv_d": "fp32", "eps": "fp32"}
+QK_BWD = {"q_ptr": BF, "k_ptr": BF, "wq_ptr": BF, "wk_ptr": BF, "cos_ptr": F32, "sin_ptr": F32, "scale_ptr": F32,
+          "gq_ptr": BF, "gk_ptr": BF, "dq_ptr": BF, "dk_ptr": BF, "dw_ptr": F32, "inv_d": "fp32", "eps": "fp32"}
+
 
 def _sig(fn, types, constexprs):
     sig = {}
@@ -35,52 +47,23 @@ def _sig(fn, types, constexprs):
 
 def _cases():
     flags = {"ROUND_BF16": 2, "INTERPRET": False}  # the hardware BF16 cast, as on a GPU
-    yield ("sandwich fwd", sandwich_residual._fwd_kernel,
-           {"branch_ptr": BF, "residual_ptr": BF, "post_w_ptr": BF, "pre_w_ptr": BF, "out_res_ptr": BF,
-            "out_pre_ptr": BF, "rstd_post_ptr": F32, "rstd_pre_ptr": F32, "inv_h": "fp32", "eps": "fp32",
-            "s_branch": "fp32", "s_res": "fp32"}, {"HAS_PRE": True, "CHUNK": 1024, "ONE_PASS": False, **flags}, 4,
-           False)
-    yield ("sandwich fwd, bit-trick rounding", sandwich_residual._fwd_kernel,
-           {"branch_ptr": BF, "residual_ptr": BF, "post_w_ptr": BF, "pre_w_ptr": BF, "out_res_ptr": BF,
-            "out_pre_ptr": BF, "rstd_post_ptr": F32, "rstd_pre_ptr": F32, "inv_h": "fp32", "eps": "fp32",
-            "s_branch": "fp32", "s_res": "fp32"}, {"HAS_PRE": True, "CHUNK": 8192, "ONE_PASS": True, **flags,
-                                                   "ROUND_BF16": 1}, 8, False)
-    yield ("sandwich fwd one pass", sandwich_residual._fwd_kernel,
-           {"branch_ptr": BF, "residual_ptr": BF, "post_w_ptr": BF, "pre_w_ptr": BF, "out_res_ptr": BF,
-            "out_pre_ptr": BF, "rstd_post_ptr": F32, "rstd_pre_ptr": F32, "inv_h": "fp32", "eps": "fp32",
-            "s_branch": "fp32", "s_res": "fp32"}, {"HAS_PRE": True, "CHUNK": 8192, "ONE_PASS": True, **flags}, 16,
-           False)
-    yield ("sandwich fwd staged", sandwich_residual._fwd_staged_kernel,
-           {"branch_ptr": BF, "residual_ptr": BF, "post_w_ptr": BF, "pre_w_ptr": BF, "out_res_ptr": BF,
-            "out_pre_ptr": BF, "rstd_post_ptr": F32, "rstd_pre_ptr": F32, "inv_h": "fp32", "eps": "fp32",
-            "s_branch": "fp32", "s_res": "fp32"}, {"HAS_PRE": True, "BA": 4096, "BB": 1024, "STAGES": 3, **flags}, 8,
-           False)
-    yield ("sandwich bwd", sandwich_residual._bwd_kernel,
-           {"branch_ptr": BF, "h_ptr": BF, "g_res_ptr": BF, "g_pre_ptr": BF, "post_w_ptr": BF, "pre_w_ptr": BF,
-            "rstd_post_ptr": F32, "rstd_pre_ptr": F32, "d_branch_ptr": BF, "d_res_ptr": BF, "dw_post_ptr": F32,
-            "dw_pre_ptr": F32, "inv_h": "fp32", "s_branch": "fp32", "s_res": "fp32"},
-           {"HAS_PRE_GRAD": True, "HAS_RES_GRAD": True, "BA": 4096, "BB": 1024, "STAGES": 1}, 8,
-           True)
-    yield ("sandwich bwd staged", sandwich_residual._bwd_kernel,
-           {"branch_ptr": BF, "h_ptr": BF, "g_res_ptr": BF, "g_pre_ptr": BF, "post_w_ptr": BF, "pre_w_ptr": BF,
-            "rstd_post_ptr": F32, "rstd_pre_ptr": F32, "d_branch_ptr": BF, "d_res_ptr": BF, "dw_post_ptr": F32,
-            "dw_pre_ptr": F32, "inv_h": "fp32", "s_branch": "fp32", "s_res": "fp32"},
-           {"HAS_PRE_GRAD": True, "HAS_RES_GRAD": True, "BA": 4096, "BB": 1024, "STAGES": 3}, 8,
-           True)
+    yield ("sandwich fwd", sandwich_residual._fwd_kernel, SANDWICH_FWD,
+           {"HAS_PRE": True, "CHUNK": 1024, "ONE_PASS": False, **flags}, 4, False)
+    yield ("sandwich fwd, bit-trick rounding", sandwich_residual._fwd_kernel, SANDWICH_FWD,
+           {"HAS_PRE": True, "CHUNK": 8192, "ONE_PASS": True, **flags, "ROUND_BF16": 1}, 8, False)
+    yield ("sandwich fwd one pass", sandwich_residual._fwd_kernel, SANDWICH_FWD,
+           {"HAS_PRE": True, "CHUNK": 8192, "ONE_PASS": True, **flags}, 16, False)
+    yield ("sandwich fwd staged", sandwich_residual._fwd_staged_kernel, SANDWICH_FWD,
+           {"HAS_PRE": True, "BA": 4096, "BB": 1024, "STAGES": 3, **flags}, 16, False)
+    for stages in (1, 3):
+        yield (f"sandwich bwd, {stages} stage(s)", sandwich_residual._bwd_kernel, SANDWICH_BWD,
+               {"HAS_PRE_GRAD": True, "HAS_RES_GRAD": True, "BA": 4096, "BB": 1024, "STAGES": stages}, 8, True)
     for mq, mk in ((qk_norm.MODE_ROPE, qk_norm.MODE_ROPE), (qk_norm.MODE_SSMAX, qk_norm.MODE_NORM)):
         heads = {"HQ": 48, "HK": 8, "MODE_Q": mq, "MODE_K": mk, "HALF": 64, "HBQ": 16, "HBK": 8}
-        yield (f"qk_norm fwd modes {mq}/{mk}", qk_norm._fwd_kernel,
-               {"q_ptr": BF, "k_ptr": BF, "wq_ptr": BF, "wk_ptr": BF, "cos_ptr": F32, "sin_ptr": F32,
-                "scale_ptr": F32, "qo_ptr": BF, "ko_ptr": BF, "inv_d": "fp32", "eps": "fp32"},
-               {**heads, "TB": 2, **flags}, 4, False)
-        yield (f"qk_norm bwd modes {mq}/{mk}", qk_norm._bwd_kernel,
-               {"q_ptr": BF, "k_ptr": BF, "wq_ptr": BF, "wk_ptr": BF, "cos_ptr": F32, "sin_ptr": F32,
-                "scale_ptr": F32, "gq_ptr": BF, "gk_ptr": BF, "dq_ptr": BF, "dk_ptr": BF, "dw_ptr": F32,
-                "inv_d": "fp32", "eps": "fp32"}, {**heads, "TB": 4, "STAGES": 1}, 4, True)
-        yield (f"qk_norm bwd staged {mq}/{mk}", qk_norm._bwd_kernel,
-               {"q_ptr": BF, "k_ptr": BF, "wq_ptr": BF, "wk_ptr": BF, "cos_ptr": F32, "sin_ptr": F32,
-                "scale_ptr": F32, "gq_ptr": BF, "gk_ptr": BF, "dq_ptr": BF, "dk_ptr": BF, "dw_ptr": F32,
-                "inv_d": "fp32", "eps": "fp32"}, {**heads, "TB": 16, "STAGES": 3}, 4, True)
+        yield (f"qk_norm fwd modes {mq}/{mk}", qk_norm._fwd_kernel, QK_FWD, {**heads, "TB": 2, **flags}, 4, False)
+        for tb, stages in ((4, 1), (64, 3)):
+            yield (f"qk_norm bwd modes {mq}/{mk}, {stages} stage(s)", qk_norm._bwd_kernel, QK_BWD,
+                   {**heads, "TB": tb, "STAGES": stages}, 4, True)
     yield ("output_gate fwd", output_gate._fwd_kernel, {"o_ptr": BF, "g_ptr": BF, "b_ptr": BF, "y_ptr": BF},
            {"D": 128, "HB": 16, "TB": 1, **flags}, 4, True)  # FMAs only inside libdevice expf (as CUDA's expf)
     yield ("output_gate bwd", output_gate._bwd_kernel,

@@ -102,6 +102,19 @@ def _fwd_kernel(branch_ptr, residual_ptr, post_w_ptr, pre_w_ptr, out_res_ptr, ou
 
 
 @triton.jit
+def _piece_weights(post_w_ptr, pre_w_ptr, ca, cb, ma, mb, BA: tl.constexpr, BB: tl.constexpr, HAS_PRE: tl.constexpr):
+    """Both norm weights in FP32 as the row's two pieces (the pre-norm's are zeros without one)."""
+    wpa = tl.load(post_w_ptr + ca, mask=ma, other=0.0).to(tl.float32)
+    wpb = tl.load(post_w_ptr + cb, mask=mb, other=0.0).to(tl.float32)
+    wqa = tl.zeros([BA], dtype=tl.float32)
+    wqb = tl.zeros([BB], dtype=tl.float32)
+    if HAS_PRE:
+        wqa = tl.load(pre_w_ptr + ca, mask=ma, other=0.0).to(tl.float32)
+        wqb = tl.load(pre_w_ptr + cb, mask=mb, other=0.0).to(tl.float32)
+    return wpa, wpb, wqa, wqb
+
+
+@triton.jit
 def _fwd_staged_kernel(branch_ptr, residual_ptr, post_w_ptr, pre_w_ptr, out_res_ptr, out_pre_ptr, rstd_post_ptr,
                        rstd_pre_ptr, stride_b, stride_r, stride_o, stride_p, T, H, inv_h, eps, s_branch, s_res,
                        HAS_PRE: tl.constexpr, BA: tl.constexpr, BB: tl.constexpr, STAGES: tl.constexpr,
@@ -117,13 +130,7 @@ def _fwd_staged_kernel(branch_ptr, residual_ptr, post_w_ptr, pre_w_ptr, out_res_
     cb = BA + tl.arange(0, BB)
     ma = ca < H
     mb = cb < H
-    wpa = tl.load(post_w_ptr + ca, mask=ma, other=0.0).to(tl.float32)
-    wpb = tl.load(post_w_ptr + cb, mask=mb, other=0.0).to(tl.float32)
-    wqa = tl.zeros([BA], dtype=tl.float32)
-    wqb = tl.zeros([BB], dtype=tl.float32)
-    if HAS_PRE:
-        wqa = tl.load(pre_w_ptr + ca, mask=ma, other=0.0).to(tl.float32)
-        wqb = tl.load(pre_w_ptr + cb, mask=mb, other=0.0).to(tl.float32)
+    wpa, wpb, wqa, wqb = _piece_weights(post_w_ptr, pre_w_ptr, ca, cb, ma, mb, BA, BB, HAS_PRE)
     for row in tl.range(tl.program_id(0), T, tl.num_programs(0), num_stages=STAGES):
         r64 = tl.cast(row, tl.int64)  # (an int under the interpreter)
         ba = tl.load(branch_ptr + r64 * stride_b + ca, mask=ma, other=0.0).to(tl.float32)
@@ -188,13 +195,7 @@ def _bwd_kernel(branch_ptr, h_ptr, g_res_ptr, g_pre_ptr, post_w_ptr, pre_w_ptr, 
     cb = BA + tl.arange(0, BB)
     ma = ca < H
     mb = cb < H
-    wpa = tl.load(post_w_ptr + ca, mask=ma, other=0.0).to(tl.float32)
-    wpb = tl.load(post_w_ptr + cb, mask=mb, other=0.0).to(tl.float32)
-    wqa = tl.zeros([BA], dtype=tl.float32)
-    wqb = tl.zeros([BB], dtype=tl.float32)
-    if HAS_PRE_GRAD:
-        wqa = tl.load(pre_w_ptr + ca, mask=ma, other=0.0).to(tl.float32)
-        wqb = tl.load(pre_w_ptr + cb, mask=mb, other=0.0).to(tl.float32)
+    wpa, wpb, wqa, wqb = _piece_weights(post_w_ptr, pre_w_ptr, ca, cb, ma, mb, BA, BB, HAS_PRE_GRAD)
     apa = tl.zeros([BA], dtype=tl.float32)
     apb = tl.zeros([BB], dtype=tl.float32)
     aqa = tl.zeros([BA], dtype=tl.float32)
