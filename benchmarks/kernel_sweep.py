@@ -71,13 +71,14 @@ def _cases(t, h, hq, hkv, d, inter):
 
     scales = (1 / math.sqrt(8), math.sqrt(7) / math.sqrt(8))
     act = t * h * 2
-    fwd_one = _grid(fwd_one_pass=[True], fwd_warps=[4, 8, 16])
     yield dict(name="post_norm_residual_pre_norm", module=sandwich_residual,
                inputs=lambda: [rnd(t, h, scale=3), rnd(t, h), rnd(h), rnd(h)],
                run=lambda x: ops.post_norm_residual_pre_norm(x[0], x[1], x[2], x[3], scales, 1e-6, backend="triton"),
                n_grad=4, fwd_bytes=4 * act, bwd_bytes=6 * act,
-               reorders={"fwd_one_pass", "fwd_chunk", "fwd_warps", "fwd_stages", "fwd_per_sm"},
-               fwd=fwd_one + _grid(fwd_stages=[2, 3, 4], fwd_warps=[8, 16], fwd_per_sm=[1, 2, 4]),
+               reorders={"fwd_layout", "fwd_chunk", "fwd_warps", "fwd_row_warps", "fwd_stages", "fwd_per_sm"},
+               fwd=(_grid(fwd_layout=["row"], fwd_row_warps=[4, 8, 16])
+                    + _grid(fwd_layout=["chunked"], fwd_chunk=[1024, 2048], fwd_row_warps=[4, 8])
+                    + _grid(fwd_layout=["staged"], fwd_stages=[3, 4], fwd_warps=[8, 16], fwd_per_sm=[2, 4])),
                bwd=_grid(bwd_stages=[3], bwd_warps=[8], bwd_finish=["torch", "triton"]))
     pos = torch.arange(t, device=DEV)
     cos, sin = numerics.rope_cos_sin(pos, d, 10000.0)

@@ -68,7 +68,8 @@ def kernel_flags(dtype: torch.dtype, rounding: int | None = None) -> dict:
 
 
 def num_programs_for_reduction(device: torch.device, rows: int, per_sm: int = 4) -> int:
-    """Programs of a backward kernel that accumulates per-program weight-gradient partials."""
+    """Programs of a persistent kernel (programs walk rows): `per_sm` per SM, at most one per row. The backward
+    kernels keep per-program weight-gradient partials, so fewer programs also mean fewer partials to sum."""
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         return max(1, min(rows, per_sm * sms))

@@ -13,10 +13,12 @@ import torch
 import triton
 import triton.language as tl
 
+from beamrl.kernels._triton_utils import kernel_flags, rne_bf16
+
 
 @triton.jit
 def _sum_kernel(src_ptr, out_ptr, N, rows_0, rows_1, ROWS: tl.constexpr, COLS: tl.constexpr,
-                STAGES: tl.constexpr):
+                STAGES: tl.constexpr, ROUND_BF16: tl.constexpr):
     seg = tl.program_id(0)
     cols = tl.program_id(1) * COLS + tl.arange(0, COLS)
     cm = cols < N
@@ -28,12 +30,14 @@ def _sum_kernel(src_ptr, out_ptr, N, rows_0, rows_1, ROWS: tl.constexpr, COLS: t
         rows = r0 + r
         m = (rows < count)[:, None] & cm[None, :]
         acc += tl.load(src_ptr + (start + rows).to(tl.int64)[:, None] * N + cols[None, :], mask=m, other=0.0)
-    tl.store(out_ptr + seg * N + cols, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty), mask=cm)
+    # one rounding to the output dtype, to nearest (the interpreter's own cast truncates; see rne_bf16)
+    total = rne_bf16(tl.sum(acc, axis=0), ROUND_BF16)
+    tl.store(out_ptr + seg * N + cols, total.to(out_ptr.dtype.element_ty), mask=cm)
 
 
 # Launch shape; it changes only the FP32 sum order. Narrow column blocks give a tall, thin segment (q/k norm
-# partials: [~10^3, 128]) several programs; one 128-wide program per segment took ~20 us more per q/k backward
-# on the H200 than torch's sums (docs/benchmarks.md).
+# partials: [tiles x head blocks, 128]) several programs: one 128-wide program per segment of 3,072 rows made
+# the q/k backward 140 us slower on the H200 than torch's sums (docs/benchmarks.md).
 TUNING: dict = {"rows": 32, "cols": 32, "warps": 4, "stages": 3}
 
 
@@ -59,5 +63,6 @@ def sum_partials(partials: torch.Tensor, rows: tuple[int, ...], dtype: torch.dty
     cols = min(int(TUNING["cols"]), triton.next_power_of_2(n))
     _sum_kernel[(len(rows), triton.cdiv(n, cols))](partials, out, n, rows[0], rows[1] if len(rows) > 1 else 0,
                                                    ROWS=int(TUNING["rows"]), COLS=cols, STAGES=int(TUNING["stages"]),
+                                                   ROUND_BF16=kernel_flags(dtype)["ROUND_BF16"],
                                                    num_warps=int(TUNING["warps"]))
     return out

@@ -142,9 +142,9 @@ def _bwd_kernel(q_ptr, k_ptr, wq_ptr, wk_ptr, cos_ptr, sin_ptr, scale_ptr, gq_pt
                 TB: tl.constexpr, STAGES: tl.constexpr):
     # Grid (token tiles, head blocks): program (i, j) handles TB tokens of q's head block j (j < HQ/HBQ) or of
     # k's block j - HQ/HBQ, and writes its norm-weight gradient partial to dw [blocks, tiles, D] (FP32, summed
-    # by partial_sums). Measured slower on the H200 (docs/benchmarks.md): a persistent per-SM loop with the partials in
-    # registers (0.27-0.53 of copy bandwidth), and the forward's layout, all head blocks of a token per program
-    # (0.48-0.54, 168 registers at 4 warps), against 0.67-0.69 here.
+    # by partial_sums). The token loop is pipelined (STAGES). Fraction of copy bandwidth on the H200
+    # (docs/benchmarks.md): 0.84-0.85 with 64-token tiles and 3 stages; 0.65-0.66 with 8-token tiles unstaged;
+    # slower and removed: the forward's layout, all head blocks of a token per program (0.48-0.54).
     inv_d = tl.cast(inv_d, tl.float32)
     eps = tl.cast(eps, tl.float32)
     pid_t = tl.program_id(0)

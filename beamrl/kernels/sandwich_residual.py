@@ -1,16 +1,17 @@
 """Fused sandwich post-norm -> depth-scaled residual -> next pre-norm (beam-numerics §3.2, §3.8).
 
 The forward reads the sublayer output and the residual from DRAM once (re-reads hit L2) and writes the new
-residual and the next sublayer's normed input, one row per program or (TUNING "fwd_stages") a few programs
-per SM walking rows through a pipelined loop:
+residual and the next sublayer's normed input; by default a few programs per SM walk the rows through a
+pipelined loop (TUNING "fwd_layout" has the alternatives):
 
     n  = bf16(fp32(branch) * rstd(branch) * fp32(w_post))
     h' = bf16(bf16(n * s_b) + bf16(h * s_r))          # s_b, s_r FP32 scalars
     p  = bf16(fp32(h') * rstd(h') * fp32(w_pre))
 
 The backward pass (one pass per row, one program per SM walking rows through a pipelined loop, weight
-gradients as per-program FP32 partials summed by `partial_sums`) treats the roundings as identity, as autograd through the eager reference does. `backward_reference` is the same
-math in plain torch, tested against autograd in float64.
+gradients as per-program FP32 partials summed by `partial_sums`) treats the roundings as identity, as
+autograd through the eager reference does. `backward_reference` is the same math in plain torch, tested
+against autograd in float64.
 """
 
 from __future__ import annotations
@@ -255,14 +256,12 @@ def _split_blocks(h: int) -> tuple[int, int]:
 # Launch tuning (benchmarks/kernel_sweep.py times the choices on a GPU). A choice can change the order of FP32
 # sums (the last bits of a few outputs and gradients), never a rounding point; the sweep checks each against the
 # defaults.
-TUNING: dict = {"fwd_one_pass": True, "fwd_chunk": 1024, "fwd_warps": 16, "fwd_stages": 3, "fwd_per_sm": 4,
-                "bwd_warps": 8, "bwd_per_sm": 1, "bwd_stages": 3, "bwd_finish": "triton"}
-
-
-def _fwd_launch(h: int) -> tuple[bool, int, int]:
-    one_pass = bool(TUNING["fwd_one_pass"])
-    chunk = triton.next_power_of_2(h) if one_pass else min(int(TUNING["fwd_chunk"]), triton.next_power_of_2(h))
-    return one_pass, chunk, int(TUNING["fwd_warps"])
+# Forward layouts: "staged" (a few programs per SM walk rows through a pipelined loop; fwd_stages, fwd_per_sm,
+# fwd_warps), "row" (one whole row per program; fwd_row_warps) and "chunked" (one row per program in fwd_chunk
+# pieces, three passes; for rows too wide to hold; fwd_row_warps).
+TUNING: dict = {"fwd_layout": "staged", "fwd_stages": 3, "fwd_per_sm": 4, "fwd_warps": 16, "fwd_row_warps": 8,
+                "fwd_chunk": 1024, "bwd_warps": 8, "bwd_per_sm": 1, "bwd_stages": 3, "bwd_finish": "triton"}
+_FWD_LAYOUTS = ("staged", "row", "chunked")
 
 
 class _SandwichResidual(torch.autograd.Function):
@@ -274,20 +273,26 @@ class _SandwichResidual(torch.autograd.Function):
         out_pre = torch.empty_like(branch) if has_pre else branch.new_empty(0)
         rstd_post = torch.empty(t, device=branch.device, dtype=torch.float32)
         rstd_pre = torch.empty(t if has_pre else 0, device=branch.device, dtype=torch.float32)
-        one_pass, chunk, warps = _fwd_launch(h)
+        layout = TUNING["fwd_layout"]
+        if layout not in _FWD_LAYOUTS:
+            raise ValueError(f"sandwich_residual.TUNING['fwd_layout'] must be one of {_FWD_LAYOUTS}, got {layout!r}")
         args = (branch, residual, post_w, pre_w if has_pre else post_w, out_res, out_pre, rstd_post, rstd_pre,
                 branch.stride(0), residual.stride(0), out_res.stride(0), out_pre.stride(0) if has_pre else 0)
-        stages = int(TUNING["fwd_stages"])
-        if stages and t:
+        if layout == "staged" and t:
             ba, bb = _split_blocks(h)
             progs = num_programs_for_reduction(branch.device, t, int(TUNING["fwd_per_sm"]))
             _fwd_staged_kernel[(progs,)](*args, t, h, 1.0 / h, eps, s_branch, s_res, HAS_PRE=has_pre, BA=ba, BB=bb,
-                                         STAGES=stages, num_warps=warps, **kernel_flags(branch.dtype),
-                                         **LAUNCH_OPTIONS)
+                                         STAGES=int(TUNING["fwd_stages"]), num_warps=int(TUNING["fwd_warps"]),
+                                         **kernel_flags(branch.dtype), **LAUNCH_OPTIONS)
         elif t:
+            one_pass = layout == "row"
+            chunk = triton.next_power_of_2(h) if one_pass else min(int(TUNING["fwd_chunk"]),
+                                                                   triton.next_power_of_2(h))
             _fwd_kernel[(t,)](*args, h, 1.0 / h, eps, s_branch, s_res, HAS_PRE=has_pre, CHUNK=chunk,
-                              ONE_PASS=one_pass, num_warps=warps, **kernel_flags(branch.dtype), **LAUNCH_OPTIONS)
+                              ONE_PASS=one_pass, num_warps=int(TUNING["fwd_row_warps"]),
+                              **kernel_flags(branch.dtype), **LAUNCH_OPTIONS)
         ctx.save_for_backward(branch, out_res, post_w, pre_w if has_pre else None, rstd_post, rstd_pre)
+        ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None: no zeros read
         ctx.scalars = (s_branch, s_res)
         ctx.has_pre = has_pre
         if not has_pre:

@@ -23,11 +23,12 @@ def test_segment_sums_match_float64(kernel_device, backend, rows, n, total, monk
         start += r
 
 
-def test_cast_rounds_the_fp32_sum_once(kernel_device):
-    x = torch.full((4, 8), 1.0 + 2.0 ** -10)  # sum 4 + 2^-8: not a bf16 value; rounds to 4
+def test_the_bf16_cast_rounds_to_nearest(kernel_device):
+    # four rows of 1 + 3*2^-9 sum to 4 + 3*2^-7, 0.75 of a BF16 ulp above 4: nearest is 4 + 2^-5, truncation 4
+    x = torch.full((4, 8), 1.0 + 3 * 2.0 ** -9)
     out = sum_partials(x.to(kernel_device), (4,), torch.bfloat16).cpu()
     assert out.dtype == torch.bfloat16
-    assert torch.equal(out[0], (x.sum(0)).to(torch.bfloat16))
+    assert torch.equal(out[0], torch.full((8,), 4.0 + 2.0 ** -5, dtype=torch.bfloat16))
 
 
 def test_bad_input_is_refused():

@@ -218,9 +218,9 @@ _SENDER = textwrap.dedent("""
     from beamrl.models.beam.weights import random_state_dict
     from beamrl.sync.flat_bucket import FlatBucket, aligned_order
     from beamrl.sync.update_group import init_update_group, broadcast_from_rank0, destroy_update_group
-    port = int(sys.argv[1])
+    port, timeout = int(sys.argv[1]), float(sys.argv[2])
     sd = random_state_dict(preset("tiny"), seed=6, dtype=torch.float32)
-    pg = init_update_group("gloo", "127.0.0.1", port, 2, 0, "native-test", 180.0)
+    pg = init_update_group("gloo", "127.0.0.1", port, 2, 0, "native-test", timeout)
     names = list(sd)
     for i in range(0, len(names), 200):
         broadcast_from_rank0(pg, FlatBucket.from_named_tensors(aligned_order([(n, sd[n]) for n in names[i:i + 200]])).buffer)
@@ -235,7 +235,7 @@ _GROUP_TIMEOUT_S = 180.0
 
 def test_update_weights_from_distributed_gloo(engine, cfg):
     port = free_port()
-    sender = subprocess.Popen([sys.executable, "-c", _SENDER, str(port)])
+    sender = subprocess.Popen([sys.executable, "-c", _SENDER, str(port), str(_GROUP_TIMEOUT_S)])
     try:
         engine.init_weights_update_group("127.0.0.1", port, 1, 2, "native-test", "gloo", _GROUP_TIMEOUT_S)
         new = random_state_dict(cfg, seed=6, dtype=torch.float32)
