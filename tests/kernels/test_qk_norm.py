@@ -130,6 +130,7 @@ def test_backward_token_tile_keeps_every_sm_busy(monkeypatch):
     monkeypatch.setitem(qk_norm.TUNING, "bwd_tokens", 64)
     cuda = torch.device("cuda")
     assert qk_norm._bwd_token_tile(8192, 4, cuda) == 64  # 512 programs >= 396
+    assert qk_norm._bwd_token_tile(6144, 4, cuda) == 32  # 384 programs at 64 would be under 3 per SM
     assert qk_norm._bwd_token_tile(4096, 4, cuda) == 32
     assert qk_norm._bwd_token_tile(100, 4, cuda) == 8
     assert qk_norm._bwd_token_tile(100, 4, torch.device("cpu")) == 64  # the interpreter: TUNING as set
