@@ -104,16 +104,23 @@ class DistributedTransport(ReceiverTransport):
             self._pg, self.group_name = None, None
 
     def close(self) -> None:
+        """Leave the group on every side at once. NCCL's communicator teardown is an intra-node collective: an
+        engine's destroy can block until the trainer destroys too, so destroying the engines' side first and the
+        trainer's after it timed out on the H200 (docs/benchmarks.md, weight sync)."""
         if self._pg is None:
             return
         group, pg = self.group_name, self._pg
         self._pg, self.group_name = None, None
-        try:
-            self._call_all("destroy_weights_update_group",
-                           lambda r: r.destroy_weights_update_group(group, self.teardown_timeout),
-                           self.teardown_timeout)
-        finally:
-            self._destroy_local(pg)
+
+        def destroy_trainer_side() -> None:
+            try:
+                destroy_update_group(pg)
+            except Exception as err:  # leaking a broken group is better than failing the engines' teardown
+                log.error("could not tear down the trainer's update group: %s", err)
+
+        self._call_all("destroy_weights_update_group",
+                       lambda r: r.destroy_weights_update_group(group, self.teardown_timeout),
+                       self.teardown_timeout, extra=[(TRAINER, destroy_trainer_side)])
 
     def _destroy_local(self, pg) -> None:
         try:

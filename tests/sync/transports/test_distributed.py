@@ -67,3 +67,32 @@ def test_engine_killed_mid_sync_fails_fast_and_leaves_the_group(tiny_checkpoint,
         assert transport.group_name is None and "native-doomed" in transport.unhealthy
     finally:
         engine.shutdown(timeout=2)
+
+
+class CollectiveTeardown(TP):
+    """An engine whose group teardown, like NCCL's, returns only once the trainer is tearing down too."""
+
+    def __init__(self, name, trainer_destroyed):
+        super().__init__(name, 1)
+        self.trainer_destroyed = trainer_destroyed
+
+    def destroy_weights_update_group(self, group_name, timeout):
+        if not self.trainer_destroyed.wait(timeout):
+            raise WeightSyncError(f"{self.name}: the trainer never joined the teardown")
+
+
+def test_close_tears_down_the_trainer_and_the_engines_at_once(monkeypatch):
+    import threading
+
+    from beamrl.sync.transports import distributed
+
+    trainer_destroyed = threading.Event()
+    monkeypatch.setattr(distributed, "destroy_update_group", lambda pg: trainer_destroyed.set())
+    transport = TRANSPORTS.get("distributed")([CollectiveTeardown("a", trainer_destroyed),
+                                               CollectiveTeardown("b", trainer_destroyed)], teardown_timeout=5)
+    transport._pg, transport.group_name = object(), "beamrl-weight-update-test"  # as connect() leaves them
+    t0 = time.monotonic()
+    transport.close()
+    assert time.monotonic() - t0 < 4
+    assert trainer_destroyed.is_set() and transport._pg is None
+    transport.close()  # idempotent
