@@ -16,7 +16,7 @@ import triton.language as tl
 
 from beamrl.kernels._triton_utils import (LAUNCH_OPTIONS, kernel_flags, num_programs_for_reduction, rne_bf16,
                                           sigmoid_f32)
-from beamrl.kernels.partial_sums import sum_partials
+from beamrl.kernels.partial_sums import weight_gradients
 
 
 # Launch tuning (benchmarks/kernel_sweep.py times the choices on a GPU). Outputs do not depend on it; bwd_per_sm
@@ -101,7 +101,7 @@ class _OutputGate(torch.autograd.Function):
                                                      o.stride(0), o.stride(1), g.stride(0), g.stride(1), per_prog,
                                                      D=d, HB=hb, num_warps=int(TUNING["bwd_warps"]),
                                                      **kernel_flags(o.dtype), **LAUNCH_OPTIONS)
-        return d_o, d_g, sum_partials(db, (progs,), bias.dtype)[0]
+        return d_o, d_g, weight_gradients(db, (progs,), (bias.dtype,))[0]
 
 
 def fused_output_gate(o: torch.Tensor, g: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:

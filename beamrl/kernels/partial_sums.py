@@ -66,3 +66,11 @@ def sum_partials(partials: torch.Tensor, rows: tuple[int, ...], dtype: torch.dty
                                                    ROUND_BF16=kernel_flags(dtype)["ROUND_BF16"],
                                                    num_warps=int(TUNING["warps"]))
     return out
+
+
+def weight_gradients(partials: torch.Tensor, rows: tuple[int, ...], dtypes: tuple[torch.dtype, ...],
+                     backend: str = "triton") -> list[torch.Tensor]:
+    """`sum_partials` with one dtype per segment (each segment is one weight's gradient, e.g. the q and k norm
+    weights): one launch in their common dtype, or FP32 sums cast once each when the dtypes differ."""
+    common = dtypes[0] if all(d == dtypes[0] for d in dtypes) else torch.float32
+    return [s.to(d) for s, d in zip(sum_partials(partials, rows, common, backend), dtypes)]

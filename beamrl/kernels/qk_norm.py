@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from beamrl.kernels._triton_utils import LAUNCH_OPTIONS, kernel_flags, mul_rn, rne_bf16
-from beamrl.kernels.partial_sums import sum_partials
+from beamrl.kernels.partial_sums import weight_gradients
 
 MODE_NORM, MODE_ROPE, MODE_SSMAX = 0, 1, 2
 
@@ -257,10 +257,8 @@ class _QKNorm(torch.autograd.Function):
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), 1.0 / d, ctx.eps, HQ=hq, HK=hk, MODE_Q=mode_q,
                 MODE_K=mode_k, HALF=d // 2, HBQ=hbq, HBK=hbk, TB=tb, STAGES=int(TUNING["bwd_stages"]),
                 num_warps=int(TUNING["bwd_warps"]))
-        same = wq.dtype == wk.dtype
-        sums = sum_partials(dw, (nq * tiles, nk * tiles), wq.dtype if same else torch.float32,
-                            TUNING["bwd_finish"])
-        return dq, dk, sums[0].to(wq.dtype), sums[1].to(wk.dtype), None, None, None, None, None, None
+        dwq, dwk = weight_gradients(dw, (nq * tiles, nk * tiles), (wq.dtype, wk.dtype), TUNING["bwd_finish"])
+        return dq, dk, dwq, dwk, None, None, None, None, None, None
 
 
 def _qk_norm_pair(q, k, q_weight, k_weight, eps, mode_q, mode_k, cos=None, sin=None, scale=None):

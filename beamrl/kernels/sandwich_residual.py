@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from beamrl.kernels._triton_utils import LAUNCH_OPTIONS, kernel_flags, mul_rn, num_programs_for_reduction, rne_bf16
-from beamrl.kernels.partial_sums import sum_partials
+from beamrl.kernels.partial_sums import weight_gradients
 
 
 @triton.jit
@@ -320,12 +320,12 @@ class _SandwichResidual(torch.autograd.Function):
             t, h, 1.0 / h, s_branch, s_res, rows_per_prog, HAS_PRE_GRAD=has_pre_grad, HAS_RES_GRAD=g_res is not None,
             BA=ba, BB=bb, STAGES=int(TUNING["bwd_stages"]),
             num_warps=int(TUNING["bwd_warps"]))
-        same = not has_pre_grad or pre_w.dtype == post_w.dtype
-        sums = sum_partials(dw, (progs,) * n_w, post_w.dtype if same else torch.float32, TUNING["bwd_finish"])
-        d_post_w = sums[0].to(post_w.dtype)
+        dtypes = (post_w.dtype, pre_w.dtype) if has_pre_grad else (post_w.dtype,)
+        grads = weight_gradients(dw, (progs,) * n_w, dtypes, TUNING["bwd_finish"])
+        d_post_w = grads[0]
         d_pre_w = None
         if ctx.has_pre:
-            d_pre_w = sums[1].to(pre_w.dtype) if has_pre_grad else torch.zeros_like(pre_w)
+            d_pre_w = grads[1] if has_pre_grad else torch.zeros_like(pre_w)
         return d_branch, d_res, d_post_w, d_pre_w, None, None, None
 
 

@@ -111,20 +111,22 @@ class DistributedTransport(ReceiverTransport):
             return
         group, pg = self.group_name, self._pg
         self._pg, self.group_name = None, None
-
-        def destroy_trainer_side() -> None:
-            try:
-                destroy_update_group(pg)
-            except Exception as err:  # leaking a broken group is better than failing the engines' teardown
-                log.error("could not tear down the trainer's update group: %s", err)
-
         self._call_all("destroy_weights_update_group",
                        lambda r: r.destroy_weights_update_group(group, self.teardown_timeout),
-                       self.teardown_timeout, extra=[(TRAINER, destroy_trainer_side)])
+                       self.teardown_timeout, extra=[(TRAINER, lambda: _leave_quietly(pg))])
 
     def _destroy_local(self, pg) -> None:
         try:
-            run_concurrently("destroy local update group", [(TRAINER, lambda: destroy_update_group(pg))],
+            run_concurrently("destroy local update group", [(TRAINER, lambda: _leave_quietly(pg))],
                              self.teardown_timeout)
-        except WeightSyncError as err:  # leaking a broken group is better than hanging the trainer on it
+        except WeightSyncError as err:  # leaking a wedged group is better than hanging the trainer on it
             log.error("could not tear down the trainer's update group: %s", err)
+
+
+def _leave_quietly(pg) -> None:
+    """The trainer leaves the group; a failure is logged, not raised (leaking a broken group is better than
+    failing the caller's teardown or recovery over it)."""
+    try:
+        destroy_update_group(pg)
+    except Exception as err:
+        log.error("could not tear down the trainer's update group: %s", err)
