@@ -38,3 +38,17 @@ def test_bad_input_is_refused():
         sum_partials(torch.zeros(2, 3), (2, 1), torch.float32)
     with pytest.raises(ValueError, match="backend"):
         sum_partials(torch.zeros(2, 3), (2,), torch.float32, backend="numpy")
+
+
+def test_weight_gradients_cast_each_segment_to_its_own_dtype_once(kernel_device):
+    # a bf16 weight and an FP32 weight: FP32 sums, each cast once (not via the other's dtype)
+    from beamrl.kernels.partial_sums import weight_gradients
+
+    x = torch.full((7, 8), 1.0 + 3 * 2.0 ** -9)
+    fp32_sum = x[:4].sum(0)
+    a, b = weight_gradients(x.to(kernel_device), (4, 3), (torch.bfloat16, torch.float32))
+    assert a.dtype == torch.bfloat16 and b.dtype == torch.float32
+    assert torch.equal(a.cpu(), fp32_sum.to(torch.bfloat16))
+    torch.testing.assert_close(b.cpu(), x[4:].sum(0), rtol=1e-6, atol=0)
+    (same,) = weight_gradients(x.to(kernel_device), (7,), (torch.bfloat16,))
+    assert same.dtype == torch.bfloat16
