@@ -41,5 +41,9 @@ def run(args: argparse.Namespace) -> int:
         if e.name in (None, "beamrl.loop") or "run_training" in str(e):
             raise NotImplementedError(f"beamrl.loop.run_training is not available ({e}); only --dry-run works") from None
         raise
-    result = run_training(recipe, resume=args.resume)  # returns the run directory (or an exit code)
+    try:
+        result = run_training(recipe, resume=args.resume)  # returns the run directory (or an exit code)
+    except RecipeError as e:  # a field only a real run can check (e.g. a checkpoint that is not there)
+        print(f"beamrl train: {e}", file=sys.stderr)
+        return 2
     return result if isinstance(result, int) else 0

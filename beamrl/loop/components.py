@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from beamrl.models.beam.config import BeamConfig
+from beamrl.recipe.errors import RecipeError
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -20,6 +21,10 @@ def model_config(recipe) -> BeamConfig:
     if recipe.model.checkpoint is not None and recipe.model.config_overrides:
         raise ValueError("model.config_overrides applies to a preset's random init; a checkpoint carries its own "
                          "config.json")
+    ckpt = recipe.model.checkpoint
+    if ckpt is not None and not (Path(ckpt) / "config.json").is_file():  # --dry-run plans without it; a run cannot
+        raise RecipeError("model.checkpoint", ckpt, "no Beam checkpoint (config.json) there on this machine; a "
+                          "training run loads it (`--dry-run` checks the layout without it)")
     return require_model_config(recipe)[0]
 
 

@@ -109,10 +109,10 @@ class RLDriver:
 
     def _setup(self) -> None:
         r = self.recipe
+        self.config = components.model_config(r)  # first: a missing checkpoint leaves no output directory behind
         self.out_dir.mkdir(parents=True, exist_ok=True)
         (self.out_dir / "recipe.yaml").write_text(r.to_yaml())
         torch.manual_seed(r.run.seed)
-        self.config = components.model_config(r)
         from beamrl.data.loader import build_prompt_loader
         from beamrl.data.prompts import load_tokenizer
 

@@ -53,3 +53,12 @@ def test_non_dry_run_calls_the_loop_or_says_it_is_missing(monkeypatch):
 def test_dry_run_needs_a_readable_model(capsys):
     assert main(["train", "grpo_dapo_math", "--dry-run", "model.preset=null"]) == 2
     assert "model.checkpoint" in capsys.readouterr().err
+
+
+def test_a_run_with_a_missing_checkpoint_names_it_and_writes_nothing(capsys, tmp_path):
+    # grpo_dapo_math points at /checkpoints/beam-501b, which --dry-run may plan without but a run must load
+    out = tmp_path / "run"
+    assert main(["train", "grpo_dapo_math", f"run.output_dir={out}"]) == 2
+    err = capsys.readouterr().err
+    assert "model.checkpoint='/checkpoints/beam-501b'" in err and "config.json" in err
+    assert not out.exists()
