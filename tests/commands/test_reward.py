@@ -43,7 +43,7 @@ def test_reward_test_on_dapo_rows(tmp_path, capsys):
     assert rc == 0, out
     lines = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
     assert [row[2] for row in lines[:3]] == ["1.0000", "-1.0000", "1.0000"]
-    assert "rows 3, scored 3" in out and "errors 0, timeouts 0; mean score 0.3333" in out
+    assert "rows 3, scored 3" in out and "errors 0, timeouts 0, crashes 0, skipped 0; mean score 0.3333" in out
 
 
 def test_reward_test_counts_failures_and_continues(tmp_path, capsys, monkeypatch):
