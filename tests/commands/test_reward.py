@@ -63,6 +63,19 @@ def test_reward_test_counts_failures_and_continues(tmp_path, capsys, monkeypatch
     assert "no boom please" in captured.out and "RuntimeError" in captured.err
 
 
+def test_reward_test_breaker_skips_the_rest_after_consecutive_timeouts(tmp_path, capsys, monkeypatch):
+    (tmp_path / "my_stuck_plugin.py").write_text("import time\n\ndef stuck(completion):\n    time.sleep(600)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    data = write_jsonl(tmp_path / "rows.jsonl", [{"completion": str(i)} for i in range(6)])
+    rc = main(["reward", "test", "my_stuck_plugin:stuck", "--data", str(data), "--timeout", "1", "--workers", "2",
+               "--breaker-after", "2"])
+    captured = capsys.readouterr()
+    assert rc == 1
+    # both workers time out together, the breaker trips, the other 4 rows are skipped (not 4 more seconds)
+    assert "errors 0, timeouts 2, crashes 0, skipped 4" in captured.out
+    assert "circuit breaker tripped after 2" in captured.err and "did not return within 1 s" in captured.err
+
+
 @pytest.mark.parametrize(
     "make_args, message",
     [
@@ -82,6 +95,8 @@ def test_reward_test_counts_failures_and_continues(tmp_path, capsys, monkeypatch
         ),
         (lambda d: ["no_such_mod_q:fn", "--data", str(d / "ok.jsonl")], "cannot import module 'no_such_mod_q'"),
         (lambda d: ["exact_match", "--data", str(d / "ok.jsonl"), "--limit", "0"], "--limit 0 must be >= 1"),
+        (lambda d: ["exact_match", "--data", str(d / "ok.jsonl"), "--timeout", "0"], "--timeout: Input should be"),
+        (lambda d: ["exact_match", "--data", str(d / "ok.jsonl"), "--breaker-after", "-1"], "--breaker-after: Input"),
     ],
 )
 def test_bad_input_exits_2_with_a_clear_message(tmp_path, capsys, make_args, message):

@@ -29,7 +29,7 @@ def test_weighted_components_none_metrics_and_async():
         comp("m", "with_metrics", weight=1.0),
         comp("scaled", "with_scale", kwargs={"scale": 3.0}),
     ]
-    with RewardManager(comps, pool(2)) as rm:
+    with RewardManager(comps, pool(1)) as rm:  # one worker per component
         res = rm.score(samples("ab", "", "abcd"))
     n = [2, 0, 4]
     expected = [0.5 * k + 2.0 * k + (10.0 if k else 0.0) + 0.5 + 3.0 * k for k in n]
@@ -53,7 +53,7 @@ def test_exceptions_and_bad_returns_are_counted_and_the_run_continues():
         comp("str", "returns_string"),
         comp("die", "dies_on_die"),
     ]
-    with RewardManager(comps, pool(2)) as rm:
+    with RewardManager(comps, pool(1)) as rm:
         res = rm.score(samples("ok", "bad", "die", "ok"))
         again = rm.score(samples("ok"))  # the pool still works after failures and a dead worker
     assert res.scores("zero") == [1.0, 0.0, 1.0, 1.0]
