@@ -124,11 +124,9 @@ class RLDriver:
         self.stop_ids = tuple(sorted({int(self.tokenizer.eos_token_id)}))
         self.checkpoint = components.initial_checkpoint(r, self.config, self.out_dir)
 
-        from beamrl.rewards import RewardComponentConfig, RewardManager
+        from beamrl.rewards import RewardManager
 
-        comps = [RewardComponentConfig(c.name, c.fn, weight=c.weight, timeout_s=c.timeout_s, on_error=c.on_error,
-                                       kwargs=c.kwargs) for c in r.rewards]
-        self.rewards = RewardManager(comps)
+        self.rewards = RewardManager(r.rewards, r.reward_pool, log=_log)
         self.rewards.start()
         self.resume_dir = latest_checkpoint(self.ckpt_root) if self.resume else None
         if self.resume and self.resume_dir is None:
@@ -242,7 +240,7 @@ class RLDriver:
         results = self.engines.collect(handle)
         rollouts, n_aborted = S.drop_aborted(S.to_rollouts(prompts, results, 0))
         gen_s = time.perf_counter() - t0
-        metrics = S.score(rollouts, self.tokenizer, self.rewards, r.timeouts.reward_s)
+        metrics = S.score(rollouts, self.tokenizer, self.rewards)
         metrics["rollout/aborted_groups"] = float(n_aborted)
         metrics["reward/mean"] = sum(x.raw_reward for x in rollouts) / len(rollouts)
         metrics.update(S.rollout_metrics(rollouts, r.rollout.max_new_tokens))
@@ -270,7 +268,7 @@ class RLDriver:
             extra, _ = S.drop_aborted(S.to_rollouts(more, self.engines.generate(groups, r.timeouts.generate_s),
                                                     next_group))
             next_group += len(more)
-            S.score(extra, self.tokenizer, self.rewards, r.timeouts.reward_s)
+            S.score(extra, self.tokenizer, self.rewards)
             new, res = S.keep_informative_groups(extra, target, len({x.group for x in kept}))
             kept += new
         metrics["dynamic_sampling/groups_kept"] = float(len({x.group for x in kept}))

@@ -45,13 +45,14 @@ def drop_aborted(rollouts: list[Rollout]) -> tuple[list[Rollout], int]:
     return kept, len(bad)
 
 
-def score(rollouts: list[Rollout], tokenizer, reward_manager, timeout: float) -> dict[str, float]:
-    """Raw rewards from the plugins (never shaped here); returns the reward metrics."""
+def score(rollouts: list[Rollout], tokenizer, reward_manager) -> dict[str, float]:
+    """Raw rewards from the plugins (never shaped here); returns the reward metrics. The manager owns the
+    batch limit (reward_pool.batch_timeout_s)."""
     samples = [RewardSample(prompt=r.prompt.prompt, completion=tokenizer.decode(r.result.output_ids),
                             completion_ids=list(r.result.output_ids), prompt_ids=list(r.result.prompt_ids),
                             ground_truth=r.prompt.ground_truth, data_source=r.prompt.data_source,
                             metadata=dict(r.prompt.metadata)) for r in rollouts]
-    result = reward_manager.score(samples, timeout_s=timeout)
+    result = reward_manager.score(samples)
     for r, total in zip(rollouts, result.totals):
         r.raw_reward = r.reward = float(total)
     return dict(result.metrics)

@@ -23,18 +23,22 @@ class DryRunResult:
         return not self.problems
 
 
-def reward_problems(r: "Recipe") -> list[str]:
-    """Reward components that do not resolve to a callable accepting their kwargs (beamrl.rewards' own
-    loader: import path, registered name or entry point, and a signature check)."""
+def reward_plan(r: "Recipe") -> tuple[str | None, list[str]]:
+    """The reward pool's layout (workers per component, batch timeout) as report lines, and the components
+    that do not resolve to a callable accepting their kwargs (beamrl.rewards' own loader: import path,
+    registered name or entry point, and a signature check). No report when a component does not load."""
     from beamrl.rewards.loading import load_reward_fn
+    from beamrl.rewards.plan import format_plan, plan_components
 
-    problems = []
+    problems, functions = [], []
     for i, comp in enumerate(r.rewards):
         try:
-            load_reward_fn(comp.fn, comp.kwargs.keys())
+            functions.append(load_reward_fn(comp.fn, comp.kwargs.keys()))
         except Exception as e:  # any failure to load is a problem to report, not a crash of the dry run
             problems.append(f"rewards[{i}].fn={comp.fn!r}: {e}")
-    return problems
+    if problems:
+        return None, problems
+    return format_plan(plan_components(r.rewards, functions, r.reward_pool), r.reward_pool), []
 
 
 def dry_run(r: "Recipe", check_rewards: bool = True) -> DryRunResult:
@@ -47,5 +51,8 @@ def dry_run(r: "Recipe", check_rewards: bool = True) -> DryRunResult:
     report = format_layout(r, config, source, lay, tmem, emem, gpu_capacity(r))
     problems = memory_problems(r, lay, tmem, emem)
     if check_rewards:
-        problems += reward_problems(r)
+        rewards_report, reward_problems = reward_plan(r)
+        if rewards_report:
+            report += "\n" + rewards_report
+        problems += reward_problems
     return DryRunResult(report, problems)

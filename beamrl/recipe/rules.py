@@ -216,9 +216,10 @@ def _check_rewards(r: "Recipe") -> None:
         if not REWARD_REF.match(c.fn):
             raise RecipeError(f"rewards[{i}].fn", c.fn, "an import path 'package.module:function' or a registered "
                               "reward name")
-        if c.timeout_s > r.timeouts.reward_s:
+        if c.timeout_s > r.reward_pool.batch_timeout_s:
             raise RecipeError(f"rewards[{i}].timeout_s", c.timeout_s,
-                              f"must not exceed the batch limit timeouts.reward_s={r.timeouts.reward_s}")
+                              "must not exceed the batch limit reward_pool.batch_timeout_s="
+                              f"{r.reward_pool.batch_timeout_s}")
     if all(c.weight == 0 for c in r.rewards):
         raise RecipeError("rewards", [c.name for c in r.rewards], "at least one component needs a non-zero weight")
 

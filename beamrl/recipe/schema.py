@@ -11,7 +11,10 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
+
+from beamrl.config import Section
+from beamrl.rewards.config import RewardComponentConfig, RewardPoolConfig
 
 GPU_TYPES = ("h200", "b200")
 # SGLang 0.5.23's deterministic-inference backends usable on NVIDIA GPUs (choices.py:113-120; ascend and
@@ -20,13 +23,6 @@ DETERMINISTIC_ATTENTION_BACKENDS = ("fa3", "fa4", "flashinfer", "triton")
 ATTENTION_BACKENDS = DETERMINISTIC_ATTENTION_BACKENDS + ("trtllm_mha", "torch_native")
 # 'pkg.module:function' (import path) or a registered / entry-point reward name.
 REWARD_REF = re.compile(r"^([A-Za-z_][\w.]*:[A-Za-z_][\w.]*|[A-Za-z_][\w.\-]*)$")
-
-
-class Section(BaseModel):
-    """Base of every recipe section: unknown keys are errors; assignments are re-validated."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
-
 
 
 class ModelSection(Section):
@@ -184,20 +180,6 @@ class AlgorithmSection(Section):
     routing_replay: bool | None = Field(None, description="R3; null = true for MoE models")
 
 
-class RewardComponent(Section):
-    """One weighted reward function (mirrors `beamrl.rewards.config.RewardComponentConfig`).
-
-    fn: an import path 'pkg.module:function', a name registered with `@reward`, or a `beamrl.rewards`
-    entry-point name. on_error: what a failed call scores: 'zero', 'skip' (excluded) or 'raise' (stop)."""
-
-    name: str = Field(pattern=r"^[A-Za-z0-9_.\-]+$")
-    fn: str
-    weight: float = 1.0
-    timeout_s: float = Field(30.0, gt=0)
-    on_error: Literal["zero", "skip", "raise"] = "zero"
-    kwargs: dict[str, Any] = Field(default_factory=dict)
-
-
 class SyntheticAdditionSection(Section):
     """Generator of 'a+b=' prompts with a, b in [0, max_operand]; answers are str(a + b)."""
 
@@ -271,8 +253,14 @@ class TimeoutsSection(Section):
     generate_s: float = Field(1800.0, gt=0)
     train_step_s: float = Field(3600.0, gt=0)
     sync_s: float = Field(600.0, gt=0)
-    reward_s: float = Field(300.0, gt=0)
     health_s: float = Field(60.0, gt=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "reward_s" in data:
+            raise ValueError("timeouts.reward_s moved to reward_pool.batch_timeout_s (see docs/recipes.md CHANGELOG)")
+        return data
 
 
 class SFTSection(Section):
@@ -293,7 +281,8 @@ class Recipe(Section):
     rollout: RolloutSection
     placement: PlacementSection = Field(default_factory=PlacementSection)
     algorithm: AlgorithmSection = Field(default_factory=AlgorithmSection)
-    rewards: list[RewardComponent] = Field(min_length=1)
+    rewards: list[RewardComponentConfig] = Field(min_length=1)
+    reward_pool: RewardPoolConfig = Field(default_factory=RewardPoolConfig)
     data: DataSection
     sft: SFTSection | None = None
     sync: SyncSection = Field(default_factory=SyncSection)

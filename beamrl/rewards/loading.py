@@ -28,6 +28,7 @@ class RewardFunction:
     ref: "module:qualname" that a fresh process can import. params: the parameter names to inject;
     required: those of them without a default.
     var_kwargs: the function takes **kwargs (gets every field and kwarg).
+    is_async: an `async def` function (or an object with an `async def __call__`).
     """
 
     spec: str
@@ -123,7 +124,9 @@ def load_reward_fn(spec: str, kwarg_names: Iterable[str] = ()) -> RewardFunction
                 f"reward {spec!r} ({ref}) requires parameter {p.name!r}, which is neither an injectable field "
                 f"({', '.join(FIELDS)}) nor one of the component's kwargs ({', '.join(sorted(kwarg_names)) or 'none'})"
             )
-    is_async = inspect.iscoroutinefunction(fn)  # informational: the worker awaits any awaitable result
+    # Async functions run concurrently in their workers; a sync function that returns an awaitable still
+    # works (its worker awaits the result), one call at a time.
+    is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
     return RewardFunction(
         spec=spec, ref=ref, params=tuple(params), required=tuple(required), var_kwargs=var_kwargs, is_async=is_async
     )

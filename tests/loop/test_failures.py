@@ -24,19 +24,36 @@ def test_missing_dataset_file_is_named(tmp_path):
 
 
 @pytest.mark.slow
-def test_reward_that_raises_or_hangs_is_counted_and_the_run_goes_on(tmp_path):
-    rewards = ("rewards=[{name: exact, fn: 'beamrl.rewards.exact:exact_match'}, "
-               "{name: broken, fn: 'tests.loop.flaky_rewards:always_raises', on_error: zero}, "
-               "{name: stuck, fn: 'tests.loop.flaky_rewards:hangs', on_error: zero, timeout_s: 1}]")
+def test_a_hanging_reward_costs_the_others_nothing_and_the_step_about_one_timeout(tmp_path):
+    """The quickstart with a user's four reward components: an exact match with a metric, one that raises on
+    some samples, one that hangs (2 s per-call timeout), an async one that always returns 0.5."""
+    m = "tests.loop.flaky_rewards"
+    rewards = (f"rewards=[{{name: match, fn: '{m}:match_with_metric'}}, {{name: raiser, fn: '{m}:raises_on_some'}}, "
+               f"{{name: stuck, fn: '{m}:hangs', timeout_s: 2}}, {{name: half, fn: '{m}:async_half'}}]")
     p = run_train(tmp_path / "run", "run.num_steps=2", "rollout.n_samples_per_prompt=2",
-                  "trainer.global_batch_size=8", "trainer.micro_batch_size=8", rewards, timeout=900)
+                  "trainer.global_batch_size=8", "trainer.micro_batch_size=8", rewards,
+                  "reward_pool.batch_timeout_s=60", timeout=900)
     assert p.returncode == 0, p.stderr[-4000:]
     rows = metrics(tmp_path / "run")
     assert len(rows) == 2
+    n = 8  # samples per step
     for r in rows:
-        assert r["reward/broken/errors"] == 8  # every sample counted, none lost
-        assert r["reward/stuck/timeouts"] == 8
-        assert "reward/exact/mean" in r
+        # The healthy components lose nothing: every sample scored, no timeouts.
+        assert r["reward/half/mean"] == 0.5 and r["reward/half/count"] == n and r["reward/half/timeouts"] == 0
+        assert r["reward/match/count"] == n and r["reward/match/timeouts"] == 0 and r["reward/match/errors"] == 0
+        assert "reward/match/length" in r
+        assert r["reward/raiser/timeouts"] == 0 and r["reward/raiser/skipped"] == 0
+        assert r["reward/raiser/breaker_tripped"] == 0
+        # The hanging one trips its breaker in both steps (the second step retried it first).
+        assert r["reward/stuck/breaker_tripped"] == 1 and r["reward/stuck/timeouts"] >= 3
+        assert r["reward/stuck/timeouts"] + r["reward/stuck/skipped"] == n
+        assert r["reward/mean"] == pytest.approx(r["reward/match/mean"] + r["reward/raiser/mean"] + 0.5)
+        # About one per-call timeout (2 s) plus worker restarts; far from the 60 s batch timeout.
+        assert r["reward/wall_s"] < 30, r["reward/wall_s"]
+    trips = [ln for ln in p.stdout.splitlines() if "reward 'stuck': circuit breaker tripped after 3" in ln]
+    retries = [ln for ln in p.stdout.splitlines() if "reward 'stuck': retrying" in ln]
+    assert len(trips) == 2 and len(retries) == 1, p.stdout[-4000:]
+    assert all("did not return within 2 s" in ln for ln in trips)
 
 
 @pytest.fixture(scope="module")

@@ -54,7 +54,7 @@ CASES = [
      "routing_replay"),
     (["rewards.0.fn='pkg module:f'"], "rewards[0].fn", "package.module:function"),
     (["rewards=[{name: a, fn: 'm:f'}, {name: a, fn: 'm:g'}]"], "rewards[1].name", "unique"),
-    (["rewards.0.timeout_s=1000"], "rewards[0].timeout_s", "timeouts.reward_s"),
+    (["rewards.0.timeout_s=1000"], "rewards[0].timeout_s", "reward_pool.batch_timeout_s"),
     (["rewards.0.weight=0"], "rewards", "non-zero"),
     (["data.source=null"], "data.source", "jsonl/parquet"),
     (["data.format=synthetic-addition"], "data.source", "remove source"),
