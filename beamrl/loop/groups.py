@@ -8,7 +8,7 @@ import ray
 
 from beamrl.loop.actors import EngineActor, TrainerActor, TrainerRankSpec
 from beamrl.loop.ray_utils import ray_get
-from beamrl.rollout.protocol import EngineError, GenerateRequest, GenerateResult
+from beamrl.protocols.rollout import EngineError, GenerateRequest, GenerateResult
 
 
 def shutdown_actors(actors: list, names: list[str]) -> None:

@@ -8,7 +8,7 @@ from beamrl.algorithms import ADVANTAGES, GRPOAdvantageConfig, OverlongConfig, f
 from beamrl.loop.components import sample_seed
 from beamrl.loop.rollouts import Rollout
 from beamrl.rewards import RewardSample
-from beamrl.rollout.protocol import GenerateRequest, GenerateResult, SamplingParams
+from beamrl.protocols.rollout import GenerateRequest, GenerateResult, SamplingParams
 
 
 def make_requests(prompts, recipe, step: int, round_: int, stop_token_ids: tuple[int, ...],

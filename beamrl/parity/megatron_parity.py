@@ -22,7 +22,8 @@ import numpy as np
 import torch
 
 from beamrl.parity.comparison import Comparison, logprob_diffs, routing_matches, summarize
-from beamrl.parity.sglang_parity import DTYPES, ParityInputError, check_checkpoint, random_prompts
+from beamrl.dtypes import RUN_DTYPES, torch_dtype
+from beamrl.parity.sglang_parity import ParityInputError, check_checkpoint, random_prompts
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,7 @@ def reference_prompt_side(checkpoint: Path, dtype: str, prompts: list[list[int]]
     """Reference logprobs of tokens 1.. and routes [T, L, k] of every prompt."""
     from beamrl.models.beam.model import BeamForCausalLM
 
-    model = BeamForCausalLM.from_pretrained(checkpoint, dtype=DTYPES[dtype])
+    model = BeamForCausalLM.from_pretrained(checkpoint, dtype=torch_dtype(dtype))
     with torch.no_grad():
         ids = torch.tensor(prompts, dtype=torch.long)
         lp = model.token_logprobs(ids).float().numpy()
@@ -108,8 +109,8 @@ def run_megatron_parity(checkpoint: Path, layout: MegatronLayout, dtype: str = "
                         log: Callable[[str], None] = print) -> list[Comparison]:
     """Megatron vs the reference (and vs SGLang when `engine_outputs` from `sglang_parity.save_engine_outputs`
     for the same prompts are given). Returns the comparison rows."""
-    if dtype not in DTYPES:
-        raise ParityInputError(f"--dtype {dtype!r}; allowed: {sorted(DTYPES)}")
+    if dtype not in RUN_DTYPES:
+        raise ParityInputError(f"--dtype {dtype!r}; allowed: {sorted(RUN_DTYPES)}")
     from beamrl.models.beam.config import BeamConfig
 
     from beamrl.trainer.megatron.parallel import ParallelConfigError

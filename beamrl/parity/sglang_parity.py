@@ -18,9 +18,9 @@ from typing import Callable
 import numpy as np
 import torch
 
+from beamrl.dtypes import RUN_DTYPES, torch_dtype
 from beamrl.parity.comparison import Comparison, logprob_diffs, routing_matches, summarize
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class ParityInputError(ValueError):
@@ -40,8 +40,8 @@ class ParitySettings:
     dump_path: Path | None = None  # save the engine's raw outputs for offline analysis
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ParityInputError(f"--dtype {self.dtype!r}; allowed: {sorted(DTYPES)}")
+        if self.dtype not in RUN_DTYPES:
+            raise ParityInputError(f"--dtype {self.dtype!r}; allowed: {sorted(RUN_DTYPES)}")
         for name in ("num_sequences", "seq_len", "gen_len"):
             if getattr(self, name) < (2 if name == "seq_len" else 1):
                 raise ParityInputError(f"--{name.replace('_', '-')} must be >= {2 if name == 'seq_len' else 1}")
@@ -84,7 +84,7 @@ def reference_side(model, prompts: list[list[int]], full_seqs: list[list[int]]):
 def run_sglang_parity(settings: ParitySettings, log: Callable[[str], None] = print) -> Comparison:
     """Start SGLang on the checkpoint, run both sides, and return the comparison row."""
     from beamrl.models.beam.model import BeamForCausalLM
-    from beamrl.rollout.protocol import GenerateRequest, SamplingParams
+    from beamrl.protocols.rollout import GenerateRequest, SamplingParams
     from beamrl.rollout.sglang.config import SGLangEngineConfig
     from beamrl.rollout.sglang.engine import SGLangEngine
 
@@ -123,7 +123,7 @@ def run_sglang_parity(settings: ParitySettings, log: Callable[[str], None] = pri
         save_engine_outputs(s.dump_path, prompts, engine_lp, full_seqs, [r.routed_experts for r, _ in results])
         log(f"engine outputs saved to {s.dump_path}")
     log("running the reference model...")
-    model = BeamForCausalLM.from_pretrained(s.checkpoint, dtype=DTYPES[s.dtype])
+    model = BeamForCausalLM.from_pretrained(s.checkpoint, dtype=torch_dtype(s.dtype))
     ref_lp, ref_routes = reference_side(model, prompts, full_seqs)
     matches = [routing_matches(r.routed_experts, rr, config.moe_layers) for (r, _), rr in zip(results, ref_routes)]
     return summarize("reference", "sglang", s.dtype, logprob_diffs(ref_lp, engine_lp), matches)

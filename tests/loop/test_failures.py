@@ -58,7 +58,7 @@ def test_dead_engine_fails_fast_with_its_name(tmp_path, local_ray):
     from beamrl.models.beam import preset
     from beamrl.models.beam.checkpoint import save_checkpoint
     from beamrl.models.beam.weights import random_state_dict
-    from beamrl.rollout.protocol import GenerateRequest, SamplingParams
+    from beamrl.protocols.rollout import GenerateRequest, SamplingParams
 
     cfg = preset("tiny").replace(dtype="float32")
     save_checkpoint(cfg, random_state_dict(cfg, 0, torch.float32), tmp_path / "ckpt")

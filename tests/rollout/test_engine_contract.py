@@ -17,9 +17,9 @@ import torch
 
 from beamrl.models.beam import preset
 from beamrl.net import free_port
-from beamrl.rollout.protocol import EngineError, GenerateRequest, SamplingParams
-from beamrl.sync.flat_bucket import FlatBucket
-from beamrl.sync.protocol import WeightSyncError
+from beamrl.protocols.rollout import EngineError, GenerateRequest, SamplingParams
+from beamrl.protocols.flat_bucket import FlatBucket
+from beamrl.protocols.weights import WeightSyncError
 
 from .fake_engine import FakeEngine
 

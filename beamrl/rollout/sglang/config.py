@@ -10,10 +10,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# SGLang 0.5.23 refuses deterministic inference with any other backend (srt/arg_groups/choices.py:113-120).
-DETERMINISTIC_ATTENTION_BACKENDS = ("ascend", "fa3", "fa4", "flashinfer", "intel_xpu", "triton")
+from beamrl.dtypes import DTYPES as DTYPE_NAMES
+
+# SGLang 0.5.23's deterministic-inference backends on the devices beamrl runs on (srt/arg_groups/choices.py:113-120;
+# its other two, ascend and intel_xpu, are other vendors' devices). Beam's default on sm90+, trtllm_mha, is not one.
+DETERMINISTIC_ATTENTION_BACKENDS = ("fa3", "fa4", "flashinfer", "triton")
+# The attention backends a recipe may name: the deterministic ones, Beam's default and the CPU engine's.
+ATTENTION_BACKENDS = DETERMINISTIC_ATTENTION_BACKENDS + ("trtllm_mha", "torch_native")
 DEVICES = ("cuda", "cpu")
-DTYPES = ("auto", "bfloat16", "float32", "float16")
+DTYPES = ("auto", *DTYPE_NAMES)  # "auto": the checkpoint's own dtype
 
 
 class SGLangConfigError(ValueError):

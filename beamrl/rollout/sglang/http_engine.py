@@ -10,10 +10,10 @@ from __future__ import annotations
 from typing import Any
 
 from beamrl.models.beam.config import BeamConfig
-from beamrl.rollout.protocol import EngineError, GenerateRequest, GenerateResult, RolloutEngine, SamplingParams
+from beamrl.protocols.rollout import EngineError, GenerateRequest, GenerateResult, RolloutEngine, SamplingParams
 from beamrl.rollout.sglang import payloads
 from beamrl.rollout.sglang.engine import PAUSE_MODES
-from beamrl.sync.protocol import WeightReceiver, WeightSyncError
+from beamrl.protocols.weights import WeightReceiver, WeightSyncError
 
 
 class SGLangHTTPEngine(RolloutEngine, WeightReceiver):

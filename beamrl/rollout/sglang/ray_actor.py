@@ -12,7 +12,7 @@ import dataclasses
 from typing import Any
 
 from beamrl.models.beam.config import BeamConfig
-from beamrl.rollout.protocol import EngineError
+from beamrl.protocols.rollout import EngineError
 from beamrl.rollout.sglang.config import SGLangEngineConfig
 from beamrl.rollout.sglang.http_engine import SGLangHTTPEngine
 

@@ -13,7 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from beamrl.rollout.protocol import EngineError
+from beamrl.protocols.rollout import EngineError
 from beamrl.rollout.sglang.config import SGLangEngineConfig
 from beamrl.rollout.sglang.engine import log_tail
 

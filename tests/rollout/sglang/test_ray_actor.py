@@ -13,7 +13,7 @@ def test_ray_actor_serves_and_shuts_down(tmp_path):
     ray = pytest.importorskip("ray")
     from beamrl.models.beam.checkpoint import save_checkpoint
     from beamrl.models.beam.weights import random_state_dict
-    from beamrl.rollout.protocol import GenerateRequest, SamplingParams
+    from beamrl.protocols.rollout import GenerateRequest, SamplingParams
     from beamrl.rollout.sglang.config import SGLangEngineConfig
     from beamrl.rollout.sglang.ray_actor import launch_ray_engine
 
