@@ -81,7 +81,7 @@ def start_engine(args: argparse.Namespace):
     from beamrl.rollout.sglang.engine import SGLangEngine
 
     if args.device == "cpu":
-        cfg = SGLangEngineConfig.cpu_test(str(args.checkpoint), dtype=args.dtype, enable_return_routed_experts=False)
+        cfg = SGLangEngineConfig.on_cpu(str(args.checkpoint), dtype=args.dtype, return_routed_experts=False)
     else:
         cfg = SGLangEngineConfig(model_path=str(args.checkpoint), dtype=args.dtype, device="cuda")
     engine = SGLangEngine(cfg, start_timeout=args.timeout)

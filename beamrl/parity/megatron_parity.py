@@ -41,12 +41,14 @@ class MegatronLayout:
         return math.lcm(self.tp * self.pp, self.ep * self.pp)
 
     def parallel_config(self):
-        from beamrl.trainer.megatron.parallel import ParallelConfig, ParallelConfigError
+        from pydantic import ValidationError
+
+        from beamrl.trainer.megatron.config import ParallelConfig
 
         try:
             return ParallelConfig(tp=self.tp, sp=self.sp, ep=self.ep, pp=self.pp, vpp=self.vpp)
-        except ParallelConfigError as e:
-            raise ParityInputError(str(e)) from None
+        except ValidationError as e:
+            raise ParityInputError(str(e.errors()[0]["msg"])) from None
 
     def describe(self) -> str:
         parts = [f"tp{self.tp}" + ("+sp" if self.sp else ""), f"ep{self.ep}", f"pp{self.pp}"]
@@ -61,14 +63,17 @@ def score_rank(checkpoint: str, layout: dict, dtype: str, prompts: list[list[int
     import torch.distributed as dist
 
     from beamrl.models.beam.config import BeamConfig
-    from beamrl.trainer.megatron.worker import MegatronTrainer, OptimizerSettings, TrainerConfig
+    from beamrl.trainer.megatron.config import TrainerConfig
+    from beamrl.trainer.megatron.worker import MegatronTrainer, TrainerSetup
     from beamrl.trainer.protocol import PackedBatch
 
     config = BeamConfig.from_json_file(checkpoint)
     parallel = MegatronLayout(**layout).parallel_config()
-    trainer = MegatronTrainer(TrainerConfig(model=config, parallel=parallel, dtype=dtype,
-                                            optimizer=OptimizerSettings(use_distributed_optimizer=False)),
-                              hf_checkpoint=checkpoint)
+    world = dist.get_world_size()
+    # Scoring only: the learning rate and batch sizes are never used.
+    trainer_config = TrainerConfig(**parallel.to_dict(), num_gpus=world, global_batch_size=parallel.dp_size(world),
+                                   lr=1e-6, distributed_optimizer=False)
+    trainer = MegatronTrainer(TrainerSetup(model=config, trainer=trainer_config, dtype=dtype), hf_checkpoint=checkpoint)
     batch = PackedBatch.from_sequences(prompts)
     trainer.set_routing_record(True)
     out = trainer.compute_logprobs(batch, temperature=1.0, return_entropy=False)
@@ -113,13 +118,13 @@ def run_megatron_parity(checkpoint: Path, layout: MegatronLayout, dtype: str = "
         raise ParityInputError(f"--dtype {dtype!r}; allowed: {sorted(RUN_DTYPES)}")
     from beamrl.models.beam.config import BeamConfig
 
-    from beamrl.trainer.megatron.parallel import ParallelConfigError
+    from beamrl.config import ConfigError
 
     check_checkpoint(checkpoint)
     config = BeamConfig.from_json_file(checkpoint)
     try:  # refuse a layout the model cannot take before spawning anything
-        layout.parallel_config().validate(config)
-    except ParallelConfigError as e:
+        layout.parallel_config().check_model(config)
+    except ConfigError as e:
         raise ParityInputError(f"--trainer megatron layout {layout.describe()}: {e}") from None
     prompts = random_prompts(config.vocab_size, num_sequences, seq_len, seed)
     log(f"Megatron {layout.describe()} scoring {num_sequences} x {seq_len} tokens in {dtype}...")

@@ -99,10 +99,10 @@ def run_sglang_parity(settings: ParitySettings, log: Callable[[str], None] = pri
     prompts = random_prompts(config.vocab_size, s.num_sequences, s.seq_len, s.seed)
     if torch.cuda.is_available():
         engine_cfg = SGLangEngineConfig(model_path=str(s.checkpoint), dtype=s.dtype, device="cuda",
-                                        mem_fraction_static=0.5, random_seed=s.seed,
+                                        mem_fraction=0.5, random_seed=s.seed,
                                         enable_fp32_lm_head=s.dtype == "float32")
     else:
-        engine_cfg = SGLangEngineConfig.cpu_test(s.checkpoint, dtype=s.dtype, random_seed=s.seed,
+        engine_cfg = SGLangEngineConfig.on_cpu(s.checkpoint, dtype=s.dtype, random_seed=s.seed,
                                                  max_total_tokens=max(2048, 4 * (s.seq_len + s.gen_len)),
                                                  enable_fp32_lm_head=s.dtype == "float32")
     log(f"starting SGLang ({engine_cfg.device}, {s.dtype}) on {s.checkpoint} (timeout {s.start_timeout:.0f} s)...")

@@ -2,8 +2,9 @@
 
 Lifecycle of one sync: `connect` (once) -> `begin(version)` -> `send_bucket` * N -> `finalize()`.
 `send_adapter` is reserved for adapter-only (LoRA) syncs, which push merged tensors of the targeted modules.
-A transport raises `beamrl.protocols.weights.WeightSyncError` with the engine's message; after a failure the engine must not go on
-serving a half-updated model silently (the transport aborts the session and marks the engine unhealthy).
+A transport raises `beamrl.protocols.weights.WeightSyncError` with the engine's message; after a failure the engine
+must not go on serving a half-updated model silently (the transport aborts the session and marks the engine
+unhealthy).
 """
 
 from __future__ import annotations

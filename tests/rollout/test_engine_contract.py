@@ -49,7 +49,7 @@ def engine(request, checkpoint):
     if name in ("sglang", "sglang-http"):
         from beamrl.rollout.sglang.config import SGLangEngineConfig
 
-        cfg = SGLangEngineConfig.cpu_test(checkpoint, dtype="float32", enable_fp32_lm_head=True, port=free_port())
+        cfg = SGLangEngineConfig.on_cpu(checkpoint, dtype="float32", enable_fp32_lm_head=True, port=free_port())
         if name == "sglang":
             from beamrl.rollout.sglang.engine import SGLangEngine
 

@@ -38,7 +38,8 @@ class NativeEngine(RolloutEngine, WeightReceiver):
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         if model is None:
-            model = BeamForCausalLM.from_pretrained(config.model_path, dtype=torch_dtype(config.dtype), device=config.device)
+            model = BeamForCausalLM.from_pretrained(config.model_path, dtype=torch_dtype(config.dtype),
+                                                    device=config.device)
         self.model = model.eval()
         for p in self.model.parameters():
             p.requires_grad_(False)

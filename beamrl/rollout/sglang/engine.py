@@ -302,7 +302,7 @@ class SGLangEngine(RolloutEngine, WeightReceiver):
     # ------------------------------------------------------------------ weight updates
     @property
     def tp_size(self) -> int:
-        return self.config.tp_size
+        return self.config.engine_tp
 
     def begin_weight_update(self, timeout: float) -> None:
         from sglang.srt.managers.io_struct import BeginWeightUpdateReqInput

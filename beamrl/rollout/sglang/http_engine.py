@@ -37,7 +37,7 @@ class SGLangHTTPEngine(RolloutEngine, WeightReceiver):
         from beamrl.rollout.sglang.server import SGLangServer
 
         server = SGLangServer(config, log_path=log_path).start(start_timeout)
-        return cls(server.url, BeamConfig.from_json_file(config.model_path), tp_size=config.tp_size,
+        return cls(server.url, BeamConfig.from_json_file(config.model_path), tp_size=config.engine_tp,
                    weight_version=config.weight_version, memory_saver=config.enable_memory_saver, server=server)
 
     @property

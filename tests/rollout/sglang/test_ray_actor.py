@@ -26,7 +26,7 @@ def test_ray_actor_serves_and_shuts_down(tmp_path):
     if started:
         ray.init(num_cpus=2, include_dashboard=False)
     try:
-        handle = launch_ray_engine(SGLangEngineConfig.cpu_test(tmp_path, dtype="float32", port=port),
+        handle = launch_ray_engine(SGLangEngineConfig.on_cpu(tmp_path, dtype="float32", port=port),
                                    start_timeout=900)
         try:
             (res,) = handle.generate([GenerateRequest([1, 2, 3, 4], SamplingParams(max_new_tokens=3),
