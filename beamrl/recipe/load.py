@@ -91,7 +91,7 @@ def _to_recipe_error(e: ValidationError) -> RecipeError:
     elif first["type"] == "missing":
         allowed = "required field is missing"
     else:
-        allowed = first["msg"]
+        allowed = first["msg"].removeprefix("Value error, ")  # a validator's own sentence (e.g. registry choices)
     if len(errors) > 1:
         allowed += f" (and {len(errors) - 1} more: " + "; ".join(
             f"{_dotted(x['loc'])}: {x['msg']}" for x in errors[1:4]) + ")"
