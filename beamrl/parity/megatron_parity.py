@@ -68,8 +68,8 @@ def score_rank(checkpoint: str, layout: dict, dtype: str, prompts: list[list[int
     from beamrl.trainer.protocol import PackedBatch
 
     config = BeamConfig.from_json_file(checkpoint)
-    parallel = MegatronLayout(**layout).parallel_config()
-    world = dist.get_world_size()
+    megatron_layout = MegatronLayout(**layout)
+    parallel, world = megatron_layout.parallel_config(), megatron_layout.world_size
     # Scoring only: the learning rate and batch sizes are never used.
     trainer_config = TrainerConfig(**parallel.to_dict(), num_gpus=world, global_batch_size=parallel.dp_size(world),
                                    lr=1e-6, distributed_optimizer=False)
