@@ -15,11 +15,12 @@ import torch
 
 from beamrl.algorithms import ImportanceConfig, KLConfig, PolicyLossConfig, loss_normalizer, token_kl
 from beamrl.loop import components, step as S
+from beamrl.loop.checkpoints import RunCheckpoints, pick_resume, published, save_due, step_of
 from beamrl.loop.groups import EngineGroup, TrainerGroup
 from beamrl.loop.losses import PolicyLoss, SFTLoss
 from beamrl.loop.ray_utils import connect_cluster_ray, init_local_ray
 from beamrl.loop.rollouts import build_packed_batch, split_micro_batches
-from beamrl.loop.run_state import latest_checkpoint, load_driver_state, save_driver_state
+from beamrl.loop.run_state import load_driver_state
 from beamrl.trainer.protocol import PackedBatch
 
 
@@ -130,13 +131,15 @@ class RLDriver:
                                        kwargs=c.kwargs) for c in r.rewards]
         self.rewards = RewardManager(comps)
         self.rewards.start()
-        self.resume_dir = latest_checkpoint(self.ckpt_root) if self.resume else None
+        self.checkpoints = RunCheckpoints(self.ckpt_root, r.checkpoint.keep_last, r.checkpoint.async_save,
+                                          r.timeouts.checkpoint_s, _log)
+        self.resume_dir = pick_resume(self.ckpt_root, _log) if self.resume else None
         if self.resume and self.resume_dir is None:
             raise FileNotFoundError(f"--resume: no complete checkpoint under {self.ckpt_root}")
-        if not self.resume and latest_checkpoint(self.ckpt_root) is not None:
+        if not self.resume and published(self.ckpt_root):
             raise FileExistsError(f"{self.ckpt_root} holds checkpoints of an earlier run: continue it with --resume, or "
                                   f"start a new one with run.name=... or run.output_dir=... (nothing was deleted)")
-        self._truncate_metrics(int(self.resume_dir.name.split("_")[1]) if self.resume_dir else 0)
+        self._truncate_metrics(step_of(self.resume_dir) if self.resume_dir else 0)
         from beamrl.metrics import build_metrics_logger
 
         self.logger = build_metrics_logger(r, self.out_dir)
@@ -188,12 +191,13 @@ class RLDriver:
             self.reference = self._start_trainer(ref_ckpt, reference=True)
         self._start_engines(policy_ckpt)
         if resume_dir is not None:
-            self.trainer.load_checkpoint(str(resume_dir / "trainer"))
+            resume_dir = self.checkpoints.load_for_resume(self.trainer, resume_dir)
+            self._truncate_metrics(step_of(resume_dir))  # again: a damaged checkpoint sends it further back
             state = load_driver_state(resume_dir)
             self.data.load_state_dict(state["data"])
             start_step, self.version = state["step"], state["weight_version"]
             self._sync(self.version)  # engines start from the initial weights: bring them to the checkpoint
-            _log(f"resumed from {resume_dir} at step {start_step}")
+            _log(f"resumed from {resume_dir} (the newest complete checkpoint) at step {start_step}")
         pending = None
         for step in range(start_step, r.run.num_steps):
             t_step = time.perf_counter()
@@ -219,7 +223,8 @@ class RLDriver:
                 self.engines.call_all("resume_memory", r.timeouts.sync_s, ["kv_cache", "cuda_graph"])
             metrics["time/step_s"] = time.perf_counter() - t_step
             self.logger.log(step, metrics)
-            if r.checkpoint.every_n_steps and (step + 1) % r.checkpoint.every_n_steps == 0 and step + 1 < r.run.num_steps:
+            self.checkpoints.poll(self.trainer)  # publish a background save as soon as it is complete
+            if save_due(step + 1, r.checkpoint.every_n_steps, r.run.num_steps):
                 self._save(step + 1)
         self._finish()
         return self.out_dir
@@ -381,24 +386,14 @@ class RLDriver:
         return worst
 
     def _save(self, step: int) -> None:
-        d = self.ckpt_root / f"step_{step}"
-        t0 = time.perf_counter()
-        if d.exists():
-            shutil.rmtree(d)
-        d.mkdir(parents=True)
-        self.trainer.save_checkpoint(str(d / "trainer"))
         data_state = self._data_state_at.get(step, self.data.state_dict())
-        save_driver_state(d, step, self.version, data_state)
+        self.checkpoints.save(self.trainer, step, self.version, data_state)
         self._data_state_at = {k: v for k, v in self._data_state_at.items() if k >= step}
-        kept = sorted(self.ckpt_root.glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
-        for old in kept[: -self.recipe.checkpoint.keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
-        _log(f"checkpoint step {step} saved to {d} in {time.perf_counter() - t0:.1f} s")
 
     def _finish(self) -> None:
         r = self.recipe
-        if r.checkpoint.every_n_steps:
-            self._save(r.run.num_steps)
+        self._save(r.run.num_steps)  # the final checkpoint, also with every_n_steps: 0 ("only at the end")
+        self.checkpoints.wait(self.trainer)
         if r.checkpoint.export_hf_at_end:
             path = self.trainer.export_hf_checkpoint(str(self.out_dir / "hf_final"), r.sync.bucket_mb << 20)
             _log(f"final HF checkpoint (SGLang format): {path}")

@@ -17,6 +17,7 @@ Loading works at any TP/SP/EP/PP/DP layout of the same model (`Checkpointer.load
 """
 
 from beamrl.trainer.megatron.checkpoint.checkpointer import Checkpointer
-from beamrl.trainer.megatron.checkpoint.format import FORMAT, META_FILE, CheckpointError, check, read_meta
+from beamrl.trainer.megatron.checkpoint.format import (FORMAT, META_FILE, CheckpointDamagedError, CheckpointError,
+                                                       check, read_meta)
 
-__all__ = ["FORMAT", "META_FILE", "CheckpointError", "Checkpointer", "check", "read_meta"]
+__all__ = ["FORMAT", "META_FILE", "CheckpointDamagedError", "CheckpointError", "Checkpointer", "check", "read_meta"]

@@ -14,7 +14,7 @@ from beamrl import manifest
 from beamrl.trainer.megatron.checkpoint import format as fmt
 from beamrl.trainer.megatron.checkpoint import rng, state, storage
 from beamrl.trainer.megatron.checkpoint.async_writer import BackgroundWrite
-from beamrl.trainer.megatron.checkpoint.format import CheckpointError
+from beamrl.trainer.megatron.checkpoint.format import CheckpointDamagedError, CheckpointError
 
 
 def _log(msg: str) -> None:
@@ -100,7 +100,10 @@ class Checkpointer:
         self.finalize(blocking=True)
         directory = Path(directory)
         t = self.trainer
-        meta = fmt.read_meta(directory)
+        try:
+            meta = fmt.read_meta(directory)
+        except CheckpointError as e:
+            raise CheckpointDamagedError(str(e)) from None
         _check_compatible(meta, t, directory)
         self._verify(directory, meta)
         sharded, common = state.sharded_state(t, is_loading=True)
@@ -133,7 +136,7 @@ class Checkpointer:
         dist.all_gather_object(gathered, problems)
         problems = [p for g in gathered for p in g]
         if problems:
-            raise CheckpointError(f"{directory} is damaged: " + "; ".join(problems))
+            raise CheckpointDamagedError(f"{directory} is damaged: " + "; ".join(problems))
 
     # ------------------------------------------------------------------------------------------- helpers
     def _agree(self, error: str | None) -> None:

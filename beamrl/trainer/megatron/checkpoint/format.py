@@ -18,6 +18,10 @@ class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete, damaged or does not fit this trainer; the message names the file."""
 
 
+class CheckpointDamagedError(CheckpointError):
+    """A checkpoint file is missing, truncated or corrupted (found before anything was loaded from it)."""
+
+
 def rng_file(rank: int) -> str:
     return f"{RNG_DIR}/rank_{rank:05d}.json"
 

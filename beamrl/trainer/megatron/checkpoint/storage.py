@@ -21,6 +21,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -202,8 +203,10 @@ def load(sharded_state_dict: dict, directory: Path) -> dict:
     pyt = mcore_to_pyt_state_dict(flat, is_loading=True)
     planner = _TensorOnlyLoadPlanner(shapes_validation_sharded_tensors=tensors, flatten_state_dict=False,
                                      flatten_sharded_tensors=False)
-    torch.distributed.checkpoint.load(pyt, storage_reader=SafeFileSystemReader(directory), planner=planner,
-                                      no_dist=True)
+    with warnings.catch_warnings():  # every rank reads what it needs on its own, on purpose (no_dist)
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        torch.distributed.checkpoint.load(pyt, storage_reader=SafeFileSystemReader(directory), planner=planner,
+                                          no_dist=True)
     loaded = {k: _unwrap_pyt_sharded_tensor(v) for k, v in pyt.items()}
     loaded = _replace_sharded_keys_with_state_dict_keys(loaded, flat_mapping, rename_mapping)
     _restore_dict_types(loaded, sharded)
