@@ -143,7 +143,7 @@ class MegatronTrainer(TrainerWorker):
         self._replay_enabled = False
         self._record_enabled = False
         self._step = 0
-        from beamrl.trainer.megatron.checkpoint import Checkpointer
+        from beamrl.trainer.megatron.checkpoint.checkpointer import Checkpointer
 
         self._checkpointer = Checkpointer(self)
         if hf_checkpoint is not None:

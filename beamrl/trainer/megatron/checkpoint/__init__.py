@@ -13,11 +13,12 @@ A checkpoint directory:
   step count, world size and parallel layout, dtype, model config, optimizer settings, LR-scheduler state, and a
   manifest (size + SHA-256) of every other file.
 
-Loading works at any TP/SP/EP/PP/DP layout of the same model (`Checkpointer.load`).
+Loading works at any TP/SP/EP/PP/DP layout of the same model (`checkpointer.Checkpointer.load`).
+
+This package's top level imports no Megatron (the RL driver uses `format`'s names to validate checkpoints).
 """
 
-from beamrl.trainer.megatron.checkpoint.checkpointer import Checkpointer
 from beamrl.trainer.megatron.checkpoint.format import (FORMAT, META_FILE, CheckpointDamagedError, CheckpointError,
                                                        check, read_meta)
 
-__all__ = ["FORMAT", "META_FILE", "CheckpointDamagedError", "CheckpointError", "Checkpointer", "check", "read_meta"]
+__all__ = ["FORMAT", "META_FILE", "CheckpointDamagedError", "CheckpointError", "check", "read_meta"]

@@ -38,6 +38,7 @@ def sharded_state(trainer, is_loading: bool) -> tuple[dict, dict]:
     """(sharded part, non-tensor part) of the trainer's model + optimizer state. Collective for the distributed
     optimizer (gathers its state over DP when saving)."""
     model = {f"chunk{i}": _model_chunk(m) for i, m in enumerate(trainer.models)}
+    _align_param_index_maps(trainer.optimizer)
     if is_loading:
         _create_adam_state(trainer.optimizer)
     optimizer = trainer.optimizer.sharded_state_dict(model, is_loading=is_loading, metadata=dict(SHARDING_METADATA))
@@ -45,6 +46,24 @@ def sharded_state(trainer, is_loading: bool) -> tuple[dict, dict]:
     # Values marked "not stored" (e.g. parameter-group index lists) are this trainer's own: keep them as they are.
     dict_list_map_inplace(lambda v: v.unwrap() if isinstance(v, LocalNonpersistentObject) else v, common)
     return sharded, common
+
+
+def _align_param_index_maps(optimizer) -> None:
+    """Megatron 0.19.2's distributed optimizer records each parameter's place in its inner optimizer's groups
+    (`model_param_group_index_map`) in gradient-buffer order, but lays every group out FP32 parameters first
+    (`_build_model_and_main_param_groups`). With Beam's FP32 router weight in a BF16 model the two orders differ,
+    and its checkpoint code would read and write other parameters' main copies and moments (a size mismatch at
+    best). Re-record the places in the inner optimizer's actual order; only the checkpoint code reads them."""
+    for sub in _sub_optimizers(optimizer):
+        if not _is_distributed(sub):
+            continue
+        aligned = {}
+        for g, (fp32, low) in enumerate(zip(sub.model_fp32_groups, sub.model_float16_groups)):
+            for i, p in enumerate([*fp32, *low]):
+                aligned[p] = (g, i)
+        if aligned.keys() != sub.model_param_group_index_map.keys():
+            raise StateError("the distributed optimizer's parameter groups do not cover its parameters")
+        sub.model_param_group_index_map = aligned
 
 
 def _create_adam_state(optimizer) -> None:
