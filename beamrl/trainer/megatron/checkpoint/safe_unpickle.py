@@ -1,8 +1,8 @@
 """Read torch DCP's `.metadata` without running code from the checkpoint.
 
 torch's `FileSystemReader.read_metadata` calls `pickle.load` on the file, and its default load planner reads
-non-tensor items with `torch.load(weights_only=False)`: a checkpoint written by someone else could run their
-code on load. `SafeFileSystemReader` unpickles the metadata with an allowlist of the plain dataclasses, enums and
+non-tensor items with an unrestricted `torch.load`: a checkpoint written by someone else could run their code on
+load. `SafeFileSystemReader` unpickles the metadata with an allowlist of the plain dataclasses, enums and
 torch value types the format consists of (anything else is refused with the class named), and
 `refuse_bytes_items` is the planner hook that refuses non-tensor items (beamrl checkpoints hold none: every
 non-tensor value is JSON).
