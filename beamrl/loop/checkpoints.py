@@ -26,6 +26,7 @@ from beamrl.trainer.megatron.checkpoint import check as check_trainer_checkpoint
 TRAINER_DIR = "trainer"
 MANIFEST_FILE = "manifest.json"
 STAGING_SUFFIX = ".incomplete"
+REPLACED_SUFFIX = ".replaced"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -144,7 +145,8 @@ class RunCheckpoints:
         final = self.root / f"step_{step}"
         replaced = None
         if final.exists():  # the same step saved again (a resumed run): keep the old one until the rename
-            replaced = final.with_name(final.name + ".replaced")
+            replaced = final.with_name(final.name + REPLACED_SUFFIX)
+            shutil.rmtree(replaced, ignore_errors=True)
             os.replace(final, replaced)
         os.replace(staging, final)
         _fsync_dir(self.root)
@@ -159,8 +161,9 @@ class RunCheckpoints:
         for old in done[: max(0, len(done) - self.keep_last)]:
             if old != keep:
                 shutil.rmtree(old, ignore_errors=True)
-        for stale in self.root.glob(f"step_*{STAGING_SUFFIX}"):
-            shutil.rmtree(stale, ignore_errors=True)
+        for suffix in (STAGING_SUFFIX, REPLACED_SUFFIX):
+            for stale in self.root.glob(f"step_*{suffix}"):
+                shutil.rmtree(stale, ignore_errors=True)
 
 
 def _damage(error: BaseException) -> str | None:

@@ -18,7 +18,7 @@ from beamrl.trainer.megatron.checkpoint.format import CheckpointDamagedError, Ch
 
 
 def _log(msg: str) -> None:
-    if dist.get_rank() == 0:
+    if not dist.is_initialized() or dist.get_rank() == 0:
         print(f"[beamrl] {msg}", flush=True)
 
 

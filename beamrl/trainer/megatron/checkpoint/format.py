@@ -53,6 +53,8 @@ def check(directory: str | Path, full: bool) -> list[str]:
     present at its recorded size, small files' digests (cheap); `full=True`: every file's digest."""
     try:
         meta = read_meta(directory)
+        return manifest.check(Path(directory), meta["files"], full)
     except CheckpointError as e:
         return [str(e)]
-    return manifest.check(Path(directory), meta["files"], full)
+    except (TypeError, KeyError, AttributeError) as e:
+        return [f"{Path(directory) / META_FILE}: malformed file list ({type(e).__name__}: {e})"]

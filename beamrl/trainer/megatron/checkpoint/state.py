@@ -147,7 +147,8 @@ def load_optimizer(trainer, merged: dict, step: int) -> None:
     for sub, sd in zip(_sub_optimizers(trainer.optimizer), _per_sub(trainer.optimizer, merged["optimizer"])):
         for slot, key in _step_slots(sub, sd):
             slot[key] = float(step) if _is_distributed(sub) else torch.tensor(float(step))
-        if not (_is_distributed(sub) and not HAVE_APEX_OR_TE and sd.get("param_state") is not None):
+        torch_adam = isinstance(sub.optimizer, torch.optim.Adam) and not HAVE_APEX_OR_TE
+        if not (_is_distributed(sub) and torch_adam and sd.get("param_state") is not None):
             sub.load_state_dict(sd)
             continue
         # torch's Adam keeps `step` as a tensor in each parameter's state, which Megatron 0.19.2's
