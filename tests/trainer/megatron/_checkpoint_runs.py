@@ -62,17 +62,47 @@ def _hf_weights(t) -> dict[str, torch.Tensor]:
     return box[0]
 
 
+def _rng_probe() -> list:
+    """Draws from every generator a checkpoint restores (Python, NumPy, torch, Megatron's TP stream)."""
+    import random
+
+    import numpy as np
+    from megatron.core import tensor_parallel
+
+    with tensor_parallel.get_cuda_rng_tracker().fork():
+        tp_stream = torch.rand(2).tolist()
+    return [random.random(), float(np.random.rand()), torch.rand(2).tolist(), tp_stream]
+
+
+def _sharding(t) -> dict:
+    """Global shape, offset, replica id and dtype of Beam's own tensors in this rank's sharded state."""
+    from beamrl.trainer.megatron.checkpoint.state import _model_chunk
+
+    sd = _model_chunk(t.models[0])
+    out = {}
+    for name in ("decoder.layers.1.self_attention.gate_bias", "decoder.layers.1.mlp.experts.gate_up_weight",
+                 "decoder.layers.1.mlp.experts.down_weight", "decoder.layers.1.mlp.router.weight",
+                 "decoder.layers.1.mlp.router.expert_bias"):
+        sh = sd[f"model.{name}"]
+        out[name] = {"global_shape": list(sh.global_shape), "global_offset": list(sh.global_offset),
+                     "replica_id": list(sh.replica_id), "dtype": str(sh.dtype)}
+    fc1 = sd["model.decoder.layers.0.mlp.linear_fc1.weight"]
+    out["fc1"] = {"type": type(fc1).__name__, "halves": [(list(x.global_shape), list(x.global_offset))
+                                                        for x in fc1.build()]}
+    return out
+
+
 def _resume(parallel: dict, directory: str, distributed_optimizer: bool, weights_only: bool = False) -> dict:
     t = _trainer(parallel, distributed_optimizer)
     t.load_checkpoint(directory)
-    step = t.step
+    step, rng = t.step, _rng_probe()
     if weights_only:
         weights = _hf_weights(t)
         t.shutdown()
         t = _trainer(parallel, distributed_optimizer, weights=weights)
     losses = _train(t, N)
     t.shutdown()
-    return {"step_after_load": step, "losses": losses}
+    return {"step_after_load": step, "losses": losses, "rng": rng}
 
 
 def reshard(directory: str, distributed_optimizer: bool, targets: list[str], damage: bool = False) -> dict:
@@ -81,10 +111,11 @@ def reshard(directory: str, distributed_optimizer: bool, targets: list[str], dam
     t = _trainer(SAVE_LAYOUT, distributed_optimizer, weights="initial")
     _train(t, K)
     t.save_checkpoint(directory, async_save=True)
+    rng, sharding = _rng_probe(), _sharding(t)
     saver = _train(t, N)  # trains on while the background writer writes
     published = t.finalize_checkpoint()
     t.shutdown()
-    out = {"saver": saver, "published": str(published),
+    out = {"saver": saver, "published": str(published), "rng": rng, "sharding": sharding,
            "same": _resume(SAVE_LAYOUT, directory, distributed_optimizer)}
     for name in targets:
         y = TARGETS[name]

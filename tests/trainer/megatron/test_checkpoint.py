@@ -26,18 +26,42 @@ def _max_gap(a, b):
 def distributed(tmp_path_factory):
     """The distributed optimizer: every target layout, plus the damaged-copy loads."""
     directory = tmp_path_factory.mktemp("dist-opt") / "ckpt"
-    return directory, launch(R.reshard, 2, (str(directory), True, list(R.TARGETS), True), timeout_s=900)[0]
+    ranks = launch(R.reshard, 2, (str(directory), True, list(R.TARGETS), True), timeout_s=900)
+    return directory, ranks[0], ranks
 
 
 def test_same_layout_resume_is_bit_exact(distributed):
-    _, out = distributed
+    _, out, ranks = distributed
     assert out["same"]["step_after_load"] == R.K
     assert out["same"]["losses"] == out["saver"]  # the saver trained on during its async write
+    for r in ranks:  # every rank's RNG streams continue where they were saved
+        assert r["same"]["rng"] == r["rng"]
+    assert ranks[0]["rng"] != ranks[1]["rng"]  # per rank (the TP stream differs): not a vacuous comparison
+
+
+def test_beam_tensors_carry_their_sharding(distributed):
+    """At TP2+SP x EP2 (4 heads, 16 experts): rank r holds heads 2r..2r+1 and experts 8r..8r+7."""
+    _, _, ranks = distributed
+    for r, out in enumerate(ranks):
+        sh = out["sharding"]
+        gate = sh["decoder.layers.1.self_attention.gate_bias"]
+        assert gate["global_shape"] == [4] and gate["global_offset"] == [2 * r] and gate["replica_id"] == [0, 0, 0]
+        for name in ("gate_up_weight", "down_weight"):
+            e = sh[f"decoder.layers.1.mlp.experts.{name}"]
+            assert e["global_shape"][0] == 16 and e["global_offset"][0] == 8 * r and e["replica_id"] == [0, 0, 0]
+        for name in ("weight", "expert_bias"):  # replicated over TP: one main replica (TP rank 0), FP32
+            router = sh[f"decoder.layers.1.mlp.router.{name}"]
+            assert router["global_offset"] == [0] * len(router["global_shape"]) and router["dtype"] == "torch.float32"
+            assert router["replica_id"] == [0, r, 0]
+        assert sh["decoder.layers.1.mlp.router.expert_bias"]["global_shape"] == [16]
+        fc1 = sh["fc1"]  # [gate; up] halves of the TP-independent [2 * 128, 64] tensor
+        assert fc1["type"] == "ShardedTensorFactory"
+        assert fc1["halves"] == [([256, 64], [64 * r, 0]), ([256, 64], [128 + 64 * r, 0])]
 
 
 @pytest.mark.parametrize("target", list(R.TARGETS))
 def test_resharded_resume_carries_weights_and_optimizer_state(distributed, target):
-    _, out = distributed
+    _, out, _ = distributed
     r = out[target]
     assert r["resumed"]["step_after_load"] == R.K
     assert _max_gap(r["resumed"]["losses"], r["reference"]) <= TOL
@@ -48,7 +72,7 @@ def test_resharded_resume_carries_weights_and_optimizer_state(distributed, targe
 
 
 def test_checkpoint_files_and_metadata(distributed):
-    directory, out = distributed
+    directory, out, _ = distributed
     assert out["published"] == str(directory)
     meta = read_meta(directory)
     assert meta["format"] == FORMAT and meta["step"] == R.K and meta["adam_step"] == R.K
@@ -61,7 +85,7 @@ def test_checkpoint_files_and_metadata(distributed):
 
 
 def test_damaged_files_are_named_before_loading(distributed):
-    directory, out = distributed
+    directory, out, _ = distributed
     errors = out["damage"]
     assert "CheckpointDamagedError" in errors["truncated"] and "__1_0.distcp" in errors["truncated"]
     assert "truncated" in errors["truncated"]
