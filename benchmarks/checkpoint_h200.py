@@ -15,7 +15,8 @@ experts; 4.18 B params, about 58 GB per checkpoint: bf16 weights + FP32 main cop
      (which includes that check); the loaded weights must give the saved trainer's logprobs bit for bit.
 
 Only one checkpoint exists at a time (`--dir`, default a temporary directory under $TMPDIR): the free space there
-must exceed one checkpoint (checked first; `--layers 2` halves the size).
+must exceed one checkpoint (checked first; the 64 GiB disk of `nvidia-h200` is too small for `small`'s 58 GB:
+use `--dir` on a larger disk, e.g. on `nvidia-h200-x2`, or `--layers 2`: 2.7 B params, 38 GB).
 
   python benchmarks/checkpoint_h200.py --json $OUT/checkpoint_h200.json   # one H200
   python benchmarks/checkpoint_h200.py --device cpu --tiny --json /tmp/c.json   # CPU smoke run (tiny preset)
@@ -197,7 +198,7 @@ def main(argv=None) -> int:
     if free < 1.1 * need:
         shutil.rmtree(root)
         p.error(f"{root.parent} has {free / 1e9:.1f} GB free; one checkpoint of this model needs about "
-                f"{need / 1e9:.1f} GB (use --dir on a larger disk, or --layers 2)")
+                f"{need / 1e9:.1f} GB (use --dir on a larger disk, or fewer --layers)")
     from beamrl.trainer.megatron.launch import set_one_rank_world_env
 
     set_one_rank_world_env()

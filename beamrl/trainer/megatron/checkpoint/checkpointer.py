@@ -3,7 +3,7 @@ collective: all ranks call it in the same order (the trainer's contract)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -47,7 +47,7 @@ class Checkpointer:
         self._agree(_prepare_directory(directory) if dist.get_rank() == 0 else None)
         sharded, common = state.sharded_state(t, is_loading=False)
         manifest.write_json_atomic(directory / fmt.rng_file(dist.get_rank()), rng.capture())
-        write = storage.plan(sharded, directory, validate=not self._validated, snapshot_by_fork=async_save)
+        write = storage.plan(sharded, directory, validate=not self._validated)
         self._validated = True
         meta = self._meta(common) if dist.get_rank() == 0 else None
         if async_save:
@@ -61,7 +61,7 @@ class Checkpointer:
         t = self.trainer
         return {"format": fmt.FORMAT, "step": t.step, "adam_step": state.adam_step(t, common),
                 "world_size": dist.get_world_size(), "parallel": t.config.parallel.to_dict(), "dtype": t.config.dtype,
-                "model": t.config.model.to_dict(), "optimizer": _settings(t.config.optimizer),
+                "model": t.config.model.to_dict(), "optimizer": asdict(t.config.optimizer),
                 "scheduler": t.scheduler.state_dict(), "sharding": dict(state.SHARDING_METADATA)}
 
     def finalize(self, blocking: bool = True, timeout_s: float | None = None) -> Path | None:
@@ -166,12 +166,6 @@ def _prepare_directory(directory: Path) -> str | None:
         return f"{directory} exists and is not empty: save each checkpoint to a new directory"
     (directory / fmt.RNG_DIR).mkdir(parents=True, exist_ok=True)
     return None
-
-
-def _settings(optimizer) -> dict:
-    from dataclasses import asdict
-
-    return asdict(optimizer)
 
 
 def _check_compatible(meta: dict, trainer, directory: Path) -> None:

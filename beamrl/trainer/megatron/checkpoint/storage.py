@@ -95,18 +95,17 @@ def _writer(directory: Path) -> FileSystemWriter:
                             per_thread_copy_ahead=0)
 
 
-def _stage(data, keep_host_tensors: bool):
+def _stage(data):
+    """Device tensors are copied to host memory now (the write may run after training changed them); host tensors
+    are written as they are: inline before training goes on, or by a forked child that sees them as of the fork."""
     if not isinstance(data, torch.Tensor):
         raise StorageError(f"non-tensor checkpoint item {type(data).__name__}: beamrl stores tensors only")
     data = data.detach()
-    if data.device.type != "cpu":
-        return data.to("cpu")  # device -> host now: the write may run after training changed the tensor
-    return data if keep_host_tensors else data.clone()
+    return data.to("cpu") if data.device.type != "cpu" else data
 
 
-def plan(sharded_state_dict: dict, directory: Path, *, validate: bool, snapshot_by_fork: bool) -> PendingWrite:
-    """Phase 1 (collective). `sharded_state_dict` must hold Megatron ShardedTensors/factories only.
-    `snapshot_by_fork`: host tensors are not copied (the forked writer sees them as of the fork)."""
+def plan(sharded_state_dict: dict, directory: Path, *, validate: bool) -> PendingWrite:
+    """Phase 1 (collective). `sharded_state_dict` must hold Megatron ShardedTensors/factories only."""
     sharded_part, common = save_preprocess(sharded_state_dict, validate_access_integrity=validate)
     leftovers = [k for k, _ in _flat_items(common)]
     if leftovers:
@@ -131,7 +130,7 @@ def plan(sharded_state_dict: dict, directory: Path, *, validate: bool, snapshot_
     mine = [None]
     dist.scatter_object_list(mine, global_plans, src=0)
     final = planner.finish_plan(mine[0])
-    staged = {item.index: _stage(planner.resolve_data(item), snapshot_by_fork) for item in final.items}
+    staged = {item.index: _stage(planner.resolve_data(item)) for item in final.items}
     return PendingWrite(directory, rank, final, staged, metadata)
 
 
