@@ -66,8 +66,12 @@ class TrainerActor:
         self.trainer.set_routing_replay(replay)
         return self.trainer.train_step(micro_batches, loss_fn, temperature=temperature)
 
-    def save_checkpoint(self, directory: str) -> str:
-        return str(self.trainer.save_checkpoint(directory))
+    def save_checkpoint(self, directory: str, async_save: bool = False) -> str:
+        return str(self.trainer.save_checkpoint(directory, async_save=async_save))
+
+    def finalize_checkpoint(self, blocking: bool, timeout_s: float) -> str | None:
+        done = self.trainer.finalize_checkpoint(blocking=blocking, timeout_s=timeout_s)
+        return None if done is None else str(done)
 
     def load_checkpoint(self, directory: str) -> None:
         self.trainer.load_checkpoint(directory)

@@ -12,12 +12,12 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from beamrl.loop.checkpoints import restore_checkpoint, save_checkpoint
+from beamrl.loop.checkpoints import RunCheckpoints, restore_driver_state, save_due, step_of
 from beamrl.loop.collect import PendingRollout, RolloutBatch, RolloutCollector
 from beamrl.loop.groups import EngineGroup, TrainerGroup
 from beamrl.loop.log import log
 from beamrl.loop.setup import (Resources, RunContext, check_launchable, prepare_run, start_engines, start_ray,
-                               start_trainer)
+                               start_trainer, truncate_metrics)
 from beamrl.loop.sft import sft_warm_start
 from beamrl.loop.summary import plot_and_summarize
 from beamrl.loop.train import train_on_rollouts
@@ -38,6 +38,7 @@ class RLDriver:
         self.engines: EngineGroup | None = None
         self.collector: RolloutCollector | None = None
         self.probe: SyncProbe | None = None  # post-sync verification (sync.verify)
+        self.checkpoints: RunCheckpoints | None = None
         self.version = 0  # the weight version the engines serve
 
     def __enter__(self) -> "RLDriver":
@@ -54,6 +55,8 @@ class RLDriver:
     def run(self) -> Path:
         r = self.recipe
         run = self.ctx = prepare_run(r, self.resume, self.resources)  # first: a bad field fails before Ray
+        self.checkpoints = RunCheckpoints(run.checkpoint_root, r.checkpoint.keep_last, r.checkpoint.async_save,
+                                          r.timeouts.checkpoint_s, log)
         check_launchable(r)
         start_ray(r, self.resources)
         policy = run.initial_checkpoint
@@ -92,7 +95,8 @@ class RLDriver:
             metrics[keys.TIME_STEP] = time.perf_counter() - t0
             metrics[keys.TOKENS_PER_S] = batch.num_tokens / max(metrics[keys.TIME_STEP], 1e-9)
             self.ctx.logger.log(step, metrics)
-            if r.checkpoint.every_n_steps and (step + 1) % r.checkpoint.every_n_steps == 0 and not last:
+            self.checkpoints.poll(self.trainer)  # publish a background save as soon as it is complete
+            if save_due(step + 1, r.checkpoint.every_n_steps, r.run.num_steps):
                 self._save(step + 1, pending)
 
     # ------------------------------------------------------------------------------------------ pieces
@@ -114,21 +118,22 @@ class RLDriver:
 
     def _resume(self) -> int:
         run = self.ctx
-        step, version = restore_checkpoint(self.trainer, run.data, run.resume_dir)
+        directory = self.checkpoints.load_for_resume(self.trainer, run.resume_dir)
+        truncate_metrics(run.out_dir, step_of(directory))  # again: a damaged checkpoint sends it further back
+        step, version = restore_driver_state(run.data, directory)
         self._publish(version, staged=False)  # engines start from the initial weights: bring them to the checkpoint
-        log(f"resumed from {run.resume_dir} at step {step}")
+        log(f"resumed from {directory} (the newest complete checkpoint) at step {step}")
         return step
 
     def _save(self, step: int, pending: PendingRollout | None) -> None:
         # A rollout in flight for `step` already took its prompts: resume before them, or they would be skipped.
         data_state = pending.data_state if pending is not None else self.ctx.data.state_dict()
-        save_checkpoint(self.trainer, self.ctx.checkpoint_root, step, self.version, data_state,
-                        self.recipe.checkpoint.keep_last)
+        self.checkpoints.save(self.trainer, step, self.version, data_state)
 
     def _finish(self) -> None:
         r = self.recipe
-        if r.checkpoint.every_n_steps:
-            self._save(r.run.num_steps, None)
+        self._save(r.run.num_steps, None)  # the final checkpoint, also with every_n_steps: 0 ("only at the end")
+        self.checkpoints.wait(self.trainer)
         if r.checkpoint.export_hf_at_end:
             path = self.trainer.export_hf_checkpoint(str(self.ctx.out_dir / "hf_final"), r.sync.bucket_bytes)
             log(f"final HF checkpoint (SGLang format): {path}")

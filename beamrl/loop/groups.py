@@ -59,11 +59,17 @@ class TrainerGroup:
         return ray_get([a.train_step.remote(shares[d], loss_fn=loss_fn, replay=replay, temperature=temperature)
                         for a, d in zip(self.actors, self.dp_ranks)], self.timeout, "trainer.train_step")[0]
 
-    def save_checkpoint(self, directory: str) -> None:
-        self._all("save_checkpoint", None, lambda a: a.save_checkpoint.remote(directory=directory))
+    # Checkpoint calls wait up to `timeout_s` inside the ranks; the actor call gets a minute more.
+    def save_checkpoint(self, directory: str, async_save: bool, timeout_s: float) -> None:
+        self._all("save_checkpoint", timeout_s + 60, lambda a: a.save_checkpoint.remote(directory=directory,
+                                                                                async_save=async_save))
 
-    def load_checkpoint(self, directory: str) -> None:
-        self._all("load_checkpoint", None, lambda a: a.load_checkpoint.remote(directory=directory))
+    def finalize_checkpoint(self, blocking: bool, timeout_s: float) -> str | None:
+        return self._all("finalize_checkpoint", timeout_s + 60,
+                         lambda a: a.finalize_checkpoint.remote(blocking=blocking, timeout_s=timeout_s))[0]
+
+    def load_checkpoint(self, directory: str, timeout_s: float) -> None:
+        self._all("load_checkpoint", timeout_s + 60, lambda a: a.load_checkpoint.remote(directory=directory))
 
     def sync_weights(self, engines: "EngineGroup", version: int, transport: str, bucket_bytes: int, timeout: float,
                      progress: bool) -> dict:

@@ -22,7 +22,7 @@ import torch
 from beamrl.dtypes import torch_dtype
 from beamrl.loop.groups import EngineGroup, TrainerGroup
 from beamrl.loop.log import log
-from beamrl.loop.run_state import latest_checkpoint
+from beamrl.loop.checkpoints import pick_resume, published, step_of
 from beamrl.models.beam.config import BeamConfig
 from beamrl.recipe.errors import RecipeError
 from beamrl.recipe.schema import Recipe
@@ -128,13 +128,13 @@ def prepare_run(recipe: Recipe, resume: bool, resources: Resources) -> RunContex
     rewards = RewardManager(recipe.rewards, recipe.reward_pool, log=log)
     rewards.start()
     resources.add("rewards", rewards.close)
-    resume_dir = latest_checkpoint(ckpt_root) if resume else None
+    resume_dir = pick_resume(ckpt_root, log) if resume else None
     if resume and resume_dir is None:
         raise FileNotFoundError(f"--resume: no complete checkpoint under {ckpt_root}")
-    if not resume and latest_checkpoint(ckpt_root) is not None:
+    if not resume and published(ckpt_root):
         raise FileExistsError(f"{ckpt_root} holds checkpoints of an earlier run: continue it with --resume, or "
                               f"start a new one with run.name=... or run.output_dir=... (nothing was deleted)")
-    truncate_metrics(out_dir, int(resume_dir.name.split("_")[1]) if resume_dir else 0)
+    truncate_metrics(out_dir, step_of(resume_dir) if resume_dir else 0)
     logger = build_metrics_logger(recipe.logging, out_dir, recipe.run.name, recipe.run.num_steps, recipe.to_dict())
     resources.add("logger", logger.close)
     a, ro = recipe.algorithm, recipe.rollout

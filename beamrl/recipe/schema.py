@@ -74,6 +74,7 @@ class CheckpointSection(Section):
     dir: str | None = Field(None, description="null = <run.output_dir>/checkpoints")
     every_n_steps: int = Field(0, ge=0, description="0 = only at the end")
     keep_last: int = Field(2, gt=0)
+    async_save: bool = Field(True, description="write in the background; the next save waits for this one")
     export_hf_at_end: bool = False
 
 
@@ -95,6 +96,7 @@ class TimeoutsSection(Section):
     train_step_s: float = Field(3600.0, gt=0)
     sync_s: float = Field(600.0, gt=0)
     health_s: float = Field(60.0, gt=0)
+    checkpoint_s: float = Field(3600.0, gt=0)
 
     @model_validator(mode="before")
     @classmethod

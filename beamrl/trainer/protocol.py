@@ -196,12 +196,18 @@ class TrainerWorker(abc.ABC):
         logprobs given to `loss_fn` are taken at `temperature` (the rollout's sampling temperature)."""
 
     @abc.abstractmethod
-    def save_checkpoint(self, directory: str | Path) -> Path:
-        """Save model, optimizer, scheduler and RNG state so that `load_checkpoint` resumes exactly."""
+    def save_checkpoint(self, directory: str | Path, async_save: bool = False) -> Path:
+        """Save model, optimizer, scheduler and RNG state so that `load_checkpoint` resumes exactly. With
+        `async_save` the files are written in the background until `finalize_checkpoint`."""
+
+    @abc.abstractmethod
+    def finalize_checkpoint(self, blocking: bool = True, timeout_s: float | None = None) -> Path | None:
+        """Complete the save in flight: its directory once complete, else None (nothing in flight, or still being
+        written with `blocking=False`)."""
 
     @abc.abstractmethod
     def load_checkpoint(self, directory: str | Path) -> None:
-        """Restore a checkpoint written by `save_checkpoint` with the same parallel layout."""
+        """Restore a checkpoint written by `save_checkpoint`, also at another parallel layout of the same model."""
 
     @abc.abstractmethod
     def export_hf(self, bucket_bytes: int) -> Iterator[HFBucket]:

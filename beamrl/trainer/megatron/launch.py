@@ -120,6 +120,7 @@ def _patched_environ(values: dict[str, str]):
 
 
 def _read(path: Path) -> tuple[str, Any]:
+    # Results of this launch's own children, in its private (0700) temporary directory: IPC, not a checkpoint.
     return pickle.loads(path.read_bytes())
 
 

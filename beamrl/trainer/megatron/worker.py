@@ -127,6 +127,9 @@ class MegatronTrainer(TrainerWorker):
         self._replay_enabled = False
         self._record_enabled = False
         self._step = 0
+        from beamrl.trainer.megatron.checkpoint.checkpointer import Checkpointer
+
+        self._checkpointer = Checkpointer(self)
         if hf_checkpoint is not None:
             self.load_hf(hf_checkpoint)
 
@@ -408,22 +411,30 @@ class MegatronTrainer(TrainerWorker):
         for tensors in mapping.export_hf_tensors(self.models, bucket_bytes, dst_rank=dst_rank):
             yield HFBucket(dict(tensors))
 
-    def save_checkpoint(self, directory: str | Path) -> Path:
-        from beamrl.trainer.megatron import checkpoint
+    def save_checkpoint(self, directory: str | Path, async_save: bool = False) -> Path:
+        """Write a distributed checkpoint to `directory` (absent or empty; docs/checkpoints.md). With `async_save`
+        it returns once the state is staged and the files are being written in the background: complete it with
+        `finalize_checkpoint` (a later save, load or shutdown does so first)."""
+        return self._checkpointer.save(directory, async_save)
 
-        return checkpoint.save(self, directory)
+    def finalize_checkpoint(self, blocking: bool = True, timeout_s: float | None = None) -> Path | None:
+        """Publish the save in flight once every rank's files are written: its directory, or None if there is none
+        or (`blocking=False`) it is still being written. Waits at most `timeout_s` (default `config.timeout_s`)."""
+        return self._checkpointer.finalize(blocking, timeout_s)
 
     def load_checkpoint(self, directory: str | Path) -> None:
-        from beamrl.trainer.megatron import checkpoint
-
-        checkpoint.load(self, directory)
+        """Restore a checkpoint written at any parallel layout of the same model (docs/checkpoints.md)."""
+        self._checkpointer.load(directory)
 
     def shutdown(self) -> None:
         from megatron.core.transformer.moe.router_replay import RouterReplay
 
-        RouterReplay.clear_global_router_replay_instances()
-        self.chunks, self.optimizer, self.scheduler = [], None, None
-        destroy_parallel()
+        try:
+            self.finalize_checkpoint(blocking=True)  # a save in flight is completed, not abandoned
+        finally:
+            RouterReplay.clear_global_router_replay_instances()
+            self.chunks, self.optimizer, self.scheduler = [], None, None
+            destroy_parallel()
 
 
 def _applies_softcap(model) -> bool:

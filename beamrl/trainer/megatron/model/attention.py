@@ -20,6 +20,7 @@ from megatron.core.utils import divide
 
 from beamrl.kernels import ops
 from beamrl.models.beam import numerics
+from beamrl.trainer.megatron.model import sharding
 from beamrl.trainer.megatron.model.batch import positions_from_cu_seqlens
 
 
@@ -86,6 +87,13 @@ class BeamSelfAttention(MegatronModule):
         # Per-head gate bias in the activation dtype; each TP rank keeps its own heads.
         self.gate_bias = torch.nn.Parameter(torch.zeros(self.heads, dtype=config.params_dtype))
         set_tensor_model_parallel_attributes(self.gate_bias, is_parallel=True, dim=0, stride=1)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+        """Megatron's default, except `gate_bias`: split over TP by heads (the default marks it replicated)."""
+        sd = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        key = f"{prefix}gate_bias"
+        sd[key] = sharding.tp_sharded(self.gate_bias, key, 0, sharded_offsets, metadata)
+        return sd
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, packed_seq_params=None, **_unused):
         if attention_mask is not None:
