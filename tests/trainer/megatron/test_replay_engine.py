@@ -59,7 +59,6 @@ def _output_logprobs(logits, data, lens):
 
 
 def test_engine_routes_replayed_in_megatron_close_the_gap(tmp_path):
-    pytest.importorskip("sglang")
     from beamrl.models.beam.model import BeamForCausalLM
     from beamrl.rollout.protocol import GenerateRequest, SamplingParams
     from beamrl.rollout.sglang.config import SGLangEngineConfig
