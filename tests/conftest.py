@@ -32,7 +32,11 @@ def tiny_config():
 # them with these fixtures, which undo them afterwards; `_no_leaked_switches` fails a test that leaves either on.
 
 from beamrl.compat import megatron_cpu  # noqa: E402
-from tests.triton_interpreter import ENV as TRITON_INTERPRET, import_triton_interpreted, interpreted_kernels  # noqa: E402
+from tests.triton_interpreter import (  # noqa: E402
+    ENV as TRITON_INTERPRET,
+    import_triton_interpreted,
+    interpreted_kernels,
+)
 
 _TRITON_INTERPRET_AT_START = os.environ.get(TRITON_INTERPRET)
 if not torch.cuda.is_available():

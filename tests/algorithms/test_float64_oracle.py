@@ -84,7 +84,8 @@ def oracle_loss(lp, old, rollout, ref, adv, mask, seq, cfg: PolicyLossConfig):
         dtok.append(grad)
     live = [t for t in range(len(lp)) if mask[t]]
     if cfg.aggregation == "token-mean":
-        return math.fsum(tok[t] for t in live) / len(live), [dtok[t] / len(live) if mask[t] else 0.0 for t in range(len(lp))]
+        grad = [dtok[t] / len(live) if mask[t] else 0.0 for t in range(len(lp))]
+        return math.fsum(tok[t] for t in live) / len(live), grad
     seqs = sorted({seq[t] for t in live})
     n_tok = {s: sum(1 for t in live if seq[t] == s) for s in seqs}
     per = (lambda s: n_tok[s]) if cfg.aggregation == "seq-mean-token-mean" else (lambda s: 1)
