@@ -2,8 +2,9 @@
 
 `launch(fn, world_size, args)` spawns N fresh interpreters (the `spawn` start method: no forked torch or
 Megatron state), gives each the usual env (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`
-on a port reserved for the run, `beamrl.net.reserve_port`) plus `OMP_NUM_THREADS=1` and `TORCHDYNAMO_DISABLE=1`, runs `fn(*args)` on every rank and
-returns the list of per-rank return values (rank order).
+on a port reserved for the run, `beamrl.net.reserve_port`) plus `OMP_NUM_THREADS=1` and
+`TORCHDYNAMO_DISABLE=1`, runs `fn(*args)` on every rank and returns the list of per-rank return values
+(rank order).
 
 Failures never hang: if any rank raises, exits without a result or the whole run exceeds `timeout_s`, the
 other ranks (likely blocked in a collective) are terminated and `LaunchError` is raised with the failing
