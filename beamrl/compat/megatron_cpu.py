@@ -9,6 +9,7 @@ Usage (before building any Megatron model, in a process that uses no GPU)::
     from beamrl.compat import megatron_cpu
     megatron_cpu.activate()          # idempotent; raises if CUDA is available
     import megatron.core ...
+    megatron_cpu.deactivate()        # undoes every patch (tests scope the layer to the tests that need it)
 
 Patches:
 
@@ -67,6 +68,9 @@ from torch.overrides import TorchFunctionMode
 _lock = threading.Lock()
 _active = False
 _mode: "_CpuDeviceMode | None" = None
+_finder: "_PagedStashStubFinder | None" = None
+#: (object, attribute, original value) of every patch, in the order applied; `deactivate` restores them.
+_saved: list[tuple[object, str, object]] = []
 
 PAGED_STASH_OPS = "megatron.core.transformer.moe.ops.paged_stash"
 
@@ -103,6 +107,43 @@ def activate() -> None:
         _active = True
 
 
+def deactivate() -> None:
+    """Undo `activate()`: restore every patched attribute, pop the CPU device mode, remove the W0 finder.
+    Idempotent. Objects built while the layer was active keep what they captured (tests build them anew)."""
+    global _active, _mode, _finder
+    with _lock:
+        if not _active:
+            return
+        for obj, name, original in reversed(_saved):
+            _restore(obj, name, original)
+        _saved.clear()
+        if _mode is not None:
+            _mode.__exit__(None, None, None)
+            _mode = None
+        if _finder is not None and _finder in sys.meta_path:
+            sys.meta_path.remove(_finder)
+        _finder = None
+        _active = False
+
+
+_INHERITED = object()
+
+
+def _patch(obj: object, name: str, value: object) -> None:
+    """setattr, remembering the original for `deactivate` (a class's own raw attribute, e.g. the staticmethod
+    of `__new__`, or that it was inherited)."""
+    original = vars(obj).get(name, _INHERITED) if isinstance(obj, type) else getattr(obj, name)
+    _saved.append((obj, name, original))
+    setattr(obj, name, value)
+
+
+def _restore(obj: object, name: str, original: object) -> None:
+    if original is _INHERITED:
+        delattr(obj, name)
+    else:
+        setattr(obj, name, original)
+
+
 # ------------------------------------------------------------------------------------------------------- W0
 
 
@@ -128,11 +169,13 @@ class _PagedStashStubFinder(importlib.abc.MetaPathFinder):
 
 
 def _w0_triton_free_paged_stash() -> None:
+    global _finder
     if importlib.util.find_spec("triton") is not None:
         return  # triton installed: Megatron imports the real module.
     if PAGED_STASH_OPS in sys.modules:
         return
-    sys.meta_path.insert(0, _PagedStashStubFinder())
+    _finder = _PagedStashStubFinder()
+    sys.meta_path.insert(0, _finder)
 
 
 # ------------------------------------------------------------------------------------------------------- W1
@@ -140,11 +183,11 @@ def _w0_triton_free_paged_stash() -> None:
 
 def _w1_cpu_rng() -> None:
     # One generator: the "CUDA" RNG is the CPU RNG.
-    torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
-    torch.cuda.set_rng_state = lambda new_state, device="cuda": torch.set_rng_state(new_state)
+    _patch(torch.cuda, "get_rng_state", lambda device="cuda": torch.get_rng_state())
+    _patch(torch.cuda, "set_rng_state", lambda new_state, device="cuda": torch.set_rng_state(new_state))
     # Seed the CPU generator directly: torch.manual_seed itself calls torch.cuda.manual_seed_all.
-    torch.cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
-    torch.cuda.manual_seed_all = lambda seed: torch.default_generator.manual_seed(int(seed))
+    _patch(torch.cuda, "manual_seed", lambda seed: torch.default_generator.manual_seed(int(seed)))
+    _patch(torch.cuda, "manual_seed_all", lambda seed: torch.default_generator.manual_seed(int(seed)))
 
 
 def _w1_tracker() -> None:
@@ -156,8 +199,8 @@ def _w1_tracker() -> None:
     def set_state(new_state, device=-1, graph_safe=False):
         torch.set_rng_state(new_state)
 
-    mrandom._get_cuda_rng_state = get_state
-    mrandom._set_cuda_rng_state = set_state
+    _patch(mrandom, "_get_cuda_rng_state", get_state)
+    _patch(mrandom, "_set_cuda_rng_state", set_state)
 
     @contextlib.contextmanager
     def fork(self, name=mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME):
@@ -179,7 +222,7 @@ def _w1_tracker() -> None:
             torch.set_rng_state(orig_state)
             self._current_state_name = orig_name
 
-    mrandom.CudaRNGStatesTracker.fork = fork
+    _patch(mrandom.CudaRNGStatesTracker, "fork", fork)
 
 
 # ------------------------------------------------------------------------------------------------------- W2
@@ -245,14 +288,14 @@ _NOOP_STREAM = _NoopStream()
 
 
 def _w2_noop_streams() -> None:
-    torch.cuda.Stream = _NoopStream
-    torch.cuda.ExternalStream = _NoopStream
-    torch.cuda.Event = _NoopEvent
-    torch.cuda.current_stream = lambda device=None: _NOOP_STREAM
-    torch.cuda.default_stream = lambda device=None: _NOOP_STREAM
-    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
-    torch.cuda.synchronize = lambda device=None: None
-    torch.Tensor.record_stream = lambda self, stream: None
+    _patch(torch.cuda, "Stream", _NoopStream)
+    _patch(torch.cuda, "ExternalStream", _NoopStream)
+    _patch(torch.cuda, "Event", _NoopEvent)
+    _patch(torch.cuda, "current_stream", lambda device=None: _NOOP_STREAM)
+    _patch(torch.cuda, "default_stream", lambda device=None: _NOOP_STREAM)
+    _patch(torch.cuda, "stream", lambda stream=None: contextlib.nullcontext())
+    _patch(torch.cuda, "synchronize", lambda device=None: None)
+    _patch(torch.Tensor, "record_stream", lambda self, stream: None)
 
 
 # ------------------------------------------------------------------------------------------------------ W2b
@@ -268,8 +311,8 @@ def _w2b_numpy_split_sizes() -> None:
                 return tensor.numpy()
         return tensor
 
-    moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
-    token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+    _patch(moe_utils, "maybe_move_tensor_to_cpu", maybe_move_tensor_to_cpu)
+    _patch(token_dispatcher, "maybe_move_tensor_to_cpu", maybe_move_tensor_to_cpu)
 
 
 # ------------------------------------------------------------------------------------------------------- W3
@@ -319,11 +362,11 @@ def _run_backward_with_mode(original):
 
 def _w3_cpu_devices() -> None:
     global _mode
-    torch.cuda.current_device = lambda: 0
-    torch.cuda.set_device = lambda device: None
+    _patch(torch.cuda, "current_device", lambda: 0)
+    _patch(torch.cuda, "set_device", lambda device: None)
     _mode = _CpuDeviceMode()
-    _mode.__enter__()  # stays pushed for the life of the process
-    torch.autograd._engine_run_backward = _run_backward_with_mode(torch.autograd._engine_run_backward)
+    _mode.__enter__()  # stays pushed until `deactivate`
+    _patch(torch.autograd, "_engine_run_backward", _run_backward_with_mode(torch.autograd._engine_run_backward))
 
 
 # ------------------------------------------------------------------------------------------------------- W4
@@ -355,7 +398,7 @@ def _w4_sequence_parallel_norm() -> None:
         return original_new(cls, config, hidden_size, eps, persist_layer_norm, zero_centered_gamma,
                             normalization)
 
-    torch_norm.WrappedTorchNorm.__new__ = new
+    _patch(torch_norm.WrappedTorchNorm, "__new__", new)
 
 
 # ------------------------------------------------------------------------------------------------------- W5
@@ -373,4 +416,4 @@ def _type(self, dtype=None, non_blocking=False, **kwargs):
 
 
 def _w5_tensor_type_names() -> None:
-    torch.Tensor.type = _type
+    _patch(torch.Tensor, "type", _type)

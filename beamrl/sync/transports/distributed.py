@@ -23,7 +23,7 @@ from beamrl.protocols.weights import WeightReceiver, WeightSyncError
 from beamrl.sync.protocol import Bucket
 from beamrl.sync.transports import TRANSPORTS
 from beamrl.sync.transports.base import ReceiverTransport
-from beamrl.net import free_port
+from beamrl.net import reserve_port
 from beamrl.sync.update_group import broadcast_from_rank0, destroy_update_group, init_update_group
 
 log = logging.getLogger(__name__)
@@ -66,7 +66,10 @@ class DistributedTransport(ReceiverTransport):
         if self._pg is not None:
             return
         self._require_healthy()
-        port = self.master_port or free_port(self.master_address)
+        # master_port 0: a port reserved until the trainer's store has bound it (no other process can take it
+        # in between); an explicit master_port is the operator's choice.
+        reserved = None if self.master_port else reserve_port(self.master_address)
+        port = self.master_port or reserved.port
         group = f"{self.group_prefix}-{uuid.uuid4().hex[:8]}"  # fresh name: a failed group may linger in torch
         world, holder = self.world_size, {}
 
@@ -83,6 +86,9 @@ class DistributedTransport(ReceiverTransport):
             if "pg" in holder:
                 self._destroy_local(holder["pg"])
             raise
+        finally:
+            if reserved is not None:
+                reserved.close()
         self._pg, self.group_name = holder["pg"], group
         log.info("weight-update group %s up: %s:%d, world %d, backend %s", group, self.master_address, port,
                  world, self.backend)

@@ -26,8 +26,8 @@ def test_dead_engine_fails_fast_with_its_name(tiny_checkpoint):
         transport = TRANSPORTS.get("colocated")([engine])
         t0 = time.monotonic()
         with pytest.raises(WeightSyncError, match=r"doomed-engine: .*receiver process is (dead|gone)"):
-            transport.begin(1, timeout=5)
-        assert time.monotonic() - t0 < 5
+            transport.begin(1, timeout=600)
+        assert time.monotonic() - t0 < 120  # noticed as dead, not by the 600 s deadline
         assert "doomed-engine" in transport.unhealthy
         transport.abort("engine died")
         with pytest.raises(WeightSyncError, match="refusing to sync.*doomed-engine"):
@@ -45,7 +45,7 @@ def test_wedged_engine_times_out_and_other_engines_are_marked_half_updated(train
         t0 = time.monotonic()
         with pytest.raises(WeightSyncError, match=r"wedged: no reply to update_weights_from_tensor within 1 s"):
             transport.send_bucket(one_bucket(trainer_model), timeout=1.0)
-        assert time.monotonic() - t0 < 3
+        assert time.monotonic() - t0 < 60  # the wedged call is abandoned at its deadline (it never returns)
         assert set(transport.unhealthy) == {"wedged"}
         transport.abort("bucket failed")
         # the healthy engine got the bucket but not the rest: it is half-updated too

@@ -26,7 +26,6 @@ TIMEOUTS = SyncTimeouts(connect=120, call=60, bucket=120, verify=120)
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    pytest.importorskip("sglang")
     from beamrl.rollout.sglang.config import SGLangEngineConfig
     from beamrl.rollout.sglang.engine import SGLangEngine
 
