@@ -12,11 +12,10 @@ import torch
 
 from beamrl.algorithms import (
     ADVANTAGES,
-    GRPOAdvantageConfig,
+    AlgorithmConfig,
     ImportanceConfig,
     KLConfig,
     LossInputs,
-    PolicyLossConfig,
     filter_groups,
     importance_weights,
     ppo_clip_loss,
@@ -51,7 +50,7 @@ def oracle_k3(log_r: float) -> float:
 def oracle_importance(old, rollout, mask, seq, cfg: ImportanceConfig):
     """(weights, kept) per token; TIS min(ratio, cap), MIS ratio inside [lo, hi] (token or sequence geo-mean)."""
     ratio = [math.exp(o - r) for o, r in zip(old, rollout)]
-    if cfg.method == "tis":
+    if cfg.mode == "tis":
         return [min(x, cfg.cap) if m else 0.0 for x, m in zip(ratio, mask)], list(mask)
     if cfg.level == "token":
         test = ratio
@@ -65,13 +64,14 @@ def oracle_importance(old, rollout, mask, seq, cfg: ImportanceConfig):
     return [x if k else 0.0 for x, k in zip(ratio, kept)], kept
 
 
-def oracle_loss(lp, old, rollout, ref, adv, mask, seq, cfg: PolicyLossConfig):
+def oracle_loss(lp, old, rollout, ref, adv, mask, seq, cfg: AlgorithmConfig):
     """Loss value and d loss / d logprob_t, from l_t = max(-A r, -A clip(r)) w + c kl_t and the aggregation."""
-    w = oracle_importance(old, rollout, mask, seq, cfg.importance)[0] if cfg.importance else [1.0] * len(lp)
+    w = oracle_importance(old, rollout, mask, seq, cfg.importance)[0] if cfg.importance.mode != "none" \
+        else [1.0] * len(lp)
     tok, dtok = [], []
     for t in range(len(lp)):
         r = math.exp(lp[t] - old[t])
-        lo, hi = 1 - cfg.eps_low, 1 + cfg.eps_high
+        lo, hi = 1 - cfg.eps_clip_low, 1 + cfg.eps_clip_high
         unclipped, clipped = -adv[t] * r, -adv[t] * min(max(r, lo), hi)
         # The gradient flows through whichever branch is larger; the clipped one is flat outside [lo, hi].
         grad = -adv[t] * r if unclipped >= clipped else 0.0
@@ -83,12 +83,12 @@ def oracle_loss(lp, old, rollout, ref, adv, mask, seq, cfg: PolicyLossConfig):
         tok.append(value)
         dtok.append(grad)
     live = [t for t in range(len(lp)) if mask[t]]
-    if cfg.aggregation == "token-mean":
+    if cfg.loss_agg == "token-mean":
         grad = [dtok[t] / len(live) if mask[t] else 0.0 for t in range(len(lp))]
         return math.fsum(tok[t] for t in live) / len(live), grad
     seqs = sorted({seq[t] for t in live})
     n_tok = {s: sum(1 for t in live if seq[t] == s) for s in seqs}
-    per = (lambda s: n_tok[s]) if cfg.aggregation == "seq-mean-token-mean" else (lambda s: 1)
+    per = (lambda s: n_tok[s]) if cfg.loss_agg == "seq-mean-token-mean" else (lambda s: 1)
     value = math.fsum(math.fsum(tok[t] for t in live if seq[t] == s) / per(s) for s in seqs) / len(seqs)
     grad = [dtok[t] / per(seq[t]) / len(seqs) if mask[t] else 0.0 for t in range(len(lp))]
     return value, grad
@@ -125,8 +125,8 @@ def flat(groups):
 @pytest.mark.parametrize("unbiased", [True, False])
 def test_grpo_matches_oracle_with_non_binary_scores(dtype, eps, scale_by_std, unbiased):
     scores, ids = flat(GROUPS)
-    cfg = GRPOAdvantageConfig(eps=eps, scale_by_std=scale_by_std, unbiased_std=unbiased)
-    adv = ADVANTAGES.get("grpo")(torch.tensor(scores, dtype=dtype), ids, cfg)
+    adv = ADVANTAGES.get("grpo")(torch.tensor(scores, dtype=dtype), ids, AlgorithmConfig(normalize_std=scale_by_std),
+                                 eps=eps, unbiased_std=unbiased)
     expected = [x for g in oracle_grpo(GROUPS, eps, scale_by_std, unbiased) for x in g]
     # Constant groups (and the group of one) are exactly 0 in any dtype, not a rounding residue over a tiny std.
     n_const = sum(len(g) for g in GROUPS[:3])
@@ -184,7 +184,8 @@ def test_train_rollout_kl_is_kl_rollout_to_old_under_rollout_samples():
     rollout = torch.tensor([math.log(P[i]) for i in toks], dtype=D)
     old = torch.tensor([math.log(Q[i]) for i in toks], dtype=D)
     mask = torch.ones(len(toks), dtype=torch.bool)
-    res = importance_weights(old, rollout, mask, torch.zeros(len(toks), dtype=torch.long), ImportanceConfig())
+    res = importance_weights(old, rollout, mask, torch.zeros(len(toks), dtype=torch.long),
+                             ImportanceConfig(mode="tis", cap=2.0))
     oracle = masked_mean_of([oracle_k3(o - r) for o, r in zip(old.tolist(), rollout.tolist())], mask.tolist())
     assert oracle == pytest.approx(kl(P, Q), rel=1e-12)  # the oracle's k3 is unbiased for KL(rollout || old)
     assert float(res.metrics["train_rollout_kl"]) == pytest.approx(oracle, rel=1e-6)
@@ -198,7 +199,7 @@ def test_loss_approx_kl_is_kl_old_to_new_under_old_samples():
     n = len(toks)
     inputs = LossInputs(logprobs=new, old_logprobs=old, advantages=torch.zeros(n, dtype=D),
                         loss_mask=torch.ones(n, dtype=torch.bool), seq_ids=torch.zeros(n, dtype=torch.long))
-    out = ppo_clip_loss(inputs, PolicyLossConfig())
+    out = ppo_clip_loss(inputs, AlgorithmConfig())
     assert float(out.metrics["approx_kl"]) == pytest.approx(kl(P, Q), rel=1e-12)
     assert float(out.metrics["ppo_kl"]) == pytest.approx(kl(P, Q), rel=1e-12)
 
@@ -221,9 +222,9 @@ def loss_case(seed: int):
 
 IMPORTANCE = [
     None,
-    ImportanceConfig(method="tis", cap=1.5),
-    ImportanceConfig(method="mis", lo=0.6, hi=1.6, level="token"),
-    ImportanceConfig(method="mis", lo=0.8, hi=1.25, level="sequence"),
+    ImportanceConfig(mode="tis", cap=1.5),
+    ImportanceConfig(mode="mis", lo=0.6, hi=1.6, level="token"),
+    ImportanceConfig(mode="mis", lo=0.8, hi=1.25, level="sequence"),
 ]
 
 
@@ -232,8 +233,9 @@ IMPORTANCE = [
 @pytest.mark.parametrize("kl_coef", [0.0, 0.05])
 def test_ppo_clip_loss_value_and_gradient_match_oracle(importance, aggregation, kl_coef):
     lp, old, rollout, ref, adv, mask, seq = loss_case(7)
-    cfg = PolicyLossConfig(eps_low=0.2, eps_high=0.28, aggregation=aggregation, importance=importance,
-                           kl=KLConfig(coef=kl_coef, estimator="k3", clamp=None))
+    cfg = AlgorithmConfig(eps_clip_low=0.2, eps_clip_high=0.28, loss_agg=aggregation,
+                          importance=importance or ImportanceConfig(), kl=KLConfig(coef=kl_coef, estimator="k3",
+                                                                                    reference=kl_coef > 0, clamp=None))
     lp_t = torch.tensor(lp, dtype=D, requires_grad=True)
     out = ppo_clip_loss(LossInputs(logprobs=lp_t, old_logprobs=torch.tensor(old, dtype=D),
                                    advantages=torch.tensor(adv, dtype=D), loss_mask=torch.tensor(mask),
@@ -252,7 +254,7 @@ def test_importance_weights_and_metrics_match_oracle(importance):
     res = importance_weights(torch.tensor(old, dtype=D), torch.tensor(rollout, dtype=D), torch.tensor(mask),
                              torch.tensor(seq), importance)
     weights, kept = oracle_importance(old, rollout, mask, seq, importance)
-    assert 0 < sum(kept) < sum(mask) or importance.method == "tis"  # the MIS cases reject some tokens
+    assert 0 < sum(kept) < sum(mask) or importance.mode == "tis"  # the MIS cases reject some tokens
     assert res.kept.tolist() == kept
     # The weights are computed in float32 (the loop's dtype); the oracle in float64.
     torch.testing.assert_close(res.weights.double(), torch.tensor(weights, dtype=D), rtol=1e-6, atol=0)
