@@ -22,7 +22,7 @@ def test_ray_actor_serves_and_shuts_down(tmp_path):
     save_checkpoint(config, random_state_dict(config, 1, torch.bfloat16), tmp_path)
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=2, include_dashboard=False)
+        ray.init(address="local", num_cpus=2, include_dashboard=False)  # never join a cluster left running
     try:
         with reserve_port() as reserved:  # held until the actor's server has bound it
             handle = launch_ray_engine(SGLangEngineConfig.on_cpu(tmp_path, dtype="float32", port=reserved.port),
