@@ -12,7 +12,7 @@ groups, reward manager and logger. Three parts, three tables:
 2. **Inside the train step** (a fresh process holding the same `MegatronTrainer` a trainer actor holds,
    fed the captured arguments of one GRPO and one SFT `train_step`): CPU time (min of repeats), its
    anatomy (cProfile cumulative times of forward, loss, backward, optimizer, ...), op counts (aten ops,
-   autograd nodes, host reads such as `.item()`, calls of the CPU-compat device mode), the top aten ops
+   autograd nodes, host reads such as `.item()`, calls into the CPU shims of `beamrl.compat.megatron_cpu`), the top aten ops
    (torch.profiler, self CPU) and the top Python functions (cProfile, own time). Also `compute_logprobs`
    of the verification probe and the weight export of a sync.
 3. **Inside the engine** (a fresh process with the native engine): `generate` of the captured requests,
@@ -28,6 +28,7 @@ Writes profile.md and profile.json to --out. Op counts are exact; times on a sha
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import json
@@ -76,23 +77,44 @@ def recipe_overrides(args, out: Path) -> list[str]:
 class PhaseLog:
     """Per-step wall and per-group CPU seconds of each phase (a phase may be entered several times a step)."""
 
-    def __init__(self, groups):
-        self.groups = groups
+    def __init__(self, groups, num_steps: int):
+        self.groups, self.num_steps = groups, num_steps
         self.steps: list[dict] = []
         self.sft_steps: list[dict] = []
         self.payloads: dict[str, dict] = {}
+        self.driver_profile = cProfile.Profile(time.thread_time)  # CPU time of the driver's main thread
+        self._profiling = False
         self._current: dict = defaultdict(lambda: defaultdict(float))
         self._step_start = None
 
+    @contextlib.contextmanager
+    def unprofiled(self):
+        """Keeps the benchmark's own work (CPU sampling, captures) out of the driver's CPU profile."""
+        if self._profiling:
+            self.driver_profile.disable()
+        try:
+            yield
+        finally:
+            if self._profiling:
+                self.driver_profile.enable()
+
+    def _sample(self) -> dict[str, int]:
+        with self.unprofiled():
+            return self.groups.sample()
+
+    def _refresh(self) -> None:
+        with self.unprofiled():
+            self.groups.refresh()
+
     def timed(self, phase: str, fn, *args, **kwargs):
         if self._step_start is None:  # the first step starts at its first timed call (the rollout)
-            self.groups.refresh()
-            self._step_start = (time.perf_counter(), self.groups.sample())
-        s0, t0 = self.groups.sample(), time.perf_counter()
+            self._refresh()
+            self._step_start = (time.perf_counter(), self._sample())
+        s0, t0 = self._sample(), time.perf_counter()
         try:
             return fn(*args, **kwargs)
         finally:
-            t1, s1 = time.perf_counter(), self.groups.sample()
+            t1, s1 = time.perf_counter(), self._sample()
             row = self._current[phase]
             row["wall"] += t1 - t0
             for g in s0:
@@ -100,21 +122,27 @@ class PhaseLog:
 
     def end_step(self) -> None:
         t0, s0 = self._step_start
-        t1, s1 = time.perf_counter(), self.groups.sample()
+        t1, s1 = time.perf_counter(), self._sample()
         total = {"wall": t1 - t0, **{g: (s1[g] - s0[g]) / 1e9 for g in s0}}
         phases = {p: dict(v) for p, v in self._current.items()}
         other = {k: total[k] - sum(ph.get(k, 0.0) for ph in phases.values()) for k in total}
         phases["other"] = other
         self.steps.append({"total": total, "phases": phases})
+        if len(self.steps) == 1:  # the driver's own CPU profile covers the steps after the first
+            self.driver_profile.enable()
+            self._profiling = True
+        elif len(self.steps) == self.num_steps:
+            self.driver_profile.disable()
+            self._profiling = False
         self._current = defaultdict(lambda: defaultdict(float))
-        self.groups.refresh()
-        self._step_start = (time.perf_counter(), self.groups.sample())  # steps are back to back
+        self._refresh()
+        self._step_start = (time.perf_counter(), self._sample())  # steps are back to back
 
     def sft_step(self, fn, *args, **kwargs):
-        self.groups.refresh()
-        s0, t0 = self.groups.sample(), time.perf_counter()
+        self._refresh()
+        s0, t0 = self._sample(), time.perf_counter()
         out = fn(*args, **kwargs)
-        t1, s1 = time.perf_counter(), self.groups.sample()
+        t1, s1 = time.perf_counter(), self._sample()
         self.sft_steps.append({"wall": t1 - t0, **{g: (s1[g] - s0[g]) / 1e9 for g in s0}})
         return out
 
@@ -139,10 +167,12 @@ class _Timed:
 
         def call(*args, **kwargs):
             if self._on_call is not None:
-                self._on_call(name, args, kwargs)
+                with self._log.unprofiled():
+                    self._on_call(name, args, kwargs)
             out = self._log.timed(self._phases[name], attr, *args, **kwargs)
             if self._on_call is not None:
-                self._on_call(name + ":result", (out,), {})
+                with self._log.unprofiled():
+                    self._on_call(name + ":result", (out,), {})
             return out
 
         return call
@@ -215,8 +245,9 @@ def make_driver_class():
             d = self._driver
             d._sft_calls += 1
             if d._sft_calls == 2:
-                _dump(d._capture_dir / "sft_train_step.pkl", (args, kwargs))
-                d._plog.payload("SFT train_step arguments (driver -> trainer)", (args, kwargs))
+                with d._plog.unprofiled():
+                    _dump(d._capture_dir / "sft_train_step.pkl", (args, kwargs))
+                    d._plog.payload("SFT train_step arguments (driver -> trainer)", (args, kwargs))
             return d._plog.sft_step(self._group.train_step, *args, **kwargs)
 
     class _LoggerProxy:
@@ -247,15 +278,22 @@ def run_phases(args, out: Path) -> dict:
 
     recipe = load_recipe(RECIPE, recipe_overrides(args, out))
     shutil.rmtree(out / "run", ignore_errors=True)  # a fresh run: the SFT warm start must not be reused
-    log = PhaseLog(ProcessGroups(GROUPS))
+    log = PhaseLog(ProcessGroups(GROUPS), args.steps)
     driver_cls = make_driver_class()
     with driver_cls(recipe, log, out / "capture") as driver:
         driver.run()
     if len(log.steps) != args.steps or len(log.sft_steps) != args.sft_steps:
         raise RuntimeError(f"profiled {len(log.steps)} GRPO / {len(log.sft_steps)} SFT steps, expected "
                            f"{args.steps} / {args.sft_steps}: the driver's seams moved?")
+    driver = profile_stats(log.driver_profile, args.top)
+    n = len(log.steps) - 1
+    driver["per_step"] = {k: v / n for k, v in (("profiled_ms", driver["profiled_ms"]),)}
+    for row in driver["top"] + driver["beamrl_cumulative"]:
+        row["own_ms"] /= n
+        row["cum_ms"] /= n
+        row["calls"] /= n
     return {"steps": log.steps, "sft_steps": log.sft_steps, "payloads": log.payloads,
-            "groups": log.groups.groups}
+            "groups": log.groups.groups, "driver": driver}
 
 
 def phase_table(result: dict) -> str:
@@ -274,6 +312,20 @@ def phase_table(result: dict) -> str:
                  statistics.median(sum(s[g] for g in groups) for s in sft)])
     head = ["phase", "wall s", *[f"CPU s {g}" for g in groups], "CPU s all"]
     return _md(head, [[r[0], *[f"{v:.3f}" for v in r[1:]]] for r in rows])
+
+
+def driver_table(result: dict) -> str:
+    d = result["driver"]
+    return (f"**Driver main thread** (cProfile with a CPU clock, per step: {d['per_step']['profiled_ms']:.1f} ms; "
+            f"top functions by own time)\n\n" + _md(
+                ["function", "calls", "own ms", "cumulative ms"],
+                [[f"`{t['function']}`", f"{t['calls']:.0f}", f"{t['own_ms']:.2f}", f"{t['cum_ms']:.2f}"]
+                 for t in d["top"]])
+            + "\n\n**Driver main thread: beamrl functions by cumulative CPU** (per step; includes the time "
+              "spent in the Ray calls they make)\n\n" + _md(
+                ["function", "calls", "own ms", "cumulative ms"],
+                [[f"`{t['function']}`", f"{t['calls']:.0f}", f"{t['own_ms']:.2f}", f"{t['cum_ms']:.2f}"]
+                 for t in d["beamrl_cumulative"]]))
 
 
 def payload_table(result: dict) -> str:
@@ -321,7 +373,7 @@ ANATOMY = [
     ("  reduce metrics", "trainer/megatron/worker.py", "_reduce_collected"),
     ("  optimizer step (clip + Adam)", "trainer/megatron/worker.py", "optimizer_step"),
 ]
-_MODE_FN = ("beamrl/compat/megatron_cpu.py", "__torch_function__")
+_COMPAT_FILE = "beamrl/compat/megatron_cpu.py"
 
 
 def python_profile(fn, top: int) -> dict:
@@ -329,6 +381,11 @@ def python_profile(fn, top: int) -> dict:
     prof.enable()
     fn()
     prof.disable()
+    return profile_stats(prof, top)
+
+
+def profile_stats(prof: cProfile.Profile, top: int) -> dict:
+    """Anatomy of a train step (when it ran), calls into the CPU shims and the top functions by own time."""
     stats = pstats.Stats(prof)
     raw = stats.stats  # {(file, line, name): (cc, nc, tt, ct, callers)}
     total = sum(v[2] for v in raw.values())
@@ -340,8 +397,12 @@ def python_profile(fn, top: int) -> dict:
     anatomy = [{"part": label, "cum_ms": find(sfx, name)[0] * 1e3, "calls": find(sfx, name)[1]}
                for label, sfx, name in ANATOMY]
     tops = sorted(raw.items(), key=lambda kv: -kv[1][2])[:top]
+    ours = sorted(((k, v) for k, v in raw.items() if "/beamrl/" in k[0] and "/compat/" not in k[0]),
+                  key=lambda kv: -kv[1][3])[:top]
     return {"profiled_ms": total * 1e3, "anatomy": anatomy,
-            "compat_mode_calls": find(*_MODE_FN)[1],
+            "beamrl_cumulative": [{"function": _fn_name(k), "calls": v[1], "own_ms": v[2] * 1e3,
+                                   "cum_ms": v[3] * 1e3} for k, v in ours],
+            "compat_calls": sum(v[1] for (f, _, _), v in raw.items() if f.endswith(_COMPAT_FILE)),
             "python_calls": sum(v[1] for v in raw.values()),
             "top": [{"function": _fn_name(k), "calls": v[1], "own_ms": v[2] * 1e3, "cum_ms": v[3] * 1e3}
                     for k, v in tops]}
@@ -451,16 +512,16 @@ def internals_tables(tr: dict, eng: dict) -> str:
         k = tr[kind]
         counts.append([f"{kind.upper()} train_step ({k['sequences']} seqs, {k['tokens']} tokens)", f"{k['cpu_ms']:.1f}",
                        k["ops"]["aten_ops"], k["ops"]["autograd_nodes"], k["ops"]["host_reads"],
-                       k["python"]["compat_mode_calls"], k["python"]["python_calls"]])
+                       k["python"]["compat_calls"], k["python"]["python_calls"]])
     counts.append([f"engine generate ({eng['requests']} requests)", f"{eng['generate_cpu_ms']:.1f}",
                    eng["generate_ops"]["aten_ops"], "-", eng["generate_ops"]["host_reads"],
-                   eng["generate_python"]["compat_mode_calls"], eng["generate_python"]["python_calls"]])
+                   eng["generate_python"]["compat_calls"], eng["generate_python"]["python_calls"]])
     counts += [["verify: trainer logprobs of the probe", f"{tr['verify_logprobs_cpu_ms']:.1f}", "", "", "", "", ""],
                ["verify: engine score of the probe", f"{eng['score_cpu_ms']:.1f}", "", "", "", "", ""],
                ["sync: trainer HF export", f"{tr['export_cpu_ms']:.1f}", "", "", "", "", ""],
                ["sync: engine load of a full update", f"{eng['load_weights_cpu_ms']:.1f}", "", "", "", "", ""]]
     parts.append(_md(["call (in-process, 1 thread)", "CPU ms (min)", "aten ops", "autograd nodes", "host reads",
-                      "compat-mode calls", "Python calls"], counts))
+                      "CPU-shim calls", "Python calls"], counts))
     for kind in ("grpo", "sft"):
         k = tr[kind]
         total = k["python"]["anatomy"][0]["cum_ms"] or 1.0
@@ -504,7 +565,7 @@ def main(argv=None) -> int:
     head = (f"{started}, {os.cpu_count()} CPUs, 1-min load average {load0:.1f} at the start and {load1:.1f} at "
             f"the end; {args.steps} GRPO steps (medians over steps 2..{args.steps}), {args.sft_steps} SFT steps")
     md = "\n\n".join([head, "**Phases of one step** (seconds; CPU per process group)", phase_table(phases),
-                      payload_table(phases), "**Inside the calls**", internals_tables(tr, eng)])
+                      payload_table(phases), driver_table(phases), "**Inside the calls**", internals_tables(tr, eng)])
     (out / "profile.md").write_text(md + "\n")
     (out / "profile.json").write_text(json.dumps({"phases": phases, "trainer": tr, "engine": eng}, indent=1) + "\n")
     print(md)

@@ -28,7 +28,8 @@ def test_packed_batch_aligns_response_tokens(tiny_config):
     assert batch.fields["advantages"].tolist() == [1.5] * 5 + [-0.5] * 5
     assert batch.routes.shape == (10, tiny_config.num_hidden_layers, tiny_config.num_experts_per_tok)
     # row t of the engine's routes is token t's forward; the last token repeats the previous row
-    assert torch.equal(batch.routes[:4], torch.from_numpy(a.result.routed_experts).long())
+    assert batch.routes.dtype == torch.int32  # shipped to the trainer as the engine returned them
+    assert torch.equal(batch.routes[:4], torch.from_numpy(a.result.routed_experts))
     assert torch.equal(batch.routes[4], batch.routes[3])
 
 
