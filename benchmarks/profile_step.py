@@ -12,9 +12,9 @@ groups, reward manager and logger. Three parts, three tables:
 2. **Inside the train step** (a fresh process holding the same `MegatronTrainer` a trainer actor holds,
    fed the captured arguments of one GRPO and one SFT `train_step`): CPU time (min of repeats), its
    anatomy (cProfile cumulative times of forward, loss, backward, optimizer, ...), op counts (aten ops,
-   autograd nodes, host reads such as `.item()`, calls into the CPU shims of `beamrl.compat.megatron_cpu`), the top aten ops
-   (torch.profiler, self CPU) and the top Python functions (cProfile, own time). Also `compute_logprobs`
-   of the verification probe and the weight export of a sync.
+   autograd nodes, host reads such as `.item()`, calls into the CPU shims of `beamrl.compat.megatron_cpu`),
+   the top aten ops (torch.profiler, self CPU) and the top Python functions (cProfile, own time). Also
+   `compute_logprobs` of the verification probe and the weight export of a sync.
 3. **Inside the engine** (a fresh process with the native engine): `generate` of the captured requests,
    `score` of the verification probe, loading one full weight update; op counts and top ops.
 
@@ -430,7 +430,8 @@ def trainer_internals(args, out: Path) -> dict:
 
     recipe = load_recipe(RECIPE, recipe_overrides(args, out))
     config = components.model_config(recipe)
-    trainer = MegatronTrainer(components.trainer_config(recipe, config), hf_checkpoint=str(out / "run" / "sft_checkpoint"))
+    trainer = MegatronTrainer(components.trainer_config(recipe, config),
+                              hf_checkpoint=str(out / "run" / "sft_checkpoint"))
     cap = out / "capture"
     result = {}
     for kind in ("grpo", "sft"):
@@ -445,7 +446,8 @@ def trainer_internals(args, out: Path) -> dict:
 
         for _ in range(2):
             step()
-        result[kind] = {"tokens": sum(mb.num_tokens for mb in micro), "sequences": sum(mb.num_sequences for mb in micro),
+        result[kind] = {"tokens": sum(mb.num_tokens for mb in micro),
+                        "sequences": sum(mb.num_sequences for mb in micro),
                         "cpu_ms": cpu_min_ms(step, args.repeats), "ops": op_profile(step, args.top),
                         "python": python_profile(step, args.top)}
     probe = pickle.loads((cap / "probe_batch.pkl").read_bytes())

@@ -461,7 +461,7 @@ class RLDriver:
                 total = float(sum(pb.num_loss_tokens for pb in pbs))
                 res = trainer.train_step(pbs, SFTLoss(total), replay=False)
                 if i % max(1, sft.steps // 10) == 0 or i == sft.steps - 1:
-                    _log(f"SFT step {i + 1}/{sft.steps}: nll {res.loss:.4f} ({time.perf_counter() - t0:.0f} s)")
+                    _log(f"SFT step {i + 1}/{sft.steps}: nll {res.loss:.4f} ({time.perf_counter() - t0:.1f} s)")
             trainer.export_hf_checkpoint(str(out), r.sync.bucket_mb << 20)
         finally:
             trainer.shutdown()
