@@ -13,7 +13,8 @@ Example:
     >>> res = filter_groups(raw_scores=raw, target_num_groups=4)
     >>> res.kept_groups.tolist(), res.num_needed
     ([1], 3)
-    >>> overlong_penalty(torch.tensor([10, 13, 16]), OverlongConfig(max_response_len=16, overlong_buffer=4)).tolist()
+    >>> from beamrl.algorithms import OverlongConfig
+    >>> overlong_penalty(torch.tensor([10, 13, 16]), OverlongConfig(buffer=4), max_response_len=16).tolist()
     [0.0, -0.25, -1.0]
 """
 
@@ -21,10 +22,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from beamrl.algorithms.groups import as_groups, group_count, group_sum
+
+if TYPE_CHECKING:
+    from beamrl.algorithms.config import OverlongConfig
 
 
 @dataclass
@@ -93,37 +98,19 @@ def filter_groups(
     return GroupFilterResult(kept, dropped, num_needed, num_surplus, suggested, metrics)
 
 
-@dataclass(frozen=True)
-class OverlongConfig:
-    """DAPO soft overlong punishment. Responses longer than max_response_len - overlong_buffer lose
-    penalty_factor * (len - (max_response_len - overlong_buffer)) / overlong_buffer, reaching -penalty_factor
-    at max_response_len (and beyond: truncated responses)."""
-
-    max_response_len: int
-    overlong_buffer: int
-    penalty_factor: float = 1.0
-
-    def __post_init__(self) -> None:
-        if self.max_response_len < 1:
-            raise ValueError(f"OverlongConfig.max_response_len={self.max_response_len} must be >= 1")
-        if not 0 < self.overlong_buffer <= self.max_response_len:
-            raise ValueError(
-                f"OverlongConfig.overlong_buffer={self.overlong_buffer} must be in [1, max_response_len="
-                f"{self.max_response_len}]"
-            )
-        if self.penalty_factor < 0:
-            raise ValueError(f"OverlongConfig.penalty_factor={self.penalty_factor} must be >= 0")
-
-
-def overlong_penalty(response_lengths: torch.Tensor, cfg: OverlongConfig) -> torch.Tensor:
-    """Penalty (<= 0) per response from its length in tokens."""
-    expected = cfg.max_response_len - cfg.overlong_buffer
-    over = (response_lengths.to(torch.float64) - expected).clamp(min=0, max=cfg.overlong_buffer)
-    return (over * (-cfg.penalty_factor / cfg.overlong_buffer)).to(torch.float32) + 0.0  # + 0.0: no -0.0
+def overlong_penalty(response_lengths: torch.Tensor, cfg: "OverlongConfig", max_response_len: int) -> torch.Tensor:
+    """Penalty (<= 0) per response from its length in tokens. Responses longer than max_response_len - buffer
+    lose penalty * (len - (max_response_len - buffer)) / buffer, reaching -penalty at max_response_len (and
+    beyond: truncated responses)."""
+    if not 0 < cfg.buffer <= max_response_len:
+        raise ValueError(f"overlong buffer={cfg.buffer} must be in [1, max_response_len={max_response_len}]")
+    expected = max_response_len - cfg.buffer
+    over = (response_lengths.to(torch.float64) - expected).clamp(min=0, max=cfg.buffer)
+    return (over * (-cfg.penalty / cfg.buffer)).to(torch.float32) + 0.0  # + 0.0: no -0.0
 
 
 def overlong_shaped_rewards(
-    raw_scores: torch.Tensor, response_lengths: torch.Tensor, cfg: OverlongConfig
+    raw_scores: torch.Tensor, response_lengths: torch.Tensor, cfg: "OverlongConfig", max_response_len: int
 ) -> torch.Tensor:
     """shaped = raw + overlong_penalty(lengths): a NEW tensor (raw_scores is never modified, so the
     dynamic-sampling filter and the raw-reward logs still see the verifier's scores)."""
@@ -131,4 +118,4 @@ def overlong_shaped_rewards(
         raise ValueError(
             f"raw_scores {tuple(raw_scores.shape)} and response_lengths {tuple(response_lengths.shape)} differ in shape"
         )
-    return raw_scores + overlong_penalty(response_lengths, cfg).to(raw_scores.dtype)
+    return raw_scores + overlong_penalty(response_lengths, cfg, max_response_len).to(raw_scores.dtype)

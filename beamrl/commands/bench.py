@@ -16,13 +16,13 @@ from pathlib import Path
 
 import torch
 
+from beamrl.dtypes import RUN_DTYPES, torch_dtype
 from beamrl.sync.bucketing import DEFAULT_BUCKET_BYTES
 
 NAME = "bench"
 HELP = "Benchmarks (sync: a verified weight sync of perturbed weights into an engine)."
 ENGINES = ("native", "sglang")
 TRANSPORTS = ("colocated", "distributed")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--json", type=Path, default=None, help="write the result as JSON to this file")
     p.add_argument("--bucket-mb", type=float, default=DEFAULT_BUCKET_BYTES / 2**20,
                    help=f"bucket size in MiB (default {DEFAULT_BUCKET_BYTES // 2**20})")
-    p.add_argument("--dtype", default="float32", choices=sorted(_DTYPES),
+    p.add_argument("--dtype", default="float32", choices=sorted(RUN_DTYPES),
                    help="dtype of trainer and engine weights (router stays float32; default float32: exact on CPU)")
     p.add_argument("--noise", type=float, default=0.02, help="std of the noise added to every weight (default 0.02)")
     p.add_argument("--seed", type=int, default=0, help="seed of the noise and of the probe sequences")
@@ -81,7 +81,7 @@ def start_engine(args: argparse.Namespace):
     from beamrl.rollout.sglang.engine import SGLangEngine
 
     if args.device == "cpu":
-        cfg = SGLangEngineConfig.cpu_test(str(args.checkpoint), dtype=args.dtype, enable_return_routed_experts=False)
+        cfg = SGLangEngineConfig.on_cpu(str(args.checkpoint), dtype=args.dtype, return_routed_experts=False)
     else:
         cfg = SGLangEngineConfig(model_path=str(args.checkpoint), dtype=args.dtype, device="cuda")
     engine = SGLangEngine(cfg, start_timeout=args.timeout)
@@ -95,7 +95,7 @@ def run_sync(args: argparse.Namespace) -> dict:
 
     if args.bucket_mb <= 0:
         raise SystemExit(f"error: --bucket-mb must be > 0, got {args.bucket_mb}")
-    trainer = BeamForCausalLM.from_pretrained(args.checkpoint, dtype=_DTYPES[args.dtype], device=args.device).eval()
+    trainer = BeamForCausalLM.from_pretrained(args.checkpoint, dtype=torch_dtype(args.dtype), device=args.device).eval()
     perturb_(trainer, args.noise, args.seed)
     probes = probe_sequences(trainer.config.vocab_size, args.seed)
     want = [trainer.token_logprobs(torch.tensor([s], device=trainer.device))[0].tolist() for s in probes]

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from beamrl.dtypes import RUN_DTYPES, torch_dtype
 from beamrl.models.beam.checkpoint import EXPERT_LAYOUTS, output_specs, save_checkpoint
 from beamrl.models.beam.presets import PRESETS, preset
 from beamrl.models.beam.weights import random_tensors
@@ -21,14 +22,13 @@ from beamrl.models.beam.weights import random_tensors
 NAME = "init-checkpoint"
 HELP = "Write a random Beam checkpoint (config.json + safetensors, SGLang's names) for a preset."
 LARGE_BYTES = 64 * 2**30  # above this a checkpoint needs --allow-large
-_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", required=True, choices=sorted(PRESETS), help="model preset")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     parser.add_argument("--out", required=True, type=Path, help="output directory (created; must be empty)")
-    parser.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPES),
+    parser.add_argument("--dtype", default="bfloat16", choices=sorted(RUN_DTYPES),
                         help="dtype of every tensor except the FP32 router weight and correction bias")
     parser.add_argument("--expert-layout", default="per_expert", choices=EXPERT_LAYOUTS,
                         help="per_expert: experts.{e}.*_proj.weight; packed: experts.gate_up_proj / down_proj")
@@ -43,7 +43,7 @@ def checkpoint_bytes(config, dtype: torch.dtype, layout: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    dtype = _DTYPES[args.dtype]
+    dtype = torch_dtype(args.dtype)
     config = preset(args.preset).replace(dtype=args.dtype)
     total = checkpoint_bytes(config, dtype, args.expert_layout)
     if total > LARGE_BYTES and not args.allow_large:

@@ -1,7 +1,8 @@
 """Ray actors of a run: trainer ranks (Megatron) and rollout engines.
 
 Actors are thin: they hold one object (`MegatronTrainer`, an engine) and forward calls, so the same objects
-run in tests without Ray. Every call from the driver goes through `ray_get` with a timeout."""
+run in tests without Ray. Every call from the driver goes through `ray_get` with a timeout and passes its arguments
+by keyword (after the first), so a reordered signature cannot silently swap two flags."""
 
 from __future__ import annotations
 
@@ -41,13 +42,14 @@ class TrainerActor:
             port = s.getsockname()[1]
         return ray.util.get_node_ip_address(), port
 
-    def start(self, spec: TrainerRankSpec, trainer_config, hf_checkpoint: str | None) -> bool:
+    def start(self, spec: TrainerRankSpec, setup, hf_checkpoint: str | None) -> bool:
+        """Join the job as rank `spec.rank` and build the `MegatronTrainer` from `setup` (a `TrainerSetup`)."""
         os.environ.update(RANK=str(spec.rank), WORLD_SIZE=str(spec.world_size), LOCAL_RANK="0",
                           MASTER_ADDR=spec.master_addr, MASTER_PORT=str(spec.master_port))
         from beamrl.trainer.megatron.worker import MegatronTrainer
 
         self.rank = spec.rank
-        self.trainer = MegatronTrainer(trainer_config, hf_checkpoint=hf_checkpoint)
+        self.trainer = MegatronTrainer(setup, hf_checkpoint=hf_checkpoint)
         return True
 
     def data_parallel_rank(self) -> tuple[int, int]:
@@ -56,11 +58,11 @@ class TrainerActor:
 
         return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
 
-    def compute_logprobs(self, batch, temperature: float, return_entropy: bool, replay: bool):
+    def compute_logprobs(self, batch, *, temperature: float, return_entropy: bool, replay: bool):
         self.trainer.set_routing_replay(replay)
         return self.trainer.compute_logprobs(batch, temperature=temperature, return_entropy=return_entropy)
 
-    def train_step(self, micro_batches, loss_fn, replay: bool, temperature: float = 1.0):
+    def train_step(self, micro_batches, *, loss_fn, replay: bool, temperature: float):
         self.trainer.set_routing_replay(replay)
         return self.trainer.train_step(micro_batches, loss_fn, temperature=temperature)
 
@@ -70,7 +72,7 @@ class TrainerActor:
     def load_checkpoint(self, directory: str) -> None:
         self.trainer.load_checkpoint(directory)
 
-    def sync_weights(self, receivers: list, engine_names: list[str], engine_tp: list[int], version: int,
+    def sync_weights(self, *, receivers: list, engine_names: list[str], engine_tp: list[int], version: int,
                      transport: str, bucket_bytes: int, timeout: float, progress: bool = False):
         """Collective over trainer ranks: every rank streams the HF export; rank 0 ships the buckets."""
         from beamrl.loop.weight_sync import push_weights

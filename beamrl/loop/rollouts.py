@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from beamrl.models.beam.config import BeamConfig
-from beamrl.rollout.protocol import GenerateResult
+from beamrl.protocols.rollout import GenerateResult
 from beamrl.trainer.protocol import PackedBatch
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from beamrl.loop.ray_utils import ActorCallError, ray_get
 from beamrl.sync.bucketing import bucketize
 from beamrl.sync.forwarding_receiver import ForwardingReceiver
-from beamrl.sync.protocol import WeightReceiver, WeightSyncError
+from beamrl.protocols.weights import WeightReceiver, WeightSyncError
 
 # Ray adds its own latency on top of an engine call's timeout; the engine enforces the call's own limit.
 _RPC_SLACK_S = 10.0

@@ -17,8 +17,9 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 
-from beamrl.sync.flat_bucket import aligned_order
-from beamrl.sync.protocol import Bucket, WeightSyncError
+from beamrl.protocols.flat_bucket import aligned_order
+from beamrl.protocols.weights import WeightSyncError
+from beamrl.sync.protocol import Bucket
 
 DEFAULT_BUCKET_BYTES = 512 * 1024 ** 2
 

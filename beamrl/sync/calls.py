@@ -11,7 +11,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from beamrl.sync.protocol import WeightSyncError
+from beamrl.protocols.weights import WeightSyncError
 
 
 class ReceiverCallError(WeightSyncError):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import abc
 from typing import Any
 
-from beamrl.sync.protocol import WeightReceiver
+from beamrl.protocols.weights import WeightReceiver
 
 
 class ForwardingReceiver(WeightReceiver):

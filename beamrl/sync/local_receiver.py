@@ -18,8 +18,8 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from beamrl.sync.flat_bucket import FlatBucket
-from beamrl.sync.protocol import WeightReceiver, WeightSyncError
+from beamrl.protocols.flat_bucket import FlatBucket
+from beamrl.protocols.weights import WeightReceiver, WeightSyncError
 from beamrl.sync.update_group import destroy_update_group, init_update_group
 
 LoadTensors = Callable[[list[tuple[str, torch.Tensor]]], object]

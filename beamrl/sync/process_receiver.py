@@ -21,7 +21,7 @@ from typing import Any
 import torch.multiprocessing as mp
 
 from beamrl.sync.forwarding_receiver import ForwardingReceiver
-from beamrl.sync.protocol import WeightSyncError
+from beamrl.protocols.weights import WeightSyncError
 
 _POLL_S = 0.05
 

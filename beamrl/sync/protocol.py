@@ -1,25 +1,18 @@
-"""The seam between the trainer's streaming HF export and the rollout engines' weight updates.
+"""The trainer side of the weight-sync seam: transports that carry the streaming HF export to the engines.
 
 Lifecycle of one sync: `connect` (once) -> `begin(version)` -> `send_bucket` * N -> `finalize()`.
 `send_adapter` is reserved for adapter-only (LoRA) syncs, which push merged tensors of the targeted modules.
-A transport raises `WeightSyncError` with the engine's message; after a failure the engine must not go on
-serving a half-updated model silently (the transport aborts the session and marks the engine unhealthy).
+A transport raises `beamrl.protocols.weights.WeightSyncError` with the engine's message; after a failure the engine
+must not go on serving a half-updated model silently (the transport aborts the session and marks the engine
+unhealthy).
 """
 
 from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:
-    from beamrl.sync.flat_bucket import FlatBucket
-
-
-class WeightSyncError(RuntimeError):
-    """A weight sync failed or timed out; the message names the engine and its reply."""
 
 
 @dataclass
@@ -67,57 +60,3 @@ class WeightTransport(abc.ABC):
 
     def close(self) -> None:
         """Tear down channels."""
-
-
-class WeightReceiver(abc.ABC):
-    """Engine-side weight-update API that transports drive; mirrors SGLang 0.5.23's RL endpoints
-    (sglang-integration.md §4) so the SGLang engines and the native engine are interchangeable.
-
-    Every method raises `WeightSyncError` (with the engine's message) on `success=False` or timeout."""
-
-    @property
-    def name(self) -> str:
-        """Engine name used in error messages (override with e.g. 'sglang-0@host:port')."""
-        return type(self).__name__
-
-    @property
-    @abc.abstractmethod
-    def tp_size(self) -> int:
-        """Number of engine TP ranks (one colocated payload per rank)."""
-
-    @abc.abstractmethod
-    def begin_weight_update(self, timeout: float) -> None: ...
-
-    @abc.abstractmethod
-    def update_weights_from_tensor(self, bucket: "FlatBucket", timeout: float) -> None:
-        """Colocated path: one flattened bucket (`beamrl.sync.flat_bucket.FlatBucket`). The SGLang adapter
-        serializes it into SGLang's `flattened_bucket` payload, one per engine TP rank (CUDA-IPC handles on
-        GPU); the native engine unflattens it in place. flush_cache=False per bucket."""
-
-    @abc.abstractmethod
-    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
-                                  world_size: int, group_name: str, backend: str, timeout: float) -> None: ...
-
-    @abc.abstractmethod
-    def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                                        group_name: str, timeout: float) -> None:
-        """`load_format="flattened_bucket"`: one uint8 broadcast from rank 0 of the group per bucket, laid
-        out as `FlatBucket` lays it out (identical to SGLang's `FlattenedTensorBucket`). The receiver joins
-        the broadcast; the caller (rank 0) broadcasts concurrently."""
-
-    @abc.abstractmethod
-    def destroy_weights_update_group(self, group_name: str, timeout: float) -> None: ...
-
-    @abc.abstractmethod
-    def update_weights_from_disk(self, path: str, timeout: float) -> None: ...
-
-    def update_weight_version(self, new_version: int, timeout: float) -> None:
-        """Set the served weight version outside a session (after `update_weights_from_disk`; SGLang:
-        `POST /update_weight_version`). Added by the weight-sync work; receivers that support the disk
-        transport override it."""
-        raise WeightSyncError(f"{self.name}: update_weight_version is not implemented, so the disk transport "
-                              f"cannot version this engine")
-
-    @abc.abstractmethod
-    def end_weight_update(self, new_version: int, timeout: float) -> None:
-        """Close the session, set the served weight version and flush the prefix cache."""

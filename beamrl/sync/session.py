@@ -20,10 +20,11 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from beamrl.rollout.protocol import RolloutEngine
+from beamrl.protocols.rollout import RolloutEngine
 from beamrl.sync.bucketing import DEFAULT_BUCKET_BYTES, NamedTensors, bucketize
 from beamrl.sync.calls import run_concurrently
-from beamrl.sync.protocol import WeightSyncError, WeightTransport
+from beamrl.protocols.weights import WeightSyncError
+from beamrl.sync.protocol import WeightTransport
 
 
 @dataclass(frozen=True)

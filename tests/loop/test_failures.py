@@ -69,18 +69,21 @@ def local_ray(tmp_path_factory):
 def test_dead_engine_fails_fast_with_its_name(tmp_path, local_ray):
     import torch
 
-    from beamrl.loop.components import NativeEngineFactory
     from beamrl.loop.groups import EngineGroup
     from beamrl.loop.ray_utils import ActorCallError
     from beamrl.models.beam import preset
     from beamrl.models.beam.checkpoint import save_checkpoint
     from beamrl.models.beam.weights import random_state_dict
-    from beamrl.rollout.protocol import GenerateRequest, SamplingParams
+    from beamrl.protocols.rollout import GenerateRequest, SamplingParams
+    from beamrl.rollout.config import RolloutConfig
+    from beamrl.rollout.engines import EngineLaunch, engine_factory
 
     cfg = preset("tiny").replace(dtype="float32")
     save_checkpoint(cfg, random_state_dict(cfg, 0, torch.float32), tmp_path / "ckpt")
-    group = EngineGroup([NativeEngineFactory(str(tmp_path / "ckpt"), "float32", "cpu", 0, "native-0")], 120,
-                        [{"num_cpus": 1}])
+    rollout = RolloutConfig(engine="native", max_new_tokens=2, n_samples_per_prompt=1, prompts_per_step=1)
+    launch = EngineLaunch(checkpoint=str(tmp_path / "ckpt"), dtype="float32", device="cpu", seed=0, name="native-0",
+                          port=0, start_timeout=120, return_routed_experts=False)
+    group = EngineGroup([engine_factory(rollout, launch)], 120, [{"num_cpus": 1}])
     req = [[GenerateRequest([1, 2, 3], SamplingParams(max_new_tokens=2, seed=0))]]
     assert len(group.generate(req, 60)[0]) == 1
     ray.kill(group.actors[0])

@@ -6,7 +6,7 @@ import torch
 
 from beamrl.loop.rollouts import Rollout, build_packed_batch, moe_routes_for_trainer, split_micro_batches
 from beamrl.models.beam import preset
-from beamrl.rollout.protocol import GenerateResult
+from beamrl.protocols.rollout import GenerateResult
 
 
 def _rollout(cfg, prompt, out, adv, seed=0, routes=True):

@@ -7,7 +7,7 @@ from beamrl.recipe.schema import Recipe
 
 def test_base_recipe_is_valid(base_raw):
     r = validate_recipe(base_raw)
-    assert r.trainer.dp == 4 and r.trainer.expert_tp == 1 and r.rollout.num_gpus == 8
+    assert r.trainer.dp == 4 and r.trainer.etp == 1 and r.rollout.num_gpus == 8
 
 
 def test_to_yaml_round_trip(base_raw):
@@ -60,14 +60,6 @@ def test_wrong_type(base_raw):
     with pytest.raises(RecipeError) as e:
         validate_recipe(base_raw)
     assert e.value.path == "trainer.tp"
-
-
-def test_loss_agg_names_match_algorithms():
-    from beamrl.algorithms.aggregation import AGGREGATIONS
-    from beamrl.recipe.schema import AlgorithmSection
-    from typing import get_args
-
-    assert get_args(AlgorithmSection.model_fields["loss_agg"].annotation) == AGGREGATIONS
 
 
 def test_reward_sections_are_the_reward_packages_own_configs(base_raw):

@@ -13,8 +13,8 @@ import zlib
 import numpy as np
 
 from beamrl.models.beam.config import BeamConfig
-from beamrl.rollout.protocol import EngineError, GenerateRequest, GenerateResult, RolloutEngine
-from beamrl.sync.protocol import WeightReceiver, WeightSyncError
+from beamrl.protocols.rollout import EngineError, GenerateRequest, GenerateResult, RolloutEngine
+from beamrl.protocols.weights import WeightReceiver, WeightSyncError
 
 
 class FakeEngine(RolloutEngine, WeightReceiver):

@@ -17,9 +17,9 @@ import torch
 
 from beamrl.models.beam import preset
 from beamrl.net import free_port
-from beamrl.rollout.protocol import EngineError, GenerateRequest, SamplingParams
-from beamrl.sync.flat_bucket import FlatBucket
-from beamrl.sync.protocol import WeightSyncError
+from beamrl.protocols.rollout import EngineError, GenerateRequest, SamplingParams
+from beamrl.protocols.flat_bucket import FlatBucket
+from beamrl.protocols.weights import WeightSyncError
 
 from .fake_engine import FakeEngine
 
@@ -49,7 +49,7 @@ def engine(request, checkpoint):
     if name in ("sglang", "sglang-http"):
         from beamrl.rollout.sglang.config import SGLangEngineConfig
 
-        cfg = SGLangEngineConfig.cpu_test(checkpoint, dtype="float32", enable_fp32_lm_head=True, port=free_port())
+        cfg = SGLangEngineConfig.on_cpu(checkpoint, dtype="float32", enable_fp32_lm_head=True, port=free_port())
         if name == "sglang":
             from beamrl.rollout.sglang.engine import SGLangEngine
 

@@ -4,7 +4,7 @@ import time
 
 from beamrl.models.beam import preset
 from beamrl.rollout.health import HealthConfig, HealthMonitor
-from beamrl.rollout.protocol import GenerateRequest
+from beamrl.protocols.rollout import GenerateRequest
 from beamrl.rollout.router import EngineRouter
 
 from .fake_engine import FakeEngine

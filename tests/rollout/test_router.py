@@ -5,7 +5,7 @@ import threading
 import pytest
 
 from beamrl.models.beam import preset
-from beamrl.rollout.protocol import EngineError, GenerateRequest, SamplingParams
+from beamrl.protocols.rollout import EngineError, GenerateRequest, SamplingParams
 from beamrl.rollout.router import EngineRouter
 
 from .fake_engine import FakeEngine

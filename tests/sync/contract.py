@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from beamrl.sync.flat_bucket import FlatBucket, aligned_order
-from beamrl.sync.protocol import WeightReceiver, WeightSyncError
+from beamrl.protocols.flat_bucket import FlatBucket, aligned_order
+from beamrl.protocols.weights import WeightReceiver, WeightSyncError
 
 
 def current_weights_bucket(model: torch.nn.Module, n: int = 6) -> FlatBucket:

@@ -8,8 +8,8 @@ import torch
 from beamrl.models.beam import preset
 from beamrl.models.beam.weights import random_state_dict
 from beamrl.sync.bucketing import beam_atomic_group, bucketize
-from beamrl.sync.flat_bucket import FlatBucket
-from beamrl.sync.protocol import WeightSyncError
+from beamrl.protocols.flat_bucket import FlatBucket
+from beamrl.protocols.weights import WeightSyncError
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import time
 import pytest
 
 from beamrl.sync.calls import ReceiverCallError, run_concurrently
-from beamrl.sync.protocol import WeightSyncError
+from beamrl.protocols.weights import WeightSyncError
 
 
 def test_all_succeed_concurrently():

@@ -3,7 +3,7 @@
 import inspect
 
 from beamrl.sync.forwarding_receiver import ForwardingReceiver
-from beamrl.sync.protocol import WeightReceiver
+from beamrl.protocols.weights import WeightReceiver
 
 
 class _Recorder(ForwardingReceiver):

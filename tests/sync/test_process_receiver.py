@@ -7,7 +7,7 @@ import time
 import pytest
 
 from beamrl.sync.process_receiver import ProcessReceiver
-from beamrl.sync.protocol import WeightSyncError
+from beamrl.protocols.weights import WeightSyncError
 
 
 def test_wedged_child_times_out_then_proxy_refuses():

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from beamrl.models.beam import preset
-from beamrl.sync.protocol import WeightSyncError
+from beamrl.protocols.weights import WeightSyncError
 from beamrl.sync.session import ProbeCheck, SyncTimeouts, WeightSyncManager
 from beamrl.sync.transports import TRANSPORTS
 

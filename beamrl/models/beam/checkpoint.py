@@ -18,13 +18,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from beamrl.dtypes import torch_dtype
 from beamrl.models.beam.config import BeamConfig, BeamConfigError
 from beamrl.models.beam.weights import TensorSpec, expected_tensors, packed_expert_names
 
 EXPERT_LAYOUTS = ("per_expert", "packed")
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
 class CheckpointError(ValueError):
@@ -32,7 +32,7 @@ class CheckpointError(ValueError):
 
 
 def model_dtype(config: BeamConfig) -> torch.dtype:
-    return _DTYPES[config.dtype]
+    return torch_dtype(config.dtype)
 
 
 def output_specs(config: BeamConfig, expert_layout: str) -> dict[str, TensorSpec]:

@@ -19,21 +19,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from beamrl.dtypes import dtype_name
 from beamrl.models.beam import numerics
 from beamrl.models.beam.config import BeamConfig
 from beamrl.models.beam.kv_cache import KVCache
 from beamrl.models.beam.weights import expected_tensors, packed_expert_names, random_state_dict
 
 _FP32_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
-_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """config.json spelling of a torch dtype ("bfloat16", "float32", "float16")."""
-    for name, dt in _DTYPES.items():
-        if dt == dtype:
-            return name
-    raise ValueError(f"unsupported Beam dtype {dtype}; allowed: {list(_DTYPES)}")
 
 
 @dataclass

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-DTYPES = ("float32", "bfloat16")
+from beamrl.dtypes import RUN_DTYPES
+
 
 
 class NativeEngineConfigError(ValueError):
@@ -31,8 +32,8 @@ class NativeEngineConfig:
     def __post_init__(self) -> None:
         if not self.model_path:
             raise NativeEngineConfigError("NativeEngineConfig.model_path is empty")
-        if self.dtype not in DTYPES:
-            raise NativeEngineConfigError(f"NativeEngineConfig.dtype={self.dtype!r}; allowed: {list(DTYPES)}")
+        if self.dtype not in RUN_DTYPES:
+            raise NativeEngineConfigError(f"NativeEngineConfig.dtype={self.dtype!r}; allowed: {list(RUN_DTYPES)}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise NativeEngineConfigError(f"NativeEngineConfig.device={self.device!r}; allowed: 'cpu', 'cuda[:i]'")
         if self.max_batch_size < 1:

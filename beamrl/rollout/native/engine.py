@@ -17,16 +17,16 @@ from typing import Iterator
 
 import torch
 
+from beamrl.dtypes import dtype_name, torch_dtype
 from beamrl.models.beam.model import BeamForCausalLM
 from beamrl.rollout.native.config import NativeEngineConfig
 from beamrl.rollout.native.generation import generate_batch, routes_array
-from beamrl.rollout.protocol import EngineError, GenerateRequest, GenerateResult, RolloutEngine
-from beamrl.sync.flat_bucket import FlatBucket
+from beamrl.protocols.rollout import EngineError, GenerateRequest, GenerateResult, RolloutEngine
+from beamrl.protocols.flat_bucket import FlatBucket
 from beamrl.sync.local_receiver import LocalWeightReceiver
-from beamrl.sync.protocol import WeightReceiver, WeightSyncError
+from beamrl.protocols.weights import WeightReceiver, WeightSyncError
 
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class NativeEngine(RolloutEngine, WeightReceiver):
@@ -38,7 +38,8 @@ class NativeEngine(RolloutEngine, WeightReceiver):
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         if model is None:
-            model = BeamForCausalLM.from_pretrained(config.model_path, dtype=_DTYPES[config.dtype], device=config.device)
+            model = BeamForCausalLM.from_pretrained(config.model_path, dtype=torch_dtype(config.dtype),
+                                                    device=config.device)
         self.model = model.eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
@@ -56,8 +57,7 @@ class NativeEngine(RolloutEngine, WeightReceiver):
     @classmethod
     def from_model(cls, model: BeamForCausalLM, name: str = "native-0", max_batch_size: int = 64, seed: int = 0,
                    weight_version: int = 0) -> "NativeEngine":
-        dtype = "bfloat16" if model.dtype == torch.bfloat16 else "float32"
-        cfg = NativeEngineConfig(model_path="<in-memory>", dtype=dtype, device=str(model.device),
+        cfg = NativeEngineConfig(model_path="<in-memory>", dtype=dtype_name(model.dtype), device=str(model.device),
                                  max_batch_size=max_batch_size, seed=seed, name=name, weight_version=weight_version)
         return cls(cfg, model)
 

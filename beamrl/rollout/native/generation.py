@@ -13,7 +13,7 @@ import torch
 from beamrl.models.beam.kv_cache import KVCache
 from beamrl.models.beam.model import BeamForCausalLM
 from beamrl.rollout.native.sampler import RowSampling, sample
-from beamrl.rollout.protocol import EngineError, GenerateRequest
+from beamrl.protocols.rollout import EngineError, GenerateRequest
 
 
 @dataclass

@@ -31,10 +31,10 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from beamrl.models.beam.config import BeamConfig
-from beamrl.rollout.protocol import EngineError, GenerateRequest, GenerateResult, RolloutEngine
+from beamrl.protocols.rollout import EngineError, GenerateRequest, GenerateResult, RolloutEngine
 from beamrl.rollout.sglang import payloads
 from beamrl.rollout.sglang.config import SGLangEngineConfig
-from beamrl.sync.protocol import WeightReceiver, WeightSyncError
+from beamrl.protocols.weights import WeightReceiver, WeightSyncError
 
 _LIVE_ENGINES: "weakref.WeakSet[SGLangEngine]" = weakref.WeakSet()
 PAUSE_MODES = ("abort", "retract", "in_place")
@@ -224,7 +224,7 @@ class SGLangEngine(RolloutEngine, WeightReceiver):
                 for o, r in zip(outs, requests)]
 
     def score(self, sequences: list[list[int]], timeout: float) -> list[list[float]]:
-        from beamrl.rollout.protocol import SamplingParams
+        from beamrl.protocols.rollout import SamplingParams
 
         reqs = [GenerateRequest(prompt_ids=list(s), sampling=SamplingParams(max_new_tokens=1, temperature=1.0))
                 for s in sequences]
@@ -302,7 +302,7 @@ class SGLangEngine(RolloutEngine, WeightReceiver):
     # ------------------------------------------------------------------ weight updates
     @property
     def tp_size(self) -> int:
-        return self.config.tp_size
+        return self.config.engine_tp
 
     def begin_weight_update(self, timeout: float) -> None:
         from sglang.srt.managers.io_struct import BeginWeightUpdateReqInput

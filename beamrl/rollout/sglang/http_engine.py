@@ -10,10 +10,10 @@ from __future__ import annotations
 from typing import Any
 
 from beamrl.models.beam.config import BeamConfig
-from beamrl.rollout.protocol import EngineError, GenerateRequest, GenerateResult, RolloutEngine, SamplingParams
+from beamrl.protocols.rollout import EngineError, GenerateRequest, GenerateResult, RolloutEngine, SamplingParams
 from beamrl.rollout.sglang import payloads
 from beamrl.rollout.sglang.engine import PAUSE_MODES
-from beamrl.sync.protocol import WeightReceiver, WeightSyncError
+from beamrl.protocols.weights import WeightReceiver, WeightSyncError
 
 
 class SGLangHTTPEngine(RolloutEngine, WeightReceiver):
@@ -37,7 +37,7 @@ class SGLangHTTPEngine(RolloutEngine, WeightReceiver):
         from beamrl.rollout.sglang.server import SGLangServer
 
         server = SGLangServer(config, log_path=log_path).start(start_timeout)
-        return cls(server.url, BeamConfig.from_json_file(config.model_path), tp_size=config.tp_size,
+        return cls(server.url, BeamConfig.from_json_file(config.model_path), tp_size=config.engine_tp,
                    weight_version=config.weight_version, memory_saver=config.enable_memory_saver, server=server)
 
     @property

@@ -11,7 +11,8 @@ import logging
 from collections.abc import Callable, Sequence
 
 from beamrl.sync.calls import ReceiverCallError, run_concurrently
-from beamrl.sync.protocol import WeightReceiver, WeightSyncError, WeightTransport
+from beamrl.protocols.weights import WeightReceiver, WeightSyncError
+from beamrl.sync.protocol import WeightTransport
 
 log = logging.getLogger(__name__)
 

@@ -10,8 +10,9 @@ from collections.abc import Sequence
 
 import torch
 
-from beamrl.sync.flat_bucket import FlatBucket
-from beamrl.sync.protocol import Bucket, WeightReceiver
+from beamrl.protocols.flat_bucket import FlatBucket
+from beamrl.protocols.weights import WeightReceiver
+from beamrl.sync.protocol import Bucket
 from beamrl.sync.transports import TRANSPORTS
 from beamrl.sync.transports.base import ReceiverTransport
 

@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 
 from beamrl.models.beam.config import BeamConfig
-from beamrl.sync.protocol import Bucket, WeightReceiver, WeightSyncError
+from beamrl.protocols.weights import WeightReceiver, WeightSyncError
+from beamrl.sync.protocol import Bucket
 from beamrl.sync.transports import TRANSPORTS
 from beamrl.sync.transports.base import ReceiverTransport
 

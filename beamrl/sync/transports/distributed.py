@@ -18,8 +18,9 @@ from collections.abc import Sequence
 import torch
 
 from beamrl.sync.calls import run_concurrently
-from beamrl.sync.flat_bucket import FlatBucket
-from beamrl.sync.protocol import Bucket, WeightReceiver, WeightSyncError
+from beamrl.protocols.flat_bucket import FlatBucket
+from beamrl.protocols.weights import WeightReceiver, WeightSyncError
+from beamrl.sync.protocol import Bucket
 from beamrl.sync.transports import TRANSPORTS
 from beamrl.sync.transports.base import ReceiverTransport
 from beamrl.net import free_port

@@ -13,9 +13,9 @@ import torch
 from beamrl.models.beam import BeamForCausalLM, preset
 from beamrl.models.beam.weights import random_state_dict
 from beamrl.rollout.native import NativeEngine
-from beamrl.rollout.protocol import EngineError, GenerateRequest, SamplingParams
-from beamrl.sync.flat_bucket import FlatBucket, aligned_order
-from beamrl.sync.protocol import WeightSyncError
+from beamrl.protocols.rollout import EngineError, GenerateRequest, SamplingParams
+from beamrl.protocols.flat_bucket import FlatBucket, aligned_order
+from beamrl.protocols.weights import WeightSyncError
 from beamrl.net import free_port
 
 T_OUT = 120.0
@@ -216,7 +216,7 @@ _SENDER = textwrap.dedent("""
     import sys, torch
     from beamrl.models.beam import preset
     from beamrl.models.beam.weights import random_state_dict
-    from beamrl.sync.flat_bucket import FlatBucket, aligned_order
+    from beamrl.protocols.flat_bucket import FlatBucket, aligned_order
     from beamrl.sync.update_group import init_update_group, broadcast_from_rank0, destroy_update_group
     port, timeout = int(sys.argv[1]), float(sys.argv[2])
     sd = random_state_dict(preset("tiny"), seed=6, dtype=torch.float32)

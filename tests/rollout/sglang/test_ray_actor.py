@@ -13,7 +13,7 @@ def test_ray_actor_serves_and_shuts_down(tmp_path):
     ray = pytest.importorskip("ray")
     from beamrl.models.beam.checkpoint import save_checkpoint
     from beamrl.models.beam.weights import random_state_dict
-    from beamrl.rollout.protocol import GenerateRequest, SamplingParams
+    from beamrl.protocols.rollout import GenerateRequest, SamplingParams
     from beamrl.rollout.sglang.config import SGLangEngineConfig
     from beamrl.rollout.sglang.ray_actor import launch_ray_engine
 
@@ -26,7 +26,7 @@ def test_ray_actor_serves_and_shuts_down(tmp_path):
     if started:
         ray.init(num_cpus=2, include_dashboard=False)
     try:
-        handle = launch_ray_engine(SGLangEngineConfig.cpu_test(tmp_path, dtype="float32", port=port),
+        handle = launch_ray_engine(SGLangEngineConfig.on_cpu(tmp_path, dtype="float32", port=port),
                                    start_timeout=900)
         try:
             (res,) = handle.generate([GenerateRequest([1, 2, 3, 4], SamplingParams(max_new_tokens=3),

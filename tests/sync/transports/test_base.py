@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from beamrl.sync.local_receiver import LocalWeightReceiver
-from beamrl.sync.protocol import Bucket, WeightSyncError
+from beamrl.protocols.weights import WeightSyncError
+from beamrl.sync.protocol import Bucket
 from beamrl.sync.transports import TRANSPORTS
 
 from ..conftest import hosted_native_engine, RefusingReceiver, WedgedReceiver

@@ -5,7 +5,7 @@ import time
 import pytest
 
 from beamrl.sync.local_receiver import LocalWeightReceiver
-from beamrl.sync.protocol import WeightSyncError
+from beamrl.protocols.weights import WeightSyncError
 from beamrl.sync.transports import TRANSPORTS
 
 from ..conftest import WedgedReceiver

@@ -34,8 +34,8 @@ def setup(tmp_path_factory):
     model = BeamForCausalLM(preset("tiny"), dtype=torch.float32, seed=0).eval()
     ckpt = tmp_path_factory.mktemp("sgl-ckpt")
     model.save_pretrained(ckpt)
-    engine = SGLangEngine(SGLangEngineConfig.cpu_test(str(ckpt), dtype="float32",
-                                                      enable_return_routed_experts=False), start_timeout=600)
+    engine = SGLangEngine(SGLangEngineConfig.on_cpu(str(ckpt), dtype="float32",
+                                                    return_routed_experts=False), start_timeout=600)
     yield engine, model, tmp_path_factory.mktemp("sgl-disk")
     engine.shutdown()
 

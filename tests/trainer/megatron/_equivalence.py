@@ -49,12 +49,16 @@ def make_loss(total_tokens: int):
 
 def trainer_config(parallel: dict, distributed_optimizer: bool = False, dtype: str = "float32",
                    recompute: bool = False):
-    from beamrl.trainer.megatron.parallel import ParallelConfig
-    from beamrl.trainer.megatron.worker import OptimizerSettings, TrainerConfig
+    import os
 
-    return TrainerConfig(model=model_config(), parallel=ParallelConfig(**parallel), dtype=dtype, recompute=recompute,
-                         optimizer=OptimizerSettings(lr=3e-3, clip_grad=1.0, weight_decay=0.01,
-                                                     use_distributed_optimizer=distributed_optimizer))
+    from beamrl.trainer.megatron.config import TrainerConfig
+    from beamrl.trainer.megatron.worker import TrainerSetup
+
+    world = int(os.environ["WORLD_SIZE"])  # set by beamrl.trainer.megatron.launch
+    trainer = TrainerConfig(**parallel, num_gpus=world, global_batch_size=len(SEQ_LENS), lr=3e-3, grad_clip=1.0,
+                            weight_decay=0.01, distributed_optimizer=distributed_optimizer,
+                            recompute="full" if recompute else "none")
+    return TrainerSetup(model=model_config(), trainer=trainer, dtype=dtype)
 
 
 def run_layout(parallel: dict, distributed_optimizer: bool = False, with_grads: bool = True,
@@ -74,7 +78,7 @@ def run_layout(parallel: dict, distributed_optimizer: bool = False, with_grads: 
                                          and all(torch.equal(exported[k], weights[k]) for k in weights))
     mbs = micro_batches()
     loss_fn = make_loss(sum(b.num_loss_tokens for b in mbs))
-    dp = cfg.parallel.dp(dist.get_world_size())
+    dp = cfg.parallel.dp_size(dist.get_world_size())
     dp_rank = trainer._ps.get_data_parallel_rank()
     mine = mbs[dp_rank * len(mbs) // dp:(dp_rank + 1) * len(mbs) // dp]
     lp = trainer.compute_logprobs(mbs[0], temperature=0.7)  # before training: the loaded weights
@@ -141,13 +145,13 @@ def resume(parallel: dict, directory: str) -> dict:
 
 def _load_error(cfg, directory: str) -> str:
     """The message of loading the checkpoint into another layout (checked before any tensor is touched)."""
-    import dataclasses
     from types import SimpleNamespace
 
     from beamrl.trainer.megatron import checkpoint
-    from beamrl.trainer.megatron.parallel import ParallelConfig
+    from beamrl.trainer.megatron.config import ParallelConfig
 
-    other = SimpleNamespace(config=dataclasses.replace(cfg, parallel=ParallelConfig(tp=2, sp=True)))
+    other = SimpleNamespace(config=SimpleNamespace(parallel=ParallelConfig(tp=2, sp=True), dtype=cfg.dtype,
+                                                   model=cfg.model))
     try:
         checkpoint.load(other, directory)
     except checkpoint.CheckpointError as e:

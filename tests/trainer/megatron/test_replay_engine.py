@@ -1,7 +1,7 @@
 """Integration: routes returned by the real SGLang 0.5.23 CPU engine, replayed in the Megatron trainer (R3),
 bring the trainer's logprobs closer to the engine's than free routing does.
 
-The engine runs in this process (BF16, the CPU recipe of `SGLangEngineConfig.cpu_test`); the Megatron trainer
+The engine runs in this process (BF16, the CPU recipe of `SGLangEngineConfig.on_cpu`); the Megatron trainer
 runs in one spawned process (gloo world 1, BF16) so the CPU compatibility layer never shares a process with
 SGLang. Both gaps are printed (pytest -s) and the replayed gap must not exceed the free one."""
 
@@ -61,14 +61,14 @@ def _output_logprobs(logits, data, lens):
 def test_engine_routes_replayed_in_megatron_close_the_gap(tmp_path):
     pytest.importorskip("sglang")
     from beamrl.models.beam.model import BeamForCausalLM
-    from beamrl.rollout.protocol import GenerateRequest, SamplingParams
+    from beamrl.protocols.rollout import GenerateRequest, SamplingParams
     from beamrl.rollout.sglang.config import SGLangEngineConfig
     from beamrl.rollout.sglang.engine import SGLangEngine
 
     config = preset("tiny")
     ckpt = tmp_path / "ckpt"
     BeamForCausalLM(config, dtype=torch.bfloat16, seed=0).save_pretrained(ckpt)
-    engine = SGLangEngine(SGLangEngineConfig.cpu_test(str(ckpt)), start_timeout=600)
+    engine = SGLangEngine(SGLangEngineConfig.on_cpu(str(ckpt)), start_timeout=600)
     try:
         results = engine.generate(
             [GenerateRequest(p, SamplingParams(max_new_tokens=24, temperature=1.0, seed=i, ignore_eos=True),

@@ -4,7 +4,7 @@ layout of a broadcast buffer itself)."""
 import pytest
 import torch
 
-from beamrl.sync.flat_bucket import FlatBucket, aligned_order, layout
+from beamrl.protocols.flat_bucket import FlatBucket, aligned_order, layout
 
 sglang_bucket = pytest.importorskip("sglang.srt.weight_sync.tensor_bucket")
 

@@ -61,7 +61,7 @@ def layout(names: Sequence[str], dtypes: Sequence[str | torch.dtype],
         if offset % dtype.itemsize:
             raise ValueError(f"tensor {name!r} ({dtype_name(dtype)}) would start at byte {offset}, not a multiple "
                              f"of its element size {dtype.itemsize}; order tensors by decreasing element size "
-                             f"(beamrl.sync.flat_bucket.aligned_order)")
+                             f"(beamrl.protocols.flat_bucket.aligned_order)")
         size = torch.Size(shape).numel() * dtype.itemsize
         metas.append(TensorMeta(name, shape, dtype, offset, offset + size))
         offset += size
