@@ -35,10 +35,12 @@ import json
 import os
 import pickle
 import pstats
+import re
 import shutil
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -138,14 +140,6 @@ class PhaseLog:
         self._refresh()
         self._step_start = (time.perf_counter(), self._sample())  # steps are back to back
 
-    def sft_step(self, fn, *args, **kwargs):
-        self._refresh()
-        s0, t0 = self._sample(), time.perf_counter()
-        out = fn(*args, **kwargs)
-        t1, s1 = time.perf_counter(), self._sample()
-        self.sft_steps.append({"wall": t1 - t0, **{g: (s1[g] - s0[g]) / 1e9 for g in s0}})
-        return out
-
     def payload(self, name: str, obj) -> None:
         """Pickled size and pickle + unpickle CPU time of one object the driver ships to or gets from an actor."""
         t0 = time.thread_time()
@@ -181,37 +175,28 @@ class _Timed:
 def make_driver_class():
     from beamrl.loop.driver import RLDriver
 
-    for needed in ("_start_trainer", "run"):  # fail loudly if the driver's seams move
-        if not hasattr(RLDriver, needed):
-            raise RuntimeError(f"benchmarks/profile_step.py: RLDriver has no {needed!r}; update the profiler")
-
     class ProfiledDriver(RLDriver):
-        """The quickstart driver with timing proxies around its trainer, engines, reward manager and logger."""
+        """The quickstart driver with timing proxies around its trainer, engines, reward manager and logger (set
+        as attributes of the driver and of its `RunContext`)."""
 
         def __init__(self, recipe, log: PhaseLog, capture_dir: Path):
             self._plog, self._capture_dir, self._grpo_step = log, capture_dir, 0
-            self._sft_calls = 0
             super().__init__(recipe)
 
         def __setattr__(self, name, value):
-            if value is not None and name in ("engines", "rewards", "logger") and not isinstance(value, _Timed):
+            if name in ("engines", "trainer", "reference", "ctx") and value is not None:
                 log = self._plog
                 if name == "engines":
                     value = _Timed(value, log, {"generate_async": "rollout", "collect": "rollout",
                                                 "generate": "rollout", "score": "verify", "versions": "sync",
                                                 "call_all": "sync"}, self._engine_call)
-                elif name == "rewards":
-                    value = _Timed(value, log, {"score": "rewards"})
-                else:
-                    value = _LoggerProxy(value, self)
+                elif name in ("trainer", "reference"):
+                    value = _Timed(value, log, {"train_step": "train", "sync_weights": "sync",
+                                                "compute_logprobs": "verify"}, self._trainer_call)
+                elif name == "ctx":  # the run's reward manager and metrics logger live in its RunContext
+                    value.rewards = _Timed(value.rewards, log, {"score": "rewards"})
+                    value.logger = _LoggerProxy(value.logger, self)
             super().__setattr__(name, value)
-
-        def _start_trainer(self, hf_checkpoint, lr=None, reference=False):
-            group = super()._start_trainer(hf_checkpoint, lr=lr, reference=reference)
-            if lr is not None:  # the SFT warm start's own trainer
-                return _SFTTrainer(group, self)
-            return _Timed(group, self._plog, {"train_step": "train", "sync_weights": "sync",
-                                              "compute_logprobs": "verify"}, self._trainer_call)
 
         def _capturing(self) -> bool:
             return self._grpo_step == CAPTURE_STEP
@@ -234,22 +219,6 @@ def make_driver_class():
             elif name == "score" and self._capturing():
                 _dump(self._capture_dir / "probe_sequences.pkl", args[0])
 
-    class _SFTTrainer:
-        def __init__(self, group, driver):
-            self._group, self._driver = group, driver
-
-        def __getattr__(self, name):
-            return getattr(self._group, name)
-
-        def train_step(self, *args, **kwargs):
-            d = self._driver
-            d._sft_calls += 1
-            if d._sft_calls == 2:
-                with d._plog.unprofiled():
-                    _dump(d._capture_dir / "sft_train_step.pkl", (args, kwargs))
-                    d._plog.payload("SFT train_step arguments (driver -> trainer)", (args, kwargs))
-            return d._plog.sft_step(self._group.train_step, *args, **kwargs)
-
     class _LoggerProxy:
         def __init__(self, logger, driver):
             self._logger, self._driver = logger, driver
@@ -266,6 +235,33 @@ def make_driver_class():
     return ProfiledDriver
 
 
+class SftLineClock(io.TextIOBase):
+    """Tees the driver's stdout and samples CPU at each 'SFT step i/n' progress line: the SFT loop has no other
+    seam (its trainer is local to `loop.sft`). Per-step values are the intervals between two lines divided by
+    the steps between them, so the first step (lazy set-up) is left out."""
+
+    _LINE = re.compile(r"SFT step (\d+)/\d+: nll")
+
+    def __init__(self, stream, log: PhaseLog):
+        self.stream, self.log, self.last = stream, log, None
+
+    def write(self, text: str) -> int:
+        m = self._LINE.search(text) if threading.current_thread() is threading.main_thread() else None
+        if m is not None:
+            if self.last is None:  # the SFT trainer actor exists by now; keep one membership for all intervals
+                self.log._refresh()
+            now = (int(m.group(1)), time.perf_counter(), self.log._sample())
+            if self.last is not None:
+                (i0, t0, s0), (i1, t1, s1) = self.last, now
+                n = i1 - i0
+                self.log.sft_steps.append({"wall": (t1 - t0) / n, **{g: (s1[g] - s0[g]) / 1e9 / n for g in s0}})
+            self.last = now
+        return self.stream.write(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
 def _dump(path: Path, obj) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(pickle.dumps(obj, protocol=5))
@@ -280,11 +276,16 @@ def run_phases(args, out: Path) -> dict:
     shutil.rmtree(out / "run", ignore_errors=True)  # a fresh run: the SFT warm start must not be reused
     log = PhaseLog(ProcessGroups(GROUPS), args.steps)
     driver_cls = make_driver_class()
-    with driver_cls(recipe, log, out / "capture") as driver:
-        driver.run()
-    if len(log.steps) != args.steps or len(log.sft_steps) != args.sft_steps:
-        raise RuntimeError(f"profiled {len(log.steps)} GRPO / {len(log.sft_steps)} SFT steps, expected "
-                           f"{args.steps} / {args.sft_steps}: the driver's seams moved?")
+    stdout, sys.stdout = sys.stdout, SftLineClock(sys.stdout, log)
+    try:
+        with driver_cls(recipe, log, out / "capture") as driver:
+            driver.run()
+    finally:
+        sys.stdout = stdout
+    if len(log.steps) != args.steps or not log.sft_steps:
+        raise RuntimeError(f"profiled {len(log.steps)} GRPO steps and {len(log.sft_steps)} SFT intervals, expected "
+                           f"{args.steps} and at least 1: did the driver's seams (attributes trainer, engines, ctx; "
+                           f"the SFT progress line) move?")
     driver = profile_stats(log.driver_profile, args.top)
     n = len(log.steps) - 1
     driver["per_step"] = {k: v / n for k, v in (("profiled_ms", driver["profiled_ms"]),)}
@@ -307,7 +308,7 @@ def phase_table(result: dict) -> str:
         rows.append([phase, *vals, sum(vals[1:])])
     rows.append(["**step**", *[statistics.median(s["total"][c] for s in steps) for c in cols],
                  statistics.median(sum(s["total"][g] for g in groups) for s in steps)])
-    sft = result["sft_steps"][1:]
+    sft = result["sft_steps"]
     rows.append(["SFT step", *[statistics.median(s[c] for s in sft) for c in cols],
                  statistics.median(sum(s[g] for g in groups) for s in sft)])
     head = ["phase", "wall s", *[f"CPU s {g}" for g in groups], "CPU s all"]
@@ -328,8 +329,9 @@ def driver_table(result: dict) -> str:
                  for t in d["beamrl_cumulative"]]))
 
 
-def payload_table(result: dict) -> str:
-    rows = [[k, f"{v['bytes'] / 1024:.1f}", f"{v['cpu_ms']:.2f}"] for k, v in result["payloads"].items()]
+def payload_table(result: dict, trainer: dict) -> str:
+    payloads = {**result["payloads"], "SFT train_step arguments (driver -> trainer)": trainer["sft_payload"]}
+    rows = [[k, f"{v['bytes'] / 1024:.1f}", f"{v['cpu_ms']:.2f}"] for k, v in payloads.items()]
     return _md(["payload (one step)", "KiB pickled", "pickle + unpickle CPU ms"], rows)
 
 
@@ -418,27 +420,49 @@ def _fn_name(key) -> str:
     return f"{f}:{line}({name})"
 
 
+def _recipe_and_model(args, out: Path):
+    from beamrl.loop.setup import model_config
+    from beamrl.recipe.load import load_recipe
+
+    recipe = load_recipe(RECIPE, recipe_overrides(args, out))
+    return recipe, model_config(recipe)
+
+
+def _sft_capture(recipe, dp_size: int):
+    """The second SFT step's batches and loss, built by the warm start's own code (`loop.sft`)."""
+    from beamrl.data.loader import build_prompt_loader
+    from beamrl.data.prompts import load_tokenizer
+    from beamrl.loop.sft import sft_loader, sft_step_batches
+
+    tokenizer = load_tokenizer(recipe.data.tokenizer, recipe.model.checkpoint)
+    samples = build_prompt_loader(recipe.data, recipe.rollout.prompts_per_step, tokenizer).samples
+    loader = sft_loader(samples, recipe.sft.batch, recipe.run.seed)
+    loader.next_batch(recipe.sft.batch)
+    return sft_step_batches(loader.next_batch(recipe.sft.batch), tokenizer, dp_size)
+
+
 def trainer_internals(args, out: Path) -> dict:
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(20000 + os.getpid() % 20000))
     import torch
 
     torch.set_num_threads(1)  # as in the trainer actor
-    from beamrl.loop import components
-    from beamrl.recipe.load import load_recipe
+    from beamrl.loop.setup import trainer_setup
     from beamrl.trainer.megatron.worker import MegatronTrainer
 
-    recipe = load_recipe(RECIPE, recipe_overrides(args, out))
-    config = components.model_config(recipe)
-    trainer = MegatronTrainer(components.trainer_config(recipe, config),
-                              hf_checkpoint=str(out / "run" / "sft_checkpoint"))
+    recipe, model = _recipe_and_model(args, out)
+    trainer = MegatronTrainer(trainer_setup(recipe, model), hf_checkpoint=str(out / "run" / "sft_checkpoint"))
     cap = out / "capture"
-    result = {}
-    for kind in ("grpo", "sft"):
-        (call_args, kwargs) = pickle.loads((cap / f"{kind}_train_step.pkl").read_bytes())
-        micro, loss_fn = call_args[0], call_args[1]
-        replay = call_args[2] if len(call_args) > 2 else kwargs["replay"]
-        temperature = call_args[3] if len(call_args) > 3 else kwargs.get("temperature", 1.0)
+    (grpo_args, grpo_kwargs) = pickle.loads((cap / "grpo_train_step.pkl").read_bytes())
+    sft_micro, sft_loss = _sft_capture(recipe, 1)
+    t0 = time.thread_time()
+    blob = pickle.dumps((sft_micro, sft_loss), protocol=5)
+    pickle.loads(blob)
+    result = {"sft_payload": {"bytes": len(blob), "cpu_ms": (time.thread_time() - t0) * 1e3}}
+    calls = {"grpo": (grpo_args[0], grpo_args[1], grpo_kwargs.get("replay", True),
+                      grpo_kwargs.get("temperature", 1.0)),
+             "sft": (sft_micro, sft_loss, False, 1.0)}
+    for kind, (micro, loss_fn, replay, temperature) in calls.items():
         trainer.set_routing_replay(replay)
 
         def step():
@@ -453,7 +477,7 @@ def trainer_internals(args, out: Path) -> dict:
     probe = pickle.loads((cap / "probe_batch.pkl").read_bytes())
     trainer.set_routing_replay(False)
     result["verify_logprobs_cpu_ms"] = cpu_min_ms(lambda: trainer.compute_logprobs(probe, 1.0), args.repeats)
-    bucket = recipe.sync.bucket_mb << 20
+    bucket = recipe.sync.bucket_bytes
     result["export_cpu_ms"] = cpu_min_ms(lambda: [b for b in trainer.export_hf(bucket)], args.repeats)
     trainer.shutdown()
     return result
@@ -463,13 +487,14 @@ def engine_internals(args, out: Path) -> dict:
     import torch
 
     torch.set_num_threads(1)  # as in the engine actor
-    from beamrl.loop import components
     from beamrl.models.beam.checkpoint import load_checkpoint
-    from beamrl.recipe.load import load_recipe
+    from beamrl.rollout.engines import EngineLaunch, engine_factory
 
-    recipe = load_recipe(RECIPE, recipe_overrides(args, out))
+    recipe, _ = _recipe_and_model(args, out)
     ckpt = str(out / "run" / "sft_checkpoint")
-    engine = components.engine_factories(recipe, ckpt, True)[0]()
+    engine = engine_factory(recipe.rollout, EngineLaunch(
+        checkpoint=ckpt, dtype=recipe.model.dtype, device="cpu", seed=recipe.run.seed, name="native-0", port=30000,
+        start_timeout=recipe.timeouts.generate_s, return_routed_experts=True, memory_saver=False))()
     cap = out / "capture"
     groups = pickle.loads((cap / "generate_requests.pkl").read_bytes())
     requests = [r for g in groups for r in g]
@@ -567,7 +592,7 @@ def main(argv=None) -> int:
     head = (f"{started}, {os.cpu_count()} CPUs, 1-min load average {load0:.1f} at the start and {load1:.1f} at "
             f"the end; {args.steps} GRPO steps (medians over steps 2..{args.steps}), {args.sft_steps} SFT steps")
     md = "\n\n".join([head, "**Phases of one step** (seconds; CPU per process group)", phase_table(phases),
-                      payload_table(phases), driver_table(phases), "**Inside the calls**", internals_tables(tr, eng)])
+                      payload_table(phases, tr), driver_table(phases), "**Inside the calls**", internals_tables(tr, eng)])
     (out / "profile.md").write_text(md + "\n")
     (out / "profile.json").write_text(json.dumps({"phases": phases, "trainer": tr, "engine": eng}, indent=1) + "\n")
     print(md)
