@@ -20,7 +20,7 @@ groups, reward manager and logger. Three parts, three tables:
 
 Plus the payloads the driver ships per step (pickled bytes, pickle + unpickle CPU time).
 
-    PYTHONPATH=. .venv/bin/python benchmarks/profile_step.py --steps 6 --sft-steps 4 --out runs/profile_step
+    PYTHONPATH=. .venv/bin/python benchmarks/profile_step.py --steps 8 --sft-steps 15 --out runs/profile_step
 
 Writes profile.md and profile.json to --out. Op counts are exact; times on a shared machine are ratios.
 """
@@ -56,8 +56,9 @@ CAPTURE_STEP = 2  # GRPO step whose train_step / generate arguments are captured
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=6, help="GRPO steps of the profiled run (>= 4)")
-    ap.add_argument("--sft-steps", type=int, default=4, help="SFT steps of the profiled run (>= 2)")
+    ap.add_argument("--steps", type=int, default=8, help="GRPO steps of the profiled run (>= 4)")
+    ap.add_argument("--sft-steps", type=int, default=15,
+                    help="SFT steps of the profiled run (>= 2; the quickstart's 15)")
     ap.add_argument("--repeats", type=int, default=7, help="repeats of each in-process measurement (min is kept)")
     ap.add_argument("--top", type=int, default=15, help="rows of the top-op and top-function tables")
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "profile_step")
@@ -592,7 +593,8 @@ def main(argv=None) -> int:
     head = (f"{started}, {os.cpu_count()} CPUs, 1-min load average {load0:.1f} at the start and {load1:.1f} at "
             f"the end; {args.steps} GRPO steps (medians over steps 2..{args.steps}), {args.sft_steps} SFT steps")
     md = "\n\n".join([head, "**Phases of one step** (seconds; CPU per process group)", phase_table(phases),
-                      payload_table(phases, tr), driver_table(phases), "**Inside the calls**", internals_tables(tr, eng)])
+                      payload_table(phases, tr), driver_table(phases), "**Inside the calls**",
+                      internals_tables(tr, eng)])
     (out / "profile.md").write_text(md + "\n")
     (out / "profile.json").write_text(json.dumps({"phases": phases, "trainer": tr, "engine": eng}, indent=1) + "\n")
     print(md)
