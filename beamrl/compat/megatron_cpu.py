@@ -35,8 +35,12 @@ W2b `TypeError: all_to_all_single(): incompatible function arguments ... tensor(
     version that returns numpy whenever numpy is requested.
 W3  `Torch not compiled with CUDA enabled` from `device=torch.cuda.current_device()`, `device="cuda"`,
     `.cuda()` (~90 sites: RoPE, router, schedules, clip_grads, optimizer, grad scaler).
-    `torch.cuda.current_device()` returns 0 and a process-wide `TorchFunctionMode` rewrites CUDA devices
-    (str, torch.device or int index) in `device=` kwargs, `Tensor.to(...)` and `Tensor.cuda()` to CPU.
+    `torch.cuda.current_device()` returns 0, and the callables that take a device rewrite a CUDA device (str,
+    torch.device or int index) to CPU: the tensor factories of the `torch` namespace (`_FACTORIES`: empty,
+    zeros, tensor, arange, ... and the `*_like` ones), the `Tensor.new_*` factories, `Tensor.to(...)`;
+    `Tensor.cuda()` returns the tensor. Not a process-wide `TorchFunctionMode` (the first version): a mode runs
+    a Python handler for *every* torch op, about 18k calls and 13% of the CPU time of one quickstart train step
+    (benchmarks/profile_step.py), to catch the ~10 factory calls per step that ask for CUDA.
 W4  `AssertionError: sequence parallel not supported by torch LayerNorm` (`transformer/torch_norm.py:50`,
     `WrappedTorchNorm`, which asserts even for q/k norms). With sequence parallelism `WrappedTorchNorm` builds
     `SequenceParallelRMSNorm` (`F.rms_norm`) whose weight is marked `sequence_parallel`, so
@@ -54,6 +58,7 @@ Config flags that still fail on CPU and must stay off: `gradient_accumulation_fu
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.abc
 import importlib.machinery
 import importlib.util
@@ -63,11 +68,9 @@ import types
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
 _lock = threading.Lock()
 _active = False
-_mode: "_CpuDeviceMode | None" = None
 _finder: "_PagedStashStubFinder | None" = None
 #: (object, attribute, original value) of every patch, in the order applied; `deactivate` restores them.
 _saved: list[tuple[object, str, object]] = []
@@ -108,18 +111,15 @@ def activate() -> None:
 
 
 def deactivate() -> None:
-    """Undo `activate()`: restore every patched attribute, pop the CPU device mode, remove the W0 finder.
+    """Undo `activate()`: restore every patched attribute and remove the W0 finder.
     Idempotent. Objects built while the layer was active keep what they captured (tests build them anew)."""
-    global _active, _mode, _finder
+    global _active, _finder
     with _lock:
         if not _active:
             return
         for obj, name, original in reversed(_saved):
             _restore(obj, name, original)
         _saved.clear()
-        if _mode is not None:
-            _mode.__exit__(None, None, None)
-            _mode = None
         if _finder is not None and _finder in sys.meta_path:
             sys.meta_path.remove(_finder)
         _finder = None
@@ -319,6 +319,13 @@ def _w2b_numpy_split_sizes() -> None:
 
 _CPU = torch.device("cpu")
 
+#: Tensor factories of the `torch` namespace that take `device=` (every one Megatron 0.19.2 calls, and kin).
+_FACTORIES = ("empty", "zeros", "ones", "full", "tensor", "as_tensor", "asarray", "arange", "range", "linspace",
+              "logspace", "eye", "rand", "randn", "randint", "randperm", "empty_like", "zeros_like", "ones_like",
+              "full_like", "rand_like", "randn_like", "randint_like", "empty_strided", "scalar_tensor",
+              "tril_indices", "triu_indices", "sparse_coo_tensor")
+_TENSOR_FACTORIES = ("new_empty", "new_zeros", "new_ones", "new_full", "new_tensor", "new_empty_strided")
+
 
 def _to_cpu_device(device):
     """Map a CUDA device spec (str, torch.device, int index) to CPU; anything else unchanged."""
@@ -331,42 +338,49 @@ def _to_cpu_device(device):
     return device
 
 
-class _CpuDeviceMode(TorchFunctionMode):
-    """Rewrites CUDA device requests to CPU for every torch function and Tensor method."""
+def _device_kwarg_to_cpu(fn):
+    """`fn` with a CUDA `device=` keyword rewritten to CPU (the factories take the device by keyword only)."""
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if "device" in kwargs:
-            kwargs = dict(kwargs)
-            kwargs["device"] = _to_cpu_device(kwargs["device"])
-        if func is torch.Tensor.cuda:
-            return args[0]
-        if func is torch.Tensor.to and len(args) > 1 and not isinstance(args[1], (torch.dtype, torch.Tensor)):
-            args = (args[0], _to_cpu_device(args[1])) + tuple(args[2:])
-        return func(*args, **kwargs)
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        device = kwargs.get("device")
+        if device is not None:
+            kwargs["device"] = _to_cpu_device(device)
+        return fn(*args, **kwargs)
+
+    wrapped.__megatron_cpu_w3__ = fn
+    return wrapped
 
 
-def _run_backward_with_mode(original):
-    """A mode is popped while its handler runs, so `loss.backward()` / `torch.autograd.backward(...)` would run
-    the whole backward (activation recompute re-forwards, DDP grad hooks) without the redirect. The engine
-    entry re-pushes it when it is missing."""
+def _tensor_to(original):
+    """`Tensor.to` with a CUDA device (positional `to(device, ...)` or `device=`) rewritten to CPU."""
 
-    def run(*args, **kwargs):
-        if _mode is not None and torch._C._len_torch_function_stack() == 0:
-            with _mode:
-                return original(*args, **kwargs)
-        return original(*args, **kwargs)
+    @functools.wraps(original)
+    def to(self, *args, **kwargs):
+        if args and not isinstance(args[0], (torch.dtype, torch.Tensor)):
+            args = (_to_cpu_device(args[0]),) + args[1:]
+        device = kwargs.get("device")
+        if device is not None:
+            kwargs["device"] = _to_cpu_device(device)
+        return original(self, *args, **kwargs)
 
-    return run
+    to.__megatron_cpu_w3__ = original
+    return to
+
+
+def _tensor_cuda(self, device=None, non_blocking=False, memory_format=torch.preserve_format):
+    return self
 
 
 def _w3_cpu_devices() -> None:
-    global _mode
     _patch(torch.cuda, "current_device", lambda: 0)
     _patch(torch.cuda, "set_device", lambda device: None)
-    _mode = _CpuDeviceMode()
-    _mode.__enter__()  # stays pushed until `deactivate`
-    _patch(torch.autograd, "_engine_run_backward", _run_backward_with_mode(torch.autograd._engine_run_backward))
+    for name in _FACTORIES:
+        _patch(torch, name, _device_kwarg_to_cpu(getattr(torch, name)))
+    for name in _TENSOR_FACTORIES:
+        _patch(torch.Tensor, name, _device_kwarg_to_cpu(getattr(torch.Tensor, name)))
+    _patch(torch.Tensor, "to", _tensor_to(torch.Tensor.to))
+    _patch(torch.Tensor, "cuda", _tensor_cuda)
 
 
 # ------------------------------------------------------------------------------------------------------- W4

@@ -84,6 +84,20 @@ def test_deactivate_restores_torch_and_megatron():
     assert torch.zeros(1, device="cuda").device.type == "cpu"
 
 
+def test_device_rewrites_cover_every_form_without_a_torch_function_mode():
+    megatron_cpu.activate()
+    # No process-wide mode: it would run a Python handler for every torch op (W3 in the module docstring).
+    assert torch._C._len_torch_function_stack() == 0
+    x = torch.ones(3)
+    for t in (torch.arange(3, device="cuda:0"), torch.empty(2, device=torch.device("cuda")),
+              torch.tensor([1.0], device=0), torch.zeros_like(x, device="cuda"), torch.full((2,), 1.0, device="cuda"),
+              x.new_zeros(2, device="cuda"), x.new_tensor([1.0], device=torch.cuda.current_device()),
+              x.to(device="cuda"), x.to(torch.device("cuda", 0), torch.float64), x.to(0)):
+        assert t.device.type == "cpu"
+    assert x.to(torch.float64).dtype == torch.float64 and x.to(x).dtype == x.dtype  # non-device calls unchanged
+    assert torch.zeros(2, device="meta").device.type == "meta"  # other devices untouched
+
+
 def test_refuses_when_cuda_is_available(monkeypatch):
     monkeypatch.setattr(megatron_cpu, "_active", False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
