@@ -1,8 +1,9 @@
 """Resolve a reward spec to a function and check, at load time, that every parameter can be injected.
 
 A spec is an import path "pkg.module:fn", a name registered with `@reward`, or a `beamrl.rewards` entry point.
-In "pkg.module:name", `name` is an attribute of the module or a name that importing the module registered with
-`@reward`, so a registered function can be named from a recipe without packaging it. Modules in the working
+In "pkg.module:name", `name` is an attribute of the module or the name under which one of its functions is
+registered with `@reward` (importing the module registers it), so a registered function can be named from a
+recipe without packaging it. Modules in the working
 directory are importable (`importable_working_directory`), for `beamrl train` and `beamrl reward test` alike.
 Parameters are filled by name from the sample's fields (`FIELDS`) and the component's `kwargs`; a function
 with `**kwargs` receives all of them. A required parameter that nothing can fill is a `RewardLoadError`.
@@ -77,14 +78,14 @@ def import_ref(ref: str) -> Any:
 
 
 def _resolve_in_module(spec: str) -> tuple[Callable, str]:
-    """"module:name": the module's attribute `name`, else the function that importing it registered as `name`."""
+    """"module:name": the module's attribute `name`, else the function of that module registered as `name`."""
     module_name, _, name = spec.partition(":")
     try:
         return import_ref(spec), spec
     except RewardLoadError:
-        if module_name not in sys.modules or name not in REWARDS:  # no module, or nothing registered as `name`
+        fn = REWARDS.get(name) if module_name in sys.modules and name in REWARDS else None
+        if fn is None or getattr(fn, "__module__", None) != module_name:
             raise
-    fn = REWARDS.get(name)
     return fn, f"{fn.__module__}:{fn.__qualname__}"
 
 
