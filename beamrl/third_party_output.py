@@ -3,8 +3,8 @@ runs on (Megatron's "Transformer Engine and Apex are not installed" notices, dep
 
 `quiet(verbose)` runs in the driver (`beamrl train`) and, through Ray's `worker_process_setup_hook`, in every Ray
 worker before it imports anything of the run. By default these warnings are hidden and the packages' loggers show
-errors only; with `verbose` (`beamrl train --verbose`) each warning is shown once per process and the loggers
-keep their own levels. beamrl's own warnings and a user's reward code are never filtered.
+errors only; with `verbose` (`beamrl train --verbose`) every warning is shown, each message once per process,
+and the loggers keep their own levels. beamrl's own warnings and a user's reward code are never filtered.
 
 When stdout is not a terminal, Ray's log prefixes carry no colour codes (`plain_ray_output`).
 """
@@ -25,13 +25,30 @@ NOISY_PACKAGES = ("megatron", "torch", "transformers", "tokenizers", "sglang", "
 
 def quiet(verbose: bool = False) -> None:
     """Install the filters in this process (idempotent)."""
-    action = "once" if verbose else "ignore"
+    if verbose:  # Python's "once" is per calling module: Megatron raises the same notice from four modules
+        _show_each_message_once()
+        return
     for package in NOISY_PACKAGES:
-        warnings.filterwarnings(action, module=rf"{package}(\.|$)")
-        if not verbose:
-            logging.getLogger(package).setLevel(logging.ERROR)
-    if not verbose:  # transformers resets its logger's level when it first logs; this is its own setting
-        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+        warnings.filterwarnings("ignore", module=rf"{package}(\.|$)")
+        logging.getLogger(package).setLevel(logging.ERROR)
+    # transformers resets its logger's level when it first logs; this is its own setting for it
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+def _show_each_message_once() -> None:
+    show = warnings.showwarning
+    if getattr(show, "beamrl_once", False):
+        return
+    seen: set[tuple[str, type]] = set()
+
+    def show_once(message, category, filename, lineno, file=None, line=None):
+        key = (str(message), category)
+        if key not in seen:
+            seen.add(key)
+            show(message, category, filename, lineno, file, line)
+
+    show_once.beamrl_once = True
+    warnings.showwarning = show_once
 
 
 def quiet_worker() -> None:
