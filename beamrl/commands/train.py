@@ -13,7 +13,8 @@ HELP = "Train Beam with a recipe (or check its layout, memory, tokenizer, data a
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("recipe", metavar="RECIPE", help="recipe YAML path or shipped name (quickstart, grpo_dapo_math)")
+    parser.add_argument("recipe", metavar="RECIPE",
+                        help="recipe YAML path or shipped name (quickstart, grpo_dapo_math)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                         help="recipe overrides, e.g. trainer.lr=1e-6 run.num_steps=10 (values parsed as YAML)")
     parser.add_argument("--dry-run", action="store_true",
@@ -64,7 +65,8 @@ def run(args: argparse.Namespace) -> int:
         from beamrl.loop import run_training
     except ImportError as e:
         if e.name in (None, "beamrl.loop") or "run_training" in str(e):
-            raise NotImplementedError(f"beamrl.loop.run_training is not available ({e}); only --dry-run works") from None
+            raise NotImplementedError(f"beamrl.loop.run_training is not available ({e}); only --dry-run works") \
+                from None
         raise
     try:
         result = run_training(recipe, resume=args.resume, overwrite=args.overwrite, verbose=args.verbose)

@@ -158,7 +158,7 @@ def test_header_check_refuses_experts_given_both_packed_and_per_expert(cfg, sd, 
     I, H = cfg.moe_intermediate_size, cfg.hidden_size
     both = dict(sd, **{gate_up: torch.zeros(cfg.num_experts, 2 * I, H, dtype=torch.bfloat16)})
     _write(tmp_path, cfg, both)
-    with pytest.raises(CheckpointError, match=rf"model\.layers\.{layer}\.mlp\.experts\.0\..*both packed and per expert"):
+    with pytest.raises(CheckpointError, match=rf"layers\.{layer}\.mlp\.experts\.0\..*both packed and per expert"):
         check_checkpoint(tmp_path)
 
 
