@@ -31,8 +31,11 @@ def quiet(verbose: bool = False) -> None:
     for package in NOISY_PACKAGES:
         warnings.filterwarnings("ignore", module=rf"{package}(\.|$)")
         logging.getLogger(package).setLevel(logging.ERROR)
-    # transformers resets its logger's level when it first logs; this is its own setting for it
+    # Settings these packages read when imported: transformers resets its logger's level when it first logs, and
+    # datasets / huggingface_hub draw progress bars ("Generating train split: ...") on stderr.
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
 def _show_each_message_once() -> None:

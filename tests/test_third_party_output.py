@@ -58,3 +58,15 @@ def test_every_ray_worker_installs_the_same_filters():
         module, _, name = hook.rpartition(".")
         assert callable(getattr(__import__(module, fromlist=[name]), name))
     assert worker_runtime_env(False) != worker_runtime_env(True)
+
+
+def test_dataset_loading_draws_no_progress_bars(tmp_path):
+    (tmp_path / "rows.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    p = _run(f"""
+        from beamrl.third_party_output import quiet
+        quiet()
+        from beamrl.data.sources import load_rows
+        print(len(load_rows({str(tmp_path / 'rows.jsonl')!r}, cache_dir={str(tmp_path / 'cache')!r})))
+    """)
+    assert p.returncode == 0 and p.stdout.strip() == "1", p.stderr
+    assert "Generating" not in p.stderr and "examples" not in p.stderr, p.stderr
