@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
 # The embedded default: builds .venv if needed, then trains a tiny Beam on CPU with GRPO on single-digit
 # addition (recipes/quickstart.yaml; ~10 minutes on 2 cores). Extra `key=value` overrides go to the recipe.
-# Run it again: the outputs of the first run are refused; add --resume (continue it) or --overwrite (start afresh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
