@@ -96,18 +96,28 @@ def _size(directory: Path) -> int:
     return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
 
 
+def _progress(what: str, t_start: float, **values) -> None:
+    """One line per finished phase (flushed), so a run cut short by a time limit still shows what it measured."""
+    shown = " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in values.items())
+    print(f"[checkpoint bench +{time.perf_counter() - t_start:6.1f} s] {what} {shown}", flush=True)
+
+
 def run(config, root: Path, fused: bool, seq_len: int, seqs: int, micro_batches: int, warmup: int,
         steps: int) -> dict:
     from beamrl.trainer.megatron.checkpoint import check
 
+    t_start = time.perf_counter()
+
     batches = _batches(config, seq_len, seqs, micro_batches)
     probe = batches[0]
     trainer = _trainer(config, fused)
+    _progress("trainer built", t_start, params=config.num_parameters())
     for _ in range(warmup):
         _step(trainer, batches)
     baseline = [_step(trainer, batches) for _ in range(steps)]
     out = {"params": config.num_parameters(), "fused_kernels": fused, "tokens_per_step": sum(b.num_tokens for b in batches),
            "step_s": statistics.median(baseline), "step_s_all": baseline}
+    _progress("steps without a save", t_start, step_s=out["step_s"])
 
     sync_dir = root / "sync"
     _sync()
@@ -115,6 +125,7 @@ def run(config, root: Path, fused: bool, seq_len: int, seqs: int, micro_batches:
     trainer.save_checkpoint(sync_dir)
     out["sync_save_s"] = time.perf_counter() - t0
     out["checkpoint_bytes"] = _size(sync_dir)
+    _progress("sync save", t_start, seconds=out["sync_save_s"], gb=out["checkpoint_bytes"] / 1e9)
     shutil.rmtree(sync_dir)
 
     async_dir = root / "async"
@@ -131,6 +142,8 @@ def run(config, root: Path, fused: bool, seq_len: int, seqs: int, micro_batches:
     out["steps_during_async_save"] = len(in_flight)
     out["step_s_during_async_save"] = statistics.median(in_flight) if in_flight else float("nan")
     out["step_s_during_async_save_all"] = in_flight
+    _progress("async save", t_start, blocking_s=out["async_save_blocking_s"], total_s=out["async_save_total_s"],
+              steps=len(in_flight), step_s=out["step_s_during_async_save"])
     trainer.shutdown()
     del trainer
     _free()
@@ -138,6 +151,7 @@ def run(config, root: Path, fused: bool, seq_len: int, seqs: int, micro_batches:
     t0 = time.perf_counter()
     damaged = check(async_dir, full=True)
     out["verify_s"] = time.perf_counter() - t0
+    _progress("digest check", t_start, seconds=out["verify_s"])
     if damaged:
         raise RuntimeError(f"the benchmark's own checkpoint is damaged: {damaged}")
     loaded = _trainer(config, fused)
@@ -146,6 +160,7 @@ def run(config, root: Path, fused: bool, seq_len: int, seqs: int, micro_batches:
     loaded.load_checkpoint(async_dir)
     _sync()
     out["load_s"] = time.perf_counter() - t0
+    _progress("load", t_start, seconds=out["load_s"])
     out["load_matches_saved"] = bool(torch.equal(loaded.compute_logprobs(probe, return_entropy=False).logprobs,
                                                  saved_logprobs))
     loaded.shutdown()

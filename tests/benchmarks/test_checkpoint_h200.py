@@ -26,4 +26,6 @@ def test_cpu_tiny_smoke_run(tmp_path):
         assert r[key] > 0, key
     assert r["steps_during_async_save"] >= 1 and r["async_save_total_s"] >= r["async_save_blocking_s"]
     assert "save, async: step waits" in proc.stdout
+    for phase in ("trainer built", "steps without a save", "sync save", "async save", "digest check", "load"):
+        assert f"] {phase} " in proc.stdout, phase  # progress lines, so a run cut short shows what it measured
     assert [p.name for p in tmp_path.iterdir()] == ["result.json"]  # the checkpoints were removed
