@@ -86,3 +86,18 @@ def write_kernel_rows(path: str | None, copy_gbs: float, device: str, args, rows
         with open(path, "w") as f:
             json.dump(dict(copy_gbs=copy_gbs, device=device, torch=torch.__version__, args=vars(args), rows=rows), f,
                       indent=1)
+
+
+def sync_device() -> None:
+    """Wait for queued GPU work (no-op without CUDA), so a host clock around it times the work."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def free_device_memory() -> None:
+    """Drop unreachable objects and return cached GPU blocks, so one section's memory does not count in the next."""
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

@@ -31,7 +31,6 @@ if "--tiny" in __import__("sys").argv:  # CPU smoke run: Megatron's jit_fuser wo
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 import argparse  # noqa: E402
-import gc  # noqa: E402
 import importlib.util  # noqa: E402
 import json  # noqa: E402
 import shutil  # noqa: E402
@@ -44,20 +43,12 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 
 from beamrl.models.beam import preset  # noqa: E402
+from benchmarks._bench_utils import free_device_memory, sync_device  # noqa: E402
 
 #: Bytes per parameter of a bf16 + distributed-optimizer checkpoint: bf16 weight, FP32 main copy, two FP32 moments.
 BYTES_PER_PARAM = 2 + 4 + 4 + 4
 
 
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def _free() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def _trainer(config, fused: bool):
@@ -83,12 +74,12 @@ def _step(trainer, batches, poll: bool = False) -> float:
     def loss_fn(logprobs, entropy, batch):
         return -(logprobs * batch.loss_mask).sum() / norm, {}
 
-    _sync()
+    sync_device()
     t0 = time.perf_counter()
     trainer.train_step(batches, loss_fn)
     if poll:
         trainer.finalize_checkpoint(blocking=False)
-    _sync()
+    sync_device()
     return time.perf_counter() - t0
 
 
@@ -120,7 +111,7 @@ def run(config, root: Path, fused: bool, seq_len: int, seqs: int, micro_batches:
     _progress("steps without a save", t_start, step_s=out["step_s"])
 
     sync_dir = root / "sync"
-    _sync()
+    sync_device()
     t0 = time.perf_counter()
     trainer.save_checkpoint(sync_dir)
     out["sync_save_s"] = time.perf_counter() - t0
@@ -130,7 +121,7 @@ def run(config, root: Path, fused: bool, seq_len: int, seqs: int, micro_batches:
 
     async_dir = root / "async"
     saved_logprobs = trainer.compute_logprobs(probe, return_entropy=False).logprobs
-    _sync()
+    sync_device()
     t0 = time.perf_counter()
     trainer.save_checkpoint(async_dir, async_save=True)
     out["async_save_blocking_s"] = time.perf_counter() - t0
@@ -146,7 +137,7 @@ def run(config, root: Path, fused: bool, seq_len: int, seqs: int, micro_batches:
               steps=len(in_flight), step_s=out["step_s_during_async_save"])
     trainer.shutdown()
     del trainer
-    _free()
+    free_device_memory()
 
     t0 = time.perf_counter()
     damaged = check(async_dir, full=True)
@@ -155,17 +146,17 @@ def run(config, root: Path, fused: bool, seq_len: int, seqs: int, micro_batches:
     if damaged:
         raise RuntimeError(f"the benchmark's own checkpoint is damaged: {damaged}")
     loaded = _trainer(config, fused)
-    _sync()
+    sync_device()
     t0 = time.perf_counter()
     loaded.load_checkpoint(async_dir)
-    _sync()
+    sync_device()
     out["load_s"] = time.perf_counter() - t0
     _progress("load", t_start, seconds=out["load_s"])
     out["load_matches_saved"] = bool(torch.equal(loaded.compute_logprobs(probe, return_entropy=False).logprobs,
                                                  saved_logprobs))
     loaded.shutdown()
     del loaded
-    _free()
+    free_device_memory()
     shutil.rmtree(async_dir)
     return out
 

@@ -25,7 +25,6 @@ if "--tiny" in __import__("sys").argv:  # CPU smoke run: Megatron's jit_fuser wo
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 import argparse  # noqa: E402
-import gc  # noqa: E402
 import importlib.util  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
@@ -37,18 +36,10 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 
 from beamrl.models.beam import preset  # noqa: E402
+from benchmarks._bench_utils import free_device_memory, sync_device  # noqa: E402
 from beamrl.parity.fused_vs_eager import real_width_config  # noqa: E402
 
 
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def _free() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def _trainer(config, use_fused_kernels: bool = False):
@@ -77,14 +68,14 @@ def parity(config, device: str, num_sequences: int, seq_len: int, seed: int = 0)
     meg = meg.view(num_sequences, seq_len)[:, 1:]  # token t >= 1 of each sequence
     trainer.shutdown()
     del trainer
-    _free()
+    free_device_memory()
     ref_model = BeamForCausalLM(config, dtype=torch.bfloat16, device=device)
     ref_model.load_hf_tensors(weights, strict=True)
     del weights
     with torch.no_grad():
         ref = ref_model.token_logprobs(prompts.to(device)).float().cpu()
     del ref_model
-    _free()
+    free_device_memory()
     d = (meg.float() - ref).abs()
     return {"tokens": d.numel(), "max_abs_dlogprob": d.max().item(), "mean_abs_dlogprob": d.mean().item(),
             "params": config.num_parameters(), "seconds": time.perf_counter() - t0}
@@ -109,13 +100,13 @@ def train_throughput(config, use_fused_kernels: bool, seq_len: int, seqs_per_mic
         torch.cuda.reset_peak_memory_stats()
     fb, full, losses = [], [], []
     for i in range(warmup + steps):
-        _sync()
+        sync_device()
         t0 = time.perf_counter()
         sums = trainer.forward_backward(batches, loss_fn)
-        _sync()
+        sync_device()
         t1 = time.perf_counter()
         trainer.optimizer_step()
-        _sync()
+        sync_device()
         t2 = time.perf_counter()
         losses.append(sums["loss"])
         if i >= warmup:
@@ -124,7 +115,7 @@ def train_throughput(config, use_fused_kernels: bool, seq_len: int, seqs_per_mic
     peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
     trainer.shutdown()
     del trainer
-    _free()
+    free_device_memory()
     fb_s, full_s = statistics.median(fb), statistics.median(full)
     return {"tokens_per_step": tokens, "micro_batches": micro_batches, "seq_len": seq_len,
             "fwd_bwd_ms": 1e3 * fb_s, "step_ms": 1e3 * full_s, "fwd_bwd_tokens_per_s": tokens / fb_s,
@@ -225,7 +216,7 @@ def main(argv=None) -> int:
         except Exception:  # noqa: BLE001 - keep the other sections' results
             traceback.print_exc()
             results[name] = {"error": traceback.format_exc()}
-            _free()
+            free_device_memory()
         print(f"   {json.dumps({k: v for k, v in results[name].items() if k not in ('error', 'losses')})}", flush=True)
     print(format_table(results))
     args.out.mkdir(parents=True, exist_ok=True)

@@ -196,12 +196,25 @@ def load_checkpoint(directory: str | Path) -> tuple[BeamConfig, dict[str, torch.
     except TypeError as e:  # unexpected keyword etc. surfaces as TypeError from the dataclass
         raise BeamConfigError("config.json", str(d / "config.json"), str(e)) from None
     dtype = model_dtype(config)
-    files = checkpoint_files(d)
+    per_expert = expected_tensors(config)
+    state: dict[str, torch.Tensor] = {}
+    for handle, name, spec in _indexed_tensors(d, config):
+        t = handle.get_tensor(name)
+        _check_tensor(name, t, spec, dtype)
+        state[name] = t
+    state = _unpack_experts(config, state)
+    _check_names(set(state), per_expert)
+    return config, state
+
+
+
+def _indexed_tensors(d: Path, config: BeamConfig):
+    """(open safetensors handle, name, weight-table spec) for every tensor the checkpoint's index lists, one file
+    open at a time; a listed tensor missing from its file or one outside the Beam weight table raises."""
     per_expert = expected_tensors(config)
     packed = output_specs(config, "packed")
-    state: dict[str, torch.Tensor] = {}
     by_file: dict[Path, list[str]] = {}
-    for name, f in files.items():
+    for name, f in checkpoint_files(d).items():
         by_file.setdefault(f, []).append(name)
     for f, names in by_file.items():
         with safe_open(str(f), framework="pt") as handle:
@@ -212,13 +225,7 @@ def load_checkpoint(directory: str | Path) -> tuple[BeamConfig, dict[str, torch.
                 spec = per_expert.get(name) or packed.get(name)
                 if spec is None:
                     raise CheckpointError(f"unexpected tensor {name!r} in {f.name}: not in the Beam weight table")
-                t = handle.get_tensor(name)
-                _check_tensor(name, t, spec, dtype)
-                state[name] = t
-    state = _unpack_experts(config, state)
-    _check_names(set(state), per_expert)
-    return config, state
-
+                yield handle, name, spec
 
 # safetensors header dtype names -> torch dtypes (anything else is reported under its header name)
 _HEADER_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
@@ -236,24 +243,12 @@ def check_checkpoint(directory: str | Path) -> BeamConfig:
         raise BeamConfigError("config.json", str(d / "config.json"), str(e)) from None
     dtype = model_dtype(config)
     per_expert = expected_tensors(config)
-    packed = output_specs(config, "packed")
-    by_file: dict[Path, list[str]] = {}
-    for name, f in checkpoint_files(d).items():
-        by_file.setdefault(f, []).append(name)
     covered: list[str] = []
-    for f, names in by_file.items():
-        with safe_open(str(f), framework="pt") as handle:
-            present = set(handle.keys())
-            for name in names:
-                if name not in present:
-                    raise CheckpointError(f"tensor {name!r} listed in the index is missing from {f.name}")
-                spec = per_expert.get(name) or packed.get(name)
-                if spec is None:
-                    raise CheckpointError(f"unexpected tensor {name!r} in {f.name}: not in the Beam weight table")
-                header = handle.get_slice(name)
-                stored = header.get_dtype()
-                _check_spec(name, tuple(header.get_shape()), _HEADER_DTYPES.get(stored, stored), spec, dtype)
-                covered += _per_expert_names(config, name)
+    for handle, name, spec in _indexed_tensors(d, config):
+        header = handle.get_slice(name)
+        stored = header.get_dtype()
+        _check_spec(name, tuple(header.get_shape()), _HEADER_DTYPES.get(stored, stored), spec, dtype)
+        covered += _per_expert_names(config, name)
     if len(covered) != len(set(covered)):
         twice = next(n for n in covered if covered.count(n) > 1)
         raise CheckpointError(f"tensor {twice!r} given both packed and per expert")
