@@ -70,7 +70,7 @@ class RLDriver:
         self.engines = self._own("engines", start_engines(run, policy))
         self.collector = RolloutCollector(run, self.engines)
         if r.sync.verify:
-            self.probe = sync_probe(run.data, run.tokenizer, r.model.dtype, r.timeouts.generate_s)
+            self.probe = sync_probe(run.data, run.tokenizer, r.model.dtype, r.rollout.engine)
         start_step = self._resume() if run.resume_dir is not None else 0
         self._steps(start_step)
         self._finish()
@@ -135,7 +135,7 @@ class RLDriver:
         self._save(r.run.num_steps, None)  # the final checkpoint, also with every_n_steps: 0 ("only at the end")
         self.checkpoints.wait(self.trainer)
         if r.checkpoint.export_hf_at_end:
-            path = self.trainer.export_hf_checkpoint(str(self.ctx.out_dir / "hf_final"), r.sync.bucket_bytes)
+            path = self.trainer.export_hf_checkpoint(str(self.ctx.out_dir / "hf_final"))
             log(f"final HF checkpoint (SGLang format): {path}")
         self.resources.release("logger")  # flushed before the summary reads metrics.jsonl
         plot_and_summarize(self.ctx.out_dir, r.logging.plot_reward_curve)
