@@ -10,6 +10,9 @@ protocol, so that neither `beamrl.rollout` nor `beamrl.sync` has to import the o
 from __future__ import annotations
 
 import abc
+import queue
+import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -38,6 +41,44 @@ class PendingCall:
         if self._error is not None:
             raise self._error
         return self._result
+
+
+class _ThreadCall(PendingCall):
+    def __init__(self, who: str, what: str) -> None:
+        super().__init__()
+        self.who, self.what = who, what
+        self.done = threading.Event()
+
+    def wait(self, timeout: float) -> Any:
+        if not self.done.wait(max(timeout, 0.0)):
+            raise WeightSyncError(f"{self.who}: no reply to {self.what} within {round(timeout, 1):g} s (engine dead "
+                                  f"or wedged)")
+        return super().wait(timeout)
+
+
+class _CallWorker:
+    """Runs an in-process receiver's issued calls one after another on a daemon thread, so the issuer can wait
+    with a timeout (a wedged receiver cannot hang it) and calls keep their issue order."""
+
+    def __init__(self, who: str) -> None:
+        self.who = who
+        self._queue: "queue.SimpleQueue[tuple[_ThreadCall, Callable[[], Any]]]" = queue.SimpleQueue()
+        threading.Thread(target=self._run, name=f"beamrl-receiver:{who}", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            call, fn = self._queue.get()
+            try:
+                call._result = fn()
+            except BaseException as exc:  # delivered by wait(), as a remote failure would be
+                call._error = exc if isinstance(exc, WeightSyncError) else WeightSyncError(
+                    f"{self.who}: {call.what}: {type(exc).__name__}: {exc}")
+            call.done.set()
+
+    def submit(self, what: str, fn: Callable[[], Any]) -> PendingCall:
+        call = _ThreadCall(self.who, what)
+        self._queue.put((call, fn))
+        return call
 
 
 class WeightReceiver(abc.ABC):
@@ -132,10 +173,9 @@ class WeightReceiver(abc.ABC):
 
     # -- pipelining ------------------------------------------------------------------------------------------
     def call_async(self, method: str, timeout: float, *args: Any) -> PendingCall:
-        """Issue `method(*args, timeout)` and return at once if the engine lives elsewhere (a proxy overrides
-        this); an in-process receiver runs the call now. Calls issued this way run in issue order."""
-        try:
-            return PendingCall(getattr(self, method)(*args, timeout))
-        except BaseException as exc:  # delivered by wait(), as a remote failure would be
-            return PendingCall(error=exc if isinstance(exc, WeightSyncError) else
-                               WeightSyncError(f"{self.name}: {method}: {type(exc).__name__}: {exc}"))
+        """Issue `method(*args, timeout)` and return at once; calls issued this way run in issue order. A proxy
+        sends it to the engine's process; an in-process receiver runs it on its own worker thread."""
+        worker = self.__dict__.get("_beamrl_call_worker")
+        if worker is None:
+            worker = self.__dict__["_beamrl_call_worker"] = _CallWorker(self.name)
+        return worker.submit(method, lambda: getattr(self, method)(*args, timeout))

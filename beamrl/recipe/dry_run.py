@@ -50,6 +50,10 @@ def dry_run(r: "Recipe", check_rewards: bool = True) -> DryRunResult:
     emem = engine_memory(r, config, lay)
     report = format_layout(r, config, source, lay, tmem, emem, gpu_capacity(r))
     problems = memory_problems(r, lay, tmem, emem)
+    if r.cluster.device != "cpu":
+        from beamrl.sync.time_model import estimate_sync_time, format_estimate
+
+        report += "\n" + format_estimate(estimate_sync_time(r, config), r)
     if check_rewards:
         rewards_report, reward_problems = reward_plan(r)
         if rewards_report:

@@ -85,3 +85,7 @@ class ForwardingReceiver(WeightReceiver):
 
     def resume_memory(self, tags: list[str] | None, timeout: float) -> None:
         self._forward("resume_memory", timeout, tags)
+
+    def weights_checksum(self, timeout: float) -> str:
+        """The engine's own checksum of every parameter it computes with (tests, benchmarks)."""
+        return self._forward("weights_checksum", timeout)

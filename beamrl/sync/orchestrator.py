@@ -259,9 +259,7 @@ class WeightSync:
                 transport.abort(reason, self.timeouts.call)
                 if subset:
                     transport.close()
-            if isinstance(failure, WeightSyncError) or failure is None:
-                raise WeightSyncError(f"weight sync to version {new_version} failed: {reason}") from failure
-            raise failure
+            raise WeightSyncError(f"weight sync to version {new_version} failed: {reason}") from failure
         if not ok:
             raise WeightSyncError(f"weight sync to version {new_version} failed on the shipping trainer rank")
         commit_error: Exception | None = None

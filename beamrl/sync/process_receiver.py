@@ -108,7 +108,7 @@ class ProcessReceiver(ForwardingReceiver):
                                       f"(exit code {self.process.exitcode})")
             if time.monotonic() > deadline:
                 self._broken = f"{what} timed out"
-                raise WeightSyncError(f"{self._name}: no reply to {what} within {timeout:g} s (wedged?)")
+                raise WeightSyncError(f"{self._name}: no reply to {what} within {round(timeout, 1):g} s (wedged?)")
 
     def _reply(self, seq: int, what: str, timeout: float) -> Any:
         deadline = time.monotonic() + timeout

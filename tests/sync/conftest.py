@@ -62,7 +62,8 @@ class WedgedReceiver(LocalWeightReceiver):
 
     def _maybe_wedge(self, op: str) -> None:
         if op == self.wedge_on:
-            self.release.wait(600)
+            with self._lock:  # stuck inside the engine: every later call waits too
+                self.release.wait(600)
 
     def begin_weight_update(self, manifest, timeout):
         self._maybe_wedge("begin_weight_update")

@@ -55,9 +55,10 @@ class NativeEngine(RolloutEngine, WeightReceiver):
 
     @classmethod
     def from_model(cls, model: BeamForCausalLM, name: str = "native-0", max_batch_size: int = 64, seed: int = 0,
-                   weight_version: int = 0) -> "NativeEngine":
+                   weight_version: int = 0, rollback: bool | None = None) -> "NativeEngine":
         cfg = NativeEngineConfig(model_path="<in-memory>", dtype=dtype_name(model.dtype), device=str(model.device),
-                                 max_batch_size=max_batch_size, seed=seed, name=name, weight_version=weight_version)
+                                 max_batch_size=max_batch_size, seed=seed, name=name, weight_version=weight_version,
+                                 rollback=rollback)
         return cls(cfg, model)
 
     @property
@@ -273,6 +274,18 @@ class NativeEngine(RolloutEngine, WeightReceiver):
 
     def served_weight_version(self, timeout: float) -> int:
         return self._receiver.weight_version
+
+    def weights_checksum(self, timeout: float) -> str:
+        """SHA-256 over every parameter's name and raw bytes: equal before and after a refused or rolled-back
+        sync, different after a real one (SGLang's engine answers the same question with `check_weights`)."""
+        import hashlib
+
+        with self._locked("weights_checksum", timeout):
+            h = hashlib.sha256()
+            for name, p in self.model.named_parameters():
+                h.update(name.encode())
+                h.update(p.detach().reshape(-1).view(torch.uint8).cpu().numpy().tobytes())
+            return h.hexdigest()
 
     def shutdown(self) -> None:
         if self._closed:

@@ -27,7 +27,7 @@ import torch
 from beamrl.protocols.checksum import bucket_checksum
 from beamrl.protocols.manifest import BucketLayout, SyncManifest
 from beamrl.protocols.weights import UNHEALTHY, PendingCall, WeightReceiver, WeightSyncError
-from beamrl.sync.calls import ReceiverCallError, run_concurrently
+from beamrl.sync.calls import ReceiverCallError, check_reply, run_concurrently
 from beamrl.sync.packing import bucket_views
 from beamrl.sync.staging import StagingSlot, receiver_event
 
@@ -117,7 +117,7 @@ class ReceiverTransport(WeightTransport):
         failures: dict[str, str] = {}
         for label, call in pending:
             try:
-                call.wait(max(deadline - time.monotonic(), 1e-3))
+                check_reply(call.wait(max(deadline - time.monotonic(), 1e-3)))
             except WeightSyncError as exc:
                 failures[label] = str(exc)
         if failures:
@@ -240,24 +240,24 @@ class ReceiverTransport(WeightTransport):
                 self._wait_slot(slot, max(deadline - time.monotonic(), 1e-3))
             except WeightSyncError:
                 pass
-        if self._touched:
-            outcomes: dict[str, object] = {}
+        # Every engine is asked, also when begin failed early: a dead or wedged one is found (and marked) here.
+        outcomes: dict[str, object] = {}
 
-            def ask(label: str, r: WeightReceiver) -> None:
-                outcomes[label] = r.abort_weight_update(reason, timeout)
+        def ask(label: str, r: WeightReceiver) -> None:
+            outcomes[label] = r.abort_weight_update(reason, timeout)
 
-            try:
-                run_concurrently("abort_weight_update", [(label, (lambda label=label, r=r: ask(label, r)))
-                                                         for label, r in zip(self.labels, self.receivers)],
-                                 max(deadline - time.monotonic(), 1.0))
-            except ReceiverCallError as err:
-                for who, msg in err.failures.items():
-                    self.mark_unhealthy(who, f"weight sync to version {version} aborted ({reason}) and the engine "
-                                             f"did not abort its session cleanly: {msg}")
-            for who, outcome in outcomes.items():
-                if outcome == UNHEALTHY:
-                    self.mark_unhealthy(who, f"weight sync to version {version} aborted ({reason}); the engine "
-                                             f"holds partially updated weights and does not serve")
+        try:
+            run_concurrently("abort_weight_update", [(label, (lambda label=label, r=r: ask(label, r)))
+                                                     for label, r in zip(self.labels, self.receivers)],
+                             max(deadline - time.monotonic(), 1.0), fail_fast=False)
+        except ReceiverCallError as err:
+            for who, msg in err.failures.items():
+                self.mark_unhealthy(who, f"weight sync to version {version} aborted ({reason}) and the engine "
+                                         f"did not abort its session cleanly: {msg}")
+        for who, outcome in outcomes.items():
+            if outcome == UNHEALTHY:
+                self.mark_unhealthy(who, f"weight sync to version {version} aborted ({reason}); the engine "
+                                         f"holds partially updated weights and does not serve")
         self.manifest, self._touched = None, False
 
     def close(self) -> None:

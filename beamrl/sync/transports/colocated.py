@@ -74,8 +74,11 @@ class ColocatedTransport(ReceiverTransport):
                 slot.sender_event.record(torch.cuda.current_stream(self.device))
             slot.pending = self._issue("load_staged_bucket", timeout, slot.index, bucket.index)
             return
-        payload = slot.payload(bucket.nbytes)
-        flat = FlatBucket(payload, list(bucket.metas), index=bucket.index,
-                          checksum=checksum_values(bucket_checksum(payload)))  # host read: also orders the pack
         slot.last_bucket = bucket.index
-        slot.pending = self._issue("update_weights_from_tensor", timeout, flat)
+        slot.pending = self._issue("update_weights_from_tensor", timeout, self._flat_bucket(slot, bucket))
+
+    def _flat_bucket(self, slot, bucket: BucketLayout) -> FlatBucket:
+        """The packed slot as SGLang's payload (its checksum read on the host: this also orders the pack)."""
+        payload = slot.payload(bucket.nbytes)
+        return FlatBucket(payload, list(bucket.metas), index=bucket.index,
+                          checksum=checksum_values(bucket_checksum(payload)))
