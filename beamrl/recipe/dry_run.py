@@ -51,7 +51,7 @@ def dry_run(r: "Recipe", check_rewards: bool = True) -> DryRunResult:
     report = format_layout(r, config, source, lay, tmem, emem, gpu_capacity(r))
     problems = memory_problems(r, lay, tmem, emem)
     if r.cluster.device != "cpu":
-        from beamrl.sync.time_model import estimate_sync_time, format_estimate
+        from beamrl.recipe.sync_time import estimate_sync_time, format_estimate
 
         report += "\n" + format_estimate(estimate_sync_time(r, config), r)
     if check_rewards:

@@ -4,7 +4,8 @@ It follows SGLang 0.5.23's session rules (updates only inside a session, one ses
 changes only when it ends) and adds exact verification (`ReceiveSession`): the manifest is checked at `begin`
 against the model's weight table, every bucket's index, layout and raw-bit checksum before it is committed.
 
-Buckets arrive three ways, all copied into the parameters with one `torch._foreach_copy_` over byte views:
+Buckets arrive three ways, all copied into the parameters with one `torch._foreach_copy_` from typed views of the
+bucket (cached per staging slot and bucket):
 - `update_weights_from_tensor(FlatBucket)` (SGLang's colocated payload);
 - `load_staged_bucket(slot, index)`: the bucket is in a staging slot shared once (`beamrl.sync.staging`); on GPU
   this is asynchronous (stream-ordered by CUDA events, checksums compared on the device and settled at commit);
@@ -47,7 +48,7 @@ class ApplyTarget(abc.ABC):
 
     @abc.abstractmethod
     def destinations(self, metas: tuple[TensorMeta, ...]) -> list[torch.Tensor]:
-        """Flat uint8 views to copy each non-empty tensor of a bucket into (same order as `metas`)."""
+        """The tensors to copy each non-empty tensor of a bucket into (same order, dtypes and shapes as `metas`)."""
 
     def commit(self) -> None:
         """After a session of this mode committed (e.g. merge staged adapters into the weights)."""
@@ -69,7 +70,7 @@ class ModelWeights(ApplyTarget):
 
     def destinations(self, metas: tuple[TensorMeta, ...]) -> list[torch.Tensor]:
         params = self._params or dict(self.model.named_parameters())
-        return [params[m.name].data.view(-1).view(torch.uint8) for m in metas if m.end > m.start]
+        return [params[m.name].data for m in metas if m.end > m.start]
 
     def load_state(self, state: Mapping[str, torch.Tensor]) -> None:
         self.model.load_hf_tensors(state, strict=True)  # validates every tensor before copying any

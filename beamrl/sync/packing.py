@@ -3,7 +3,8 @@
 `pack_bucket` is what training, `beamrl bench sync` and `benchmarks/sync_h200.py` all run (through the
 orchestrator): the tensors of bucket `k` (as `BucketPlan.assemble` yields them) are copied byte for byte into the
 buffer the transport gives for it, laid out as the bucket's `TensorMeta`s say (SGLang's flattened-bucket layout),
-with a single `torch._foreach_copy_` over uint8 views (no per-tensor kernel launches from Python, no dtype
+with a single `torch._foreach_copy_` from the tensors as they are into typed views of the buffer (the views are made
+once per buffer and bucket and cached by the transport, so there is no per-tensor Python work per sync; no dtype
 change, no host round trip). On GPU the copies are queued on the current stream; the transport records the
 bucket's event after them.
 """
@@ -16,16 +17,12 @@ from beamrl.protocols.flat_bucket import FlatBucket
 from beamrl.protocols.manifest import FULL, BucketLayout, SyncManifest
 
 
-def byte_view(t: torch.Tensor) -> torch.Tensor:
-    """A flat uint8 view of a tensor's bytes (a copy first if it is not contiguous)."""
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
-
-
 def bucket_views(buffer: torch.Tensor, bucket: BucketLayout) -> list[torch.Tensor]:
-    """uint8 views of `buffer` at each non-empty tensor's byte range of `bucket` (cache them per buffer)."""
+    """Views of `buffer` as each non-empty tensor of `bucket` (its dtype and shape at its byte range; the plan
+    aligns every offset to its element size). Cache them per buffer: they are the same every sync."""
     if bucket.nbytes > buffer.numel():
         raise ValueError(f"bucket {bucket.index} needs {bucket.nbytes} bytes, the buffer has {buffer.numel()}")
-    return [buffer[m.start:m.end] for m in bucket.metas if m.end > m.start]
+    return [buffer[m.start:m.end].view(m.dtype).view(m.shape) for m in bucket.metas if m.end > m.start]
 
 
 def pack_bucket(buffer: torch.Tensor, bucket: BucketLayout, tensors: list[torch.Tensor],
@@ -35,9 +32,10 @@ def pack_bucket(buffer: torch.Tensor, bucket: BucketLayout, tensors: list[torch.
     if len(tensors) != len(bucket.metas):
         raise ValueError(f"bucket {bucket.index} has {len(bucket.metas)} tensors, got {len(tensors)}")
     dst = views if views is not None else bucket_views(buffer, bucket)
-    src = [byte_view(t) for t, m in zip(tensors, bucket.metas) if m.end > m.start]
+    src = tensors if len(dst) == len(tensors) else [t for t, m in zip(tensors, bucket.metas) if m.end > m.start]
     if src:
-        torch._foreach_copy_(dst, src, non_blocking=True)
+        with torch.no_grad():
+            torch._foreach_copy_(dst, src, non_blocking=True)
     return buffer[:bucket.nbytes]
 
 

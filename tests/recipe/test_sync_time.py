@@ -6,7 +6,7 @@ import pytest
 from beamrl.models.beam import preset
 from beamrl.recipe import load_recipe
 from beamrl.recipe.dry_run import dry_run
-from beamrl.sync.time_model import RATES, TARGET_S, estimate_sync_time, model_bytes
+from beamrl.recipe.sync_time import RATES, TARGET_S, estimate_sync_time, model_bytes
 
 
 def _bytes_501b():
