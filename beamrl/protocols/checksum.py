@@ -24,19 +24,18 @@ ROW_BYTES = 4096
 _ROW_WORDS = ROW_BYTES // 4
 _P = 2**31 - 1
 _PERIOD = 1021
-_weights: dict[tuple[torch.device, int], torch.Tensor] = {}
+_weights: dict[torch.device, torch.Tensor] = {}
 
 
 def _row_weights(rows: int, device: torch.device) -> torch.Tensor:
-    """int64 [2, rows]: ones, and (j mod 1021) + 1. Cached: the same bucket sizes recur every sync."""
-    key = (device, rows)
-    w = _weights.get(key)
-    if w is None:
-        if len(_weights) > 64:
-            _weights.clear()
-        j = torch.arange(rows, dtype=torch.int64)
-        w = _weights[key] = torch.stack([torch.ones_like(j), j % _PERIOD + 1]).to(device)
-    return w
+    """int64 [2, rows]: ones, and (j mod 1021) + 1. One table per device, grown to the largest bucket seen and
+    sliced, so buckets of any size need no new upload (no host round trip per bucket)."""
+    w = _weights.get(device)
+    if w is None or w.shape[1] < rows:
+        size = max(rows, 2 * (w.shape[1] if w is not None else 0), 1 << 14)
+        j = torch.arange(size, dtype=torch.int64)
+        w = _weights[device] = torch.stack([torch.ones_like(j), j % _PERIOD + 1]).to(device)
+    return w[:, :rows]
 
 
 def bucket_checksum(buffer: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
