@@ -79,10 +79,11 @@ class PackedBatch:
                                  f"got {getattr(value, 'shape', type(value))}")
         if self.routes is not None:
             r = torch.as_tensor(self.routes)
-            if r.dim() != 3 or r.shape[0] != T or r.dtype.is_floating_point:
+            if r.dim() != 3 or r.shape[0] != T or r.dtype.is_floating_point or r.dtype == torch.bool:
                 raise BatchError(f"PackedBatch.routes must be an integer tensor [T={T}, num_layers, top_k], "
                                  f"got {tuple(r.shape)} {r.dtype}")
-            self.routes = r.to(torch.int64)
+            # Kept in its integer dtype (the engines' int32 is half the bytes to ship); the trainer widens it.
+            self.routes = r
 
     @property
     def num_tokens(self) -> int:

@@ -87,7 +87,8 @@ def test_dead_engine_fails_fast_with_its_name(tmp_path, local_ray):
     req = [[GenerateRequest([1, 2, 3], SamplingParams(max_new_tokens=2, seed=0))]]
     assert len(group.generate(req, 60)[0]) == 1
     ray.kill(group.actors[0])
-    t0 = time.time()
+    t0 = time.monotonic()
     with pytest.raises(ActorCallError, match="native-0.generate"):
-        group.generate(req, 60)
-    assert time.time() - t0 < 60
+        group.generate(req, 600)
+    # Noticed as a death, not by the 600 s deadline (the bound leaves a loaded machine plenty of room)
+    assert time.monotonic() - t0 < 300

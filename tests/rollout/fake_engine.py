@@ -28,6 +28,7 @@ class FakeEngine(RolloutEngine, WeightReceiver):
         self._hang = False
         self._lock = threading.Lock()
         self.calls = 0
+        self.last_timeout: float | None = None  # the timeout of the latest call (what a caller allowed it)
 
     @property
     def name(self) -> str:
@@ -44,6 +45,7 @@ class FakeEngine(RolloutEngine, WeightReceiver):
         if timeout <= 0:
             raise ValueError(f"timeout must be > 0, got {timeout}")
         self.calls += 1
+        self.last_timeout = timeout
         if self._dead:
             raise error_cls(f"fake engine {self.name} is dead")
         if self._hang:

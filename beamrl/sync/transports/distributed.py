@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-from beamrl.net import free_port
+from beamrl.net import reserve_port
 from beamrl.protocols.checksum import bucket_checksum, checksum_values
 from beamrl.protocols.manifest import BucketLayout
 from beamrl.protocols.weights import WeightReceiver, WeightSyncError
@@ -84,7 +84,10 @@ class DistributedTransport(ReceiverTransport):
         if self._pg is not None:
             return
         self._require_healthy()
-        port = self.master_port or free_port(self.master_address)
+        # master_port 0: a port reserved until the trainer's store has bound it (no other process can take it
+        # in between); an explicit master_port is the operator's choice.
+        reserved = None if self.master_port else reserve_port(self.master_address)
+        port = self.master_port or reserved.port
         group = f"{self.group_prefix}-{uuid.uuid4().hex[:8]}"  # fresh name: a failed group may linger in torch
         world, holder = self.world_size, {}
 
@@ -104,6 +107,9 @@ class DistributedTransport(ReceiverTransport):
             if "pg" in holder:
                 self._destroy_local(holder["pg"])
             raise
+        finally:
+            if reserved is not None:
+                reserved.close()
         self._pg, self.group_name = holder["pg"], group
         log.info("weight-update group %s up: %s:%d, world %d, backend %s", group, self.master_address, port,
                  world, self.backend)

@@ -255,10 +255,33 @@ class MegatronTrainer(TrainerWorker):
                 collected[k] = torch.as_tensor(v).detach().float().reshape(())
             return loss, collected
 
-        mbs, length = self._prepare(micro_batches, record=False)
+        # While replaying, the routers also record the routes they used: the replay self-check below.
+        mbs, length = self._prepare(micro_batches, record=self._replay_enabled)
         collected = schedule.run_schedule(self.chunks, mbs, length, self._logits_spec(temperature, True), output_fn,
                                           forward_only=False)
-        return self._reduce_collected(collected)
+        sums = self._reduce_collected(collected)
+        if self._replay_enabled:
+            sums.update(self._replay_self_check(mbs))
+        return sums
+
+    def _replay_self_check(self, mbs: list[schedule.MicroBatch]) -> dict[str, float]:
+        """`replay/route_mismatches` and `replay/routes_checked` of this step, summed over every rank (each rank
+        counts its own layers and, under SP, its own tokens; DP ranks their own micro-batches). Collective."""
+        from beamrl.trainer.megatron import replay
+
+        ps = self._ps
+        sp = self.config.parallel.sp
+        counts = torch.zeros(2, dtype=torch.int64)
+        for mb in mbs:
+            mismatched, checked = replay.count_route_mismatches(
+                mb.recorded, mb.thd.routes, self.config.model.moe_layers,
+                tp_rank=ps.get_tensor_model_parallel_rank() if sp else 0,
+                tp_size=ps.get_tensor_model_parallel_world_size() if sp else 1)
+            counts += torch.tensor([mismatched, checked])
+        counts = counts.to(self.device)
+        dist.all_reduce(counts)  # the whole trainer world: the counts of different ranks never overlap
+        mismatched, checked = counts.tolist()
+        return {"replay/route_mismatches": float(mismatched), "replay/routes_checked": float(checked)}
 
     def optimizer_step(self) -> tuple[bool, float, float]:
         """The second half of `train_step`: clip, Adam update, LR schedule. Returns (updated, grad norm, lr used);

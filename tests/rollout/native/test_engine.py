@@ -4,7 +4,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -16,8 +15,8 @@ from beamrl.rollout.native import NativeEngine
 from beamrl.protocols.rollout import EngineError, GenerateRequest, SamplingParams
 from beamrl.protocols.flat_bucket import FlatBucket
 from beamrl.protocols.weights import WeightSyncError
+from beamrl.net import reserve_port
 from beamrl.sync.packing import pack_session
-from beamrl.net import free_port
 
 T_OUT = 120.0
 
@@ -211,12 +210,22 @@ def test_release_and_resume_weights(engine):
 
 def test_abort_all_and_timeout(engine):
     req = GenerateRequest(prompt_ids=[1, 2, 3], sampling=SamplingParams(max_new_tokens=3000, ignore_eos=True, seed=1))
-    out = {}
-    t = threading.Thread(target=lambda: out.setdefault("r", engine.generate([req], T_OUT)))
-    t.start()
-    time.sleep(1.0)
-    engine.abort_all(T_OUT)
-    t.join(T_OUT)
+    out, forwards, decoding = {}, [], threading.Event()
+
+    def count_forwards(*_):  # prefill, then one forward per decode step: the 2nd means a token was sampled
+        forwards.append(1)
+        if len(forwards) >= 2:
+            decoding.set()
+
+    hook = engine.model.register_forward_hook(count_forwards)
+    try:
+        t = threading.Thread(target=lambda: out.setdefault("r", engine.generate([req], T_OUT)))
+        t.start()
+        assert decoding.wait(T_OUT), "generation did not start decoding"
+        engine.abort_all(T_OUT)
+        t.join(T_OUT)
+    finally:
+        hook.remove()
     r = out["r"][0]
     assert r.finish_reason == "abort" and 0 < len(r.output_ids) < 3000
     with pytest.raises(EngineError, match="deadline"):
@@ -257,7 +266,8 @@ _GROUP_TIMEOUT_S = 180.0
 
 
 def test_update_weights_from_distributed_gloo(engine, cfg):
-    port = free_port()
+    reserved = reserve_port()  # held until the sender's store has bound it (the sender hosts rank 0)
+    port = reserved.port
     sender = subprocess.Popen([sys.executable, "-c", _SENDER, str(port), str(_GROUP_TIMEOUT_S)])
     try:
         engine.init_weights_update_group("127.0.0.1", port, 1, 2, "native-test", "gloo", _GROUP_TIMEOUT_S)
@@ -270,6 +280,7 @@ def test_update_weights_from_distributed_gloo(engine, cfg):
         engine.destroy_weights_update_group("native-test", T_OUT)
         assert sender.wait(_GROUP_TIMEOUT_S) == 0
     finally:
+        reserved.close()
         if sender.poll() is None:
             sender.kill()
     assert engine.weight_version == 2

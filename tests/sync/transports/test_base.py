@@ -39,8 +39,8 @@ def test_dead_engine_fails_fast_with_its_name(tiny_checkpoint, trainer_model):
         manifest, _ = session(trainer_model)
         t0 = time.monotonic()
         with pytest.raises(WeightSyncError, match=r"doomed-engine: .*receiver process is (dead|gone)"):
-            transport.begin(manifest, timeout=5)
-        assert time.monotonic() - t0 < 5
+            transport.begin(manifest, timeout=600)
+        assert time.monotonic() - t0 < 120  # noticed as dead, not by the 600 s deadline
         transport.abort("engine died", timeout=5)
         assert "doomed-engine" in transport.unhealthy
         with pytest.raises(WeightSyncError, match="refusing to sync.*doomed-engine"):
@@ -62,7 +62,7 @@ def test_wedged_engine_times_out_and_is_marked_unhealthy_the_other_rolls_back(tr
         t0 = time.monotonic()
         with pytest.raises(WeightSyncError, match=r"wedged: no reply to load_staged_bucket within 1 s"):
             transport.finalize(timeout=1.0)
-        assert time.monotonic() - t0 < 3
+        assert time.monotonic() - t0 < 60  # the wedged call is abandoned at its deadline
         transport.abort("bucket 0 timed out", timeout=1.0)
         assert set(transport.unhealthy) == {"wedged"}  # cannot abort its session: restart it
         assert "did not abort its session cleanly" in transport.unhealthy["wedged"]

@@ -36,7 +36,6 @@ def bf16_head(model):
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    pytest.importorskip("sglang")
     from beamrl.rollout.sglang.config import SGLangEngineConfig
     from beamrl.rollout.sglang.engine import SGLangEngine
 

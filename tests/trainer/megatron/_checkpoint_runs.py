@@ -47,7 +47,7 @@ def _train(t, steps: int) -> list[float]:
 
     mbs = E.micro_batches()
     loss_fn = E.make_loss(sum(b.num_loss_tokens for b in mbs))
-    dp, r = t.config.parallel.dp(dist.get_world_size()), t._ps.get_data_parallel_rank()
+    dp, r = t.config.parallel.dp_size(dist.get_world_size()), t._ps.get_data_parallel_rank()
     mine = mbs[r * len(mbs) // dp:(r + 1) * len(mbs) // dp]
     return [t.train_step(mine, loss_fn).loss for _ in range(steps)]
 

@@ -9,6 +9,9 @@ from beamrl.models.beam.weights import expected_tensors, random_state_dict
 
 from .model._world import init_megatron, spawn, world1
 
+# In-process Megatron on CPU: the compatibility layer for this module only (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("megatron_cpu_shim")
+
 SEED = 11
 
 
