@@ -268,8 +268,11 @@ class WeightSync:
             try:
                 transport.finalize(self.timeouts.call)
                 seconds = time.perf_counter() - t_begin
-            except Exception as exc:
-                commit_error = exc
+            except Exception as exc:  # a bucket refused late (pipelined) or a refused commit: abort the session
+                commit_error = WeightSyncError(f"weight sync to version {new_version} failed: "
+                                               f"{type(exc).__name__}: {exc}")
+                commit_error.__cause__ = exc
+                transport.abort(str(exc), self.timeouts.call)
             if subset:
                 transport.close()
         reference = source.logprobs([list(map(int, s)) for s in self.probe.sequences]) if probe_due else None

@@ -10,6 +10,7 @@ import pytest
 from beamrl.protocols.weights import WeightSyncError
 from beamrl.sync.export import StateDictSource
 from beamrl.sync.orchestrator import SyncTimeouts, WeightSync
+from beamrl.sync.plan import plan_buckets
 from beamrl.sync.transports import TRANSPORTS
 
 from .faults import FlippedBit, Renamed
@@ -48,11 +49,16 @@ def manifest_faults(engine, named: list, bucket_bytes: int) -> None:
 
 
 def transit_faults(engine, named: list, bucket_bytes: int) -> None:
-    """A flipped bit, and a tensor sent under another name, in bucket 2 (after two good ones): refused before it is
-    applied; the good buckets are rolled back."""
+    """A flipped bit in bucket 2 (after two good ones) and in the last bucket (its refusal surfaces while the
+    session commits), and a tensor sent under another name: refused before it is applied; the good buckets are
+    rolled back."""
     before = engine_state(engine)
     with pytest.raises(WeightSyncError, match="bucket 2 failed its checksum"):
         _sync(engine, lambda r: FlippedBit(r, bad=2), StateDictSource(named), bucket_bytes)
+    assert engine_state(engine) == before
+    last = len(plan_buckets(StateDictSource(named).units(), bucket_bytes).buckets) - 1
+    with pytest.raises(WeightSyncError, match=f"bucket {last} failed its checksum"):  # seen only while committing
+        _sync(engine, lambda r: FlippedBit(r, bad=last), StateDictSource(named), bucket_bytes)
     assert engine_state(engine) == before
     with pytest.raises(WeightSyncError, match=r"bucket 2, tensor 0: arrived as 'model.norm.weight'"):
         _sync(engine, lambda r: Renamed(r, bad=2, to="model.norm.weight"), StateDictSource(named), bucket_bytes)

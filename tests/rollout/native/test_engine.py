@@ -268,7 +268,8 @@ _GROUP_TIMEOUT_S = 180.0
 def test_update_weights_from_distributed_gloo(engine, cfg):
     reserved = reserve_port()  # held until the sender's store has bound it (the sender hosts rank 0)
     port = reserved.port
-    sender = subprocess.Popen([sys.executable, "-c", _SENDER, str(port), str(_GROUP_TIMEOUT_S)])
+    sender = subprocess.Popen([sys.executable, "-c", _SENDER, str(port), str(_GROUP_TIMEOUT_S)],
+                              stderr=subprocess.PIPE, text=True)
     try:
         engine.init_weights_update_group("127.0.0.1", port, 1, 2, "native-test", "gloo", _GROUP_TIMEOUT_S)
         new = random_state_dict(cfg, seed=6, dtype=torch.float32)
@@ -278,7 +279,7 @@ def test_update_weights_from_distributed_gloo(engine, cfg):
             engine.update_weights_from_distributed(b.index, b.checksum, "native-test", _GROUP_TIMEOUT_S)
         engine.end_weight_update(2, T_OUT)
         engine.destroy_weights_update_group("native-test", T_OUT)
-        assert sender.wait(_GROUP_TIMEOUT_S) == 0
+        assert sender.wait(_GROUP_TIMEOUT_S) == 0, sender.stderr.read()[-3000:]
     finally:
         reserved.close()
         if sender.poll() is None:
