@@ -194,6 +194,39 @@ class WeightSync:
     def mark_unhealthy(self, engine: str, reason: str) -> None:
         self.unhealthy.setdefault(engine, reason)
 
+    # ----------------------------------------------------------------------------------------------- the steps
+    def _prepare(self, transport: WeightTransport, targets: Sequence[WeightReceiver]) -> float:
+        """Connect, pause the engines and (colocated GPUs) resume their weight memory; returns the seconds."""
+        t0 = time.perf_counter()
+        self._require_healthy(transport)
+        transport.connect(self.timeouts.connect)
+        if targets:
+            self._each("abort_all (pause)", targets, lambda e: e.abort_all(self.timeouts.call), self.timeouts.call)
+            if self.staged_memory:
+                self._each("resume_memory(weights)", targets,
+                           lambda e: e.resume_memory(["weights"], self.timeouts.call), self.timeouts.call)
+        return time.perf_counter() - t0
+
+    def _ship(self, plan: BucketPlan, stream, transport: WeightTransport, version: int,
+              t_begin: float) -> tuple[int, int]:
+        """Pack each completed bucket once into the transport's buffer and send it; returns (buckets, bytes)."""
+        count = nbytes = 0
+        last_said = time.perf_counter()
+        for k, tensors in plan.assemble(stream):
+            layout = plan.buckets[k]
+            target = transport.buffer(layout, self.timeouts.bucket)
+            self.pack(target.buffer, layout, tensors, target.views)
+            del tensors
+            transport.send(layout, self.timeouts.bucket)
+            count += 1
+            nbytes += layout.nbytes
+            now = time.perf_counter()
+            if count == 1 or now - last_said >= self.progress_every_s:  # a 500B sync has ~2000 buckets
+                last_said = now
+                self._say(f"[weight sync v{version}] bucket {count}/{len(plan.buckets)}: {nbytes / 2**30:.3f} GiB "
+                          f"sent, {now - t_begin:.1f} s")
+        return count, nbytes
+
     # ----------------------------------------------------------------------------------------------- the sync
     def sync(self, source: ExportSource, *, engines: Sequence[WeightReceiver] | None = None,
              version: int | None = None) -> SyncReport | None:
@@ -211,42 +244,15 @@ class WeightSync:
         failure: BaseException | None = None
         t_begin = time.perf_counter()
         times: dict[str, float] = {}
+        count = nbytes = 0
+        stream = source.stream()
         if self.ships:
             try:
                 transport = self._factory(targets) if subset else self.transport
-                self._require_healthy(transport)
-                t0 = time.perf_counter()
-                transport.connect(self.timeouts.connect)
-                if targets:
-                    self._each("abort_all (pause)", targets, lambda e: e.abort_all(self.timeouts.call),
-                               self.timeouts.call)
-                    if self.staged_memory:
-                        self._each("resume_memory(weights)", targets,
-                                   lambda e: e.resume_memory(["weights"], self.timeouts.call), self.timeouts.call)
-                times["prepare_s"] = time.perf_counter() - t0
+                times["prepare_s"] = self._prepare(transport, targets)
                 t_begin = time.perf_counter()
                 transport.begin(plan.manifest(new_version, source.mode), self.timeouts.call)
-            except Exception as exc:
-                failure = exc
-        count = nbytes = 0
-        stream = source.stream()
-        if self.ships and failure is None:
-            last_said = time.perf_counter()
-            total = len(plan.buckets)
-            try:
-                for k, tensors in plan.assemble(stream):
-                    layout = plan.buckets[k]
-                    target = transport.buffer(layout, self.timeouts.bucket)
-                    self.pack(target.buffer, layout, tensors, target.views)
-                    del tensors
-                    transport.send(layout, self.timeouts.bucket)
-                    count += 1
-                    nbytes += layout.nbytes
-                    now = time.perf_counter()
-                    if count == 1 or now - last_said >= self.progress_every_s:  # a 500B sync has ~2000 buckets
-                        last_said = now
-                        self._say(f"[weight sync v{new_version}] bucket {count}/{total}: {nbytes / 2**30:.3f} GiB "
-                                  f"sent, {now - t_begin:.1f} s")
+                count, nbytes = self._ship(plan, stream, transport, new_version, t_begin)
             except Exception as exc:
                 failure = exc
         for _ in stream:  # the export is collective: finish it whatever happened here
