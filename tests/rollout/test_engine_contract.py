@@ -169,7 +169,7 @@ def test_stop_token_finishes_with_stop(engine):
 def test_update_outside_session_fails(engine):
     with pytest.raises(WeightSyncError, match="begin_weight_update"):
         engine.update_weights_from_distributed(0, (0, 0), "no_such_group", timeout=T)
-    bucket = FlatBucket.from_named_tensors([("model.norm.weight", torch.ones(64))], )
+    bucket = FlatBucket.from_named_tensors([("model.norm.weight", torch.ones(64))])
     bucket.index, bucket.checksum = 0, (0, 0)
     with pytest.raises(WeightSyncError, match="begin_weight_update"):
         engine.update_weights_from_tensor(bucket, timeout=T)

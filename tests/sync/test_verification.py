@@ -3,7 +3,6 @@
 unhealthy (it refuses to serve, the transport refuses to sync to it) until its weights are reloaded."""
 
 import pytest
-import torch
 
 from beamrl.protocols.weights import WeightSyncError
 from beamrl.rollout.native.config import NativeEngineConfig
