@@ -135,9 +135,14 @@ class SGLangSyncGuard:
         self.session, self._applied, self._pending, self._blind = None, [], {}, False
 
     def disk_loaded(self, path: str) -> None:
-        """Every weight was reloaded by SGLang's own loader: serving again, mirror reloads from `path`."""
+        """Every weight was reloaded by SGLang's own loader: serving again; the mirror is read from `path` now (a
+        disk transport may delete that directory after its next version)."""
         self.failure = None
         self._mirror, self._mirror_source, self._mirror_valid = None, str(path), True
+        if self.rollback:
+            from beamrl.models.beam.checkpoint import load_checkpoint
+
+            self._mirror = dict(load_checkpoint(self._mirror_source)[1])
 
     def require_serving(self, what: str, error_cls: type[Exception]) -> None:
         if self.failure is not None:
