@@ -22,6 +22,8 @@ def sft_warm_start(run: RunContext) -> str:
     if (out / "config.json").exists():
         log(f"SFT: reusing {out}")
         return str(out)
+    log(f"SFT warm start: {sft.steps} steps of {sft.batch} (prompt, answer) pairs at lr {sft.lr:g}, on a trainer "
+        "of its own")
     trainer = start_trainer(run, run.initial_checkpoint, lr=sft.lr)
     loader = sft_loader(run.data.samples, sft.batch, r.run.seed)
     t0 = time.perf_counter()
