@@ -18,7 +18,7 @@ import hashlib
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from beamrl.protocols.flat_bucket import TensorMeta, dtype_name
+from beamrl.protocols.flat_bucket import TensorMeta, dtype_name, parse_dtype
 
 FULL = "full"  # the apply mode of an ordinary weight sync
 
@@ -69,6 +69,15 @@ class SyncManifest:
     def with_version(self, version: int) -> "SyncManifest":
         return SyncManifest(int(version), self.mode, self.buckets, self.digest)
 
+    def reference(self) -> "SyncManifest":
+        """This session by digest only (no layout): what a sender ships to a receiver that already holds the
+        layout (`ManifestCache`); a 501B layout is ~38K tensors."""
+        return SyncManifest(self.version, self.mode, (), self.digest)
+
+    @property
+    def is_reference(self) -> bool:
+        return not self.buckets
+
     @cached_property
     def tensors(self) -> dict[str, tuple[int, TensorMeta]]:
         """name -> (bucket index, meta)."""
@@ -87,5 +96,18 @@ class SyncManifest:
             raise IndexError(f"bucket {index} is outside the session's {len(self.buckets)} bucket(s)")
         return self.buckets[index]
 
-    def __reduce__(self):  # cached_property values are derived, not shipped
-        return SyncManifest, (self.version, self.mode, self.buckets, self.digest)
+    def __reduce__(self):
+        # Shipped as plain tuples (5x cheaper to pickle than the dataclasses: a 501B manifest has ~38K tensors);
+        # cached_property values are derived, not shipped.
+        compact = tuple(tuple((m.name, dtype_name(m.dtype), m.shape, m.start, m.end) for m in b.metas)
+                        for b in self.buckets)
+        return _from_compact, (self.version, self.mode, self.digest, compact)
+
+
+def _from_compact(version: int, mode: str, digest: str, compact) -> SyncManifest:
+    dtypes: dict[str, object] = {}
+    buckets = tuple(BucketLayout(i, tuple(TensorMeta(n, shape, dtypes.get(d) or dtypes.setdefault(d, parse_dtype(d)),
+                                                     start, end)
+                                          for n, d, shape, start, end in metas))
+                    for i, metas in enumerate(compact))
+    return SyncManifest(version, mode, buckets, digest)

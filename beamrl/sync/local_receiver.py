@@ -35,7 +35,7 @@ from beamrl.protocols.flat_bucket import FlatBucket, TensorMeta
 from beamrl.protocols.manifest import FULL, SyncManifest
 from beamrl.protocols.weights import ROLLED_BACK, UNHEALTHY, UNTOUCHED, WeightReceiver, WeightSyncError
 from beamrl.sync.packing import bucket_views
-from beamrl.sync.receive_session import ReceiveSession, UndoLog, WeightTable
+from beamrl.sync.receive_session import ManifestCache, ReceiveSession, UndoLog, WeightTable
 from beamrl.sync.update_group import destroy_update_group, init_update_group
 
 
@@ -65,7 +65,7 @@ class ModelWeights(ApplyTarget):
         self._params: dict[str, torch.nn.Parameter] = {}
 
     def table(self) -> WeightTable:
-        self._params = dict(self.model.named_parameters())  # once per session (walking the modules is slow)
+        self._params = dict(self.model.named_parameters())  # walking the modules is slow: once per new layout
         return {n: (tuple(p.shape), p.dtype) for n, p in self._params.items()}
 
     def destinations(self, metas: tuple[TensorMeta, ...]) -> list[torch.Tensor]:
@@ -96,7 +96,8 @@ class LocalWeightReceiver(WeightReceiver):
         self._session_error: str | None = None  # a refused bucket: the session can only be aborted
         self._touched = False  # whether this session wrote into the weights
         self._undo: UndoLog | None = None
-        self._dst: dict[int, list[torch.Tensor]] = {}
+        self._manifests = ManifestCache()
+        self._dst: dict[int, list[torch.Tensor]] = {}  # copy targets per bucket, for one session only
         self._slots: list = []
         self._groups: dict[str, dist.ProcessGroup] = {}
         self._lock = threading.Lock()  # engine calls are serialised, as SGLang's scheduler does
@@ -122,8 +123,8 @@ class LocalWeightReceiver(WeightReceiver):
         with self._lock:
             if self._session is not None:
                 raise WeightSyncError(f"{self._name}: a weight-update session is already open")
-            tables = {mode: t.table() for mode, t in self.targets.items()}
-            self._session = ReceiveSession(self._name, manifest, self.weight_version, tables)
+            tables = lambda: {mode: t.table() for mode, t in self.targets.items()}  # noqa: E731
+            self._session = ReceiveSession(self._name, manifest, self.weight_version, tables, self._manifests)
             self._session_error, self._dst, self._touched = None, {}, False
             self._undo = UndoLog() if self.rollback else None
 
@@ -138,6 +139,8 @@ class LocalWeightReceiver(WeightReceiver):
 
     def _apply(self, index: int, src: list[torch.Tensor]) -> None:
         session = self._session
+        # Copy targets are looked up once per session, never kept across sessions: a parameter's storage may be
+        # replaced between syncs (memory release/resume on GPU), and a stale target would be written silently.
         dst = self._dst.get(index)
         if dst is None:
             dst = self._dst[index] = self.targets[session.manifest.mode].destinations(session.manifest.bucket(index).metas)

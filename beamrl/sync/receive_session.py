@@ -14,7 +14,7 @@ bucket to have arrived.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -36,11 +36,34 @@ class ReceiveSession:
     """One session's checks (module docstring). Raises `WeightSyncError` naming the engine and the problem."""
 
     def __init__(self, engine: str, manifest: SyncManifest, served_version: int,
-                 tables: Mapping[str, WeightTable]) -> None:
+                 tables: "Mapping[str, WeightTable] | Callable[[], Mapping[str, WeightTable]]",
+                 cache: "ManifestCache | None" = None) -> None:
+        """`tables`: apply mode -> weight table, or a callable giving them (called only when the layout is
+        checked). `cache`: the layouts of mode `full` this receiver validated before. A reference manifest (digest
+        only, `SyncManifest.reference`) is resolved through it, and a known layout is not checked again (only the
+        version is): in mode `full` the table is the model's fixed set of parameters. Other modes are checked every
+        session (an adapter's table may change), and never cached."""
+        if manifest.is_reference:
+            if cache is None or manifest.mode != FULL or manifest.digest not in cache:
+                raise WeightSyncError(f"{engine}: unknown manifest layout {manifest.digest[:16]!r} (mode "
+                                      f"{manifest.mode!r}, sent by digest only); send the full manifest")
+            manifest = cache.get(manifest.digest).with_version(manifest.version)
         self.engine, self.manifest = engine, manifest
         if manifest.version <= served_version:
             raise WeightSyncError(f"{engine}: refusing a stale weight version: the session would serve version "
                                   f"{manifest.version} but the engine already serves {served_version}")
+        self.next_index = 0
+        self._mine: torch.Tensor | None = None  # deferred checksums [bucket, 2]: the receiver's and the sender's
+        self._sent: torch.Tensor | None = None
+        cacheable = cache is not None and manifest.mode == FULL
+        if cacheable and manifest.digest in cache:
+            return  # this layout passed the checks below before (the digest names it exactly: `ManifestCache.add`)
+        self._check_layout_against(tables() if callable(tables) else tables)
+        if cacheable:
+            cache.add(manifest, engine)
+
+    def _check_layout_against(self, tables: Mapping[str, WeightTable]) -> None:
+        engine, manifest = self.engine, self.manifest
         table = tables.get(manifest.mode)
         if table is None:
             raise WeightSyncError(f"{engine}: unknown apply mode {manifest.mode!r}; this engine applies "
@@ -60,9 +83,6 @@ class ReceiveSession:
             missing = [n for n in table if n not in announced]
             raise WeightSyncError(f"{engine}: a full weight sync must send every tensor; missing {len(missing)}: "
                                   f"{_names(missing)}; nothing was applied")
-        self.next_index = 0
-        self._mine: torch.Tensor | None = None  # deferred checksums [bucket, 2]: the receiver's and the sender's
-        self._sent: torch.Tensor | None = None
 
     @property
     def version(self) -> int:
@@ -121,6 +141,31 @@ class ReceiveSession:
             if bad:
                 raise WeightSyncError(f"{self.engine}: bucket(s) {bad[:5]} failed their checksum (compared on the "
                                       f"device after loading): their bytes changed in transit")
+
+
+class ManifestCache:
+    """The last few `full` layouts a receiver validated, by digest (a sender may then send a reference manifest).
+    `add` recomputes the digest from the layout, so a digest always names the layout it stands for."""
+
+    def __init__(self, size: int = 16) -> None:
+        self.size = size
+        self._items: dict[str, SyncManifest] = {}
+
+    def __contains__(self, digest: str) -> bool:
+        return digest in self._items
+
+    def get(self, digest: str) -> SyncManifest:
+        return self._items[digest]
+
+    def add(self, manifest: SyncManifest, engine: str = "receiver") -> None:
+        actual = SyncManifest.build(manifest.version, manifest.mode, manifest.buckets).digest
+        if actual != manifest.digest:
+            raise WeightSyncError(f"{engine}: the manifest's digest {manifest.digest[:16]!r} is not that of its layout "
+                                  f"({actual[:16]!r}); nothing was applied")
+        self._items.pop(manifest.digest, None)
+        self._items[manifest.digest] = manifest
+        while len(self._items) > self.size:
+            self._items.pop(next(iter(self._items)))
 
 
 class UndoLog:

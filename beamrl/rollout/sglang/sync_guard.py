@@ -27,7 +27,7 @@ from beamrl.models.beam.weights import expected_tensors
 from beamrl.protocols.flat_bucket import FlatBucket, aligned_order
 from beamrl.protocols.manifest import FULL, BucketLayout, SyncManifest
 from beamrl.protocols.weights import ROLLED_BACK, UNHEALTHY, UNTOUCHED, WeightSyncError
-from beamrl.sync.receive_session import ReceiveSession
+from beamrl.sync.receive_session import ManifestCache, ReceiveSession
 
 
 class SGLangSyncGuard:
@@ -43,6 +43,7 @@ class SGLangSyncGuard:
         self._mirror: dict[str, torch.Tensor] | None = None
         self._mirror_valid = True
         self.session: ReceiveSession | None = None
+        self._manifests = ManifestCache()
         self._applied: list[int] = []  # buckets of this session SGLang has loaded
         self._pending: dict[str, torch.Tensor] = {}  # their new values (host copies), committed into the mirror
         self._blind = False  # a distributed bucket was loaded: the adapter never saw its bytes
@@ -51,7 +52,7 @@ class SGLangSyncGuard:
     def begin(self, manifest: SyncManifest, served_version: int) -> None:
         if self.session is not None:
             raise WeightSyncError(f"{self.engine}: a weight-update session is already open")
-        self.session = ReceiveSession(self.engine, manifest, served_version, {FULL: self.table})
+        self.session = ReceiveSession(self.engine, manifest, served_version, {FULL: self.table}, self._manifests)
         self._applied, self._pending, self._blind = [], {}, False
         if self.rollback and self._mirror_valid and self._mirror is None:
             from beamrl.models.beam.checkpoint import load_checkpoint

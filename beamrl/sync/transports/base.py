@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from beamrl.protocols.checksum import bucket_checksum
-from beamrl.protocols.manifest import BucketLayout, SyncManifest
+from beamrl.protocols.manifest import FULL, BucketLayout, SyncManifest
 from beamrl.protocols.weights import UNHEALTHY, PendingCall, WeightReceiver, WeightSyncError
 from beamrl.sync.calls import ReceiverCallError, check_reply, run_concurrently
 from beamrl.sync.packing import bucket_views
@@ -99,6 +99,7 @@ class ReceiverTransport(WeightTransport):
         self._touched = False  # whether an engine call of the open session was issued
         self._slots: list[StagingSlot] = []
         self._shared_slots = False  # whether receivers read the slots directly (staged buckets)
+        self._sent_digest: dict[str, str] = {}  # engine label -> the `full` layout it accepted last
 
     # -- helpers -------------------------------------------------------------------------------------------
     def _call_all(self, what: str, call: Callable[[WeightReceiver], object], timeout: float,
@@ -199,8 +200,27 @@ class ReceiverTransport(WeightTransport):
         self._begin_engines(manifest, timeout)
 
     def _begin_engines(self, manifest: SyncManifest, timeout: float) -> None:
+        """Open every engine's session. An engine that accepted this `full` layout before gets it by digest only
+        (`SyncManifest.reference`; a 501B layout is ~38K tensors, pickled to every engine every step); one that
+        refuses the reference (e.g. restarted behind the same proxy) is sent the full manifest, whose checks then
+        decide."""
         self._touched = True
-        self._call_all("begin_weight_update", lambda r: r.begin_weight_update(manifest, timeout), timeout)
+        reference = manifest.reference() if manifest.mode == FULL else None
+
+        def begin(label: str, r: WeightReceiver) -> None:
+            if reference is not None and self._sent_digest.get(label) == manifest.digest:
+                try:
+                    r.begin_weight_update(reference, timeout)
+                    return
+                except WeightSyncError as err:
+                    log.info("%s refused the manifest by digest (%s); sending it in full", label, err)
+                    self._sent_digest.pop(label, None)
+            r.begin_weight_update(manifest, timeout)
+            if reference is not None:
+                self._sent_digest[label] = manifest.digest
+
+        run_concurrently("begin_weight_update", [(label, (lambda label=label, r=r: begin(label, r)))
+                                                 for label, r in zip(self.labels, self.receivers)], timeout)
 
     def buffer(self, bucket: BucketLayout, timeout: float) -> PackTarget:
         self._require_session("buffer")
