@@ -106,3 +106,35 @@ def test_close_tears_down_the_trainer_and_the_engines_at_once(monkeypatch):
     assert time.monotonic() - t0 < 120
     assert trainer_destroyed.is_set() and transport._pg is None
     transport.close()  # idempotent
+
+
+def test_twenty_open_sync_close_cycles_each_close_bounded(tiny_checkpoint, trainer_model):
+    """Issue 12's teardown check on gloo, through what training runs (the orchestrator with a transport factory, the
+    native engine in its own process): 20 cycles of a fresh update group, one verified-by-checksum sync, close.
+    Every close must return (never time out) well within its bound; the times are printed."""
+    from beamrl.sync.export import StateDictSource
+    from beamrl.sync.orchestrator import SyncTimeouts, WeightSync
+
+    from ..conftest import hosted_native_engine, perturb
+
+    engine = hosted_native_engine(tiny_checkpoint, "native-cycles")
+    perturb(trainer_model, seed=3)
+    source = StateDictSource.of_model(trainer_model)
+    closes, groups = [], set()
+    try:
+        for cycle in range(20):
+            sync = WeightSync(lambda recs: TRANSPORTS.get("distributed")(recs, teardown_timeout=60), [engine],
+                              bucket_bytes=256 * 1024, timeouts=SyncTimeouts.uniform(120),
+                              initial_version=engine.weight_version, progress=None)
+            report = sync.sync(source)
+            assert report.version == cycle + 1 == engine.weight_version and report.buckets > 1
+            groups.add(sync.transport.group_name)
+            t0 = time.monotonic()
+            sync.close()
+            closes.append(time.monotonic() - t0)
+            assert sync.transport.group_name is None
+    finally:
+        engine.shutdown()
+    print("update-group close times (s): " + ", ".join(f"{s:.3f}" for s in closes))
+    assert len(groups) == 20  # a fresh group every cycle
+    assert max(closes) < 20.0, closes  # generous for a loaded CPU; the H200 target is < 2 s (issue 12)
