@@ -37,6 +37,27 @@ def test_cpu_smoke_run_moves_every_byte(tmp_path, mode, transport_mode):
         assert r["seconds_best"] > 0 and r["gbps_best"] == pytest.approx(r["bytes"] / r["seconds_best"] / 1e9)
         assert r["code_path"] == "beamrl.sync.orchestrator.WeightSync + beamrl.sync.packing.pack_bucket"
     assert rows[0]["buckets"] > rows[1]["buckets"] == 1  # 64 KiB buckets split the 1.4 MB; 2 MiB holds it all
+    if mode == "distributed":  # issue 12: raw broadcasts of the same bytes in the same bucket sizes, same run
+        for r in rows:
+            assert (r["raw_broadcast_bytes"], r["raw_broadcast_broadcasts"]) == (r["bytes"], r["buckets"])
+            assert r["sync_fraction_of_raw_broadcast"] == pytest.approx(r["gbps_best"] / r["raw_broadcast_same_bytes_gbps"])
+        assert "| sync / it |" in p.stdout
     refs = {"colocated": ["d2d_copy_gbps"], "distributed": ["raw_broadcast_gbps", "peer_copy_gbps"]}[mode]
     assert list(result["references"]) == refs and all(result["references"][k] > 0 for k in refs)
     assert "checksums equal after 2 syncs" in p.stdout and "| sync / reference |" in p.stdout
+
+
+@pytest.mark.slow
+def test_cpu_smoke_teardown_cycles(tmp_path):
+    """`--mode teardown`: open (fresh update group), sync, close, timed per cycle, checksums equal every cycle."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
+    out = tmp_path / "teardown.json"
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sync_h200.py"), "--mode", "teardown", "--device",
+                        "cpu", "--cycles", "3", "--json", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["error"] is None and [c["cycle"] for c in result["cycles"]] == [0, 1, 2]
+    assert all(c["checksums_equal"] and c["buckets"] > 1 and 0 < c["close_s"] < 20 for c in result["cycles"])
+    assert result["max_close_s"] == max(c["close_s"] for c in result["cycles"])
+    assert "close: max" in p.stdout
