@@ -148,3 +148,33 @@ def test_manifest_pickles_to_an_equal_manifest():
     back = pickle.loads(pickle.dumps(manifest))
     assert back == manifest and back.tensors == manifest.tensors
     assert SyncManifest.build(back.version, back.mode, back.buckets).digest == manifest.digest
+
+
+def test_the_reference_crosses_to_an_engine_in_its_own_process(tiny_checkpoint):
+    """As in training (the engine behind a process boundary): the second sync sends the digest only, the engine
+    resolves it and the synced weights score like the trainer's (1e-4, float32)."""
+    from beamrl.rollout.native.config import NativeEngineConfig
+    from beamrl.rollout.native.engine import NativeEngine
+    from beamrl.sync.orchestrator import ProbeCheck
+    from beamrl.sync.process_receiver import HostedEngine
+
+    class RecordingHosted(HostedEngine):
+        def begin_weight_update(self, manifest, timeout):
+            self.offered = [*getattr(self, "offered", []), manifest]
+            super().begin_weight_update(manifest, timeout)
+
+    cfg = NativeEngineConfig(model_path=tiny_checkpoint, dtype="float32", device="cpu", name="hosted")
+    engine = RecordingHosted(NativeEngine, (cfg,), name="hosted")
+    trainer = _model(0)
+    probes = [[1, 5, 9, 200, 17, 3, 88, 41, 2, 9]]
+    sync = WeightSync(TRANSPORTS.get("colocated")([engine]), [engine], bucket_bytes=64 * 1024, timeouts=TIMEOUTS,
+                      probe=ProbeCheck(probes, tolerance=1e-4), progress=None)
+    try:
+        for seed in (1, 2):
+            perturb(trainer, seed=seed)
+            report = sync.sync(StateDictSource.of_model(trainer))
+            assert report.verified and report.max_abs_logprob_diff <= 1e-4
+        assert [m.is_reference for m in engine.offered] == [False, True] and engine.weight_version == 2
+    finally:
+        sync.close()
+        engine.shutdown()
