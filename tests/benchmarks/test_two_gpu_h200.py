@@ -54,3 +54,16 @@ def test_cpu_smoke_run_of_all_four_stages(tmp_path):
     ep2 = summary["trainer"]["rows"][2]
     assert ep2["max_abs_dlogprob_vs_tp1"] < 1e-6  # EP splits whole experts: the same sums as TP1 (seen: 0.0)
     assert all(r["fwd_bwd_tokens_per_s"] > 0 for r in summary["trainer"]["rows"])
+
+
+def test_the_gpu_rl_stage_recipe_passes_the_dry_run(tmp_path, capsys):
+    """The rl stage's two-GPU recipe (overrides of the quickstart) is valid before any device time is spent."""
+    from beamrl.cli import main
+    from benchmarks.two_gpu_h200 import RL_COMMON, RL_GPU
+
+    rc = main(["train", str(ROOT / "recipes" / "quickstart.yaml"), f"run.output_dir={tmp_path / 'run'}", *RL_COMMON,
+               *RL_GPU, "--dry-run"])
+    out = capsys.readouterr().out
+    assert rc == 0, out[-3000:]
+    assert "placement disaggregated, off_policy_steps=1" in out and "model preset 'small'" in out
+    assert "trainer: 1 GPUs" in out and "rollout: 1 x native engine(s) of TP1 = 1 GPUs" in out
