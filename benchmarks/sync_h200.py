@@ -240,7 +240,10 @@ def main(argv=None) -> int:
         print(f"error: --mode distributed needs 2 GPUs, {torch.cuda.device_count()} visible")
         return 2
     preset_name = args.preset or ("small" if cuda else "tiny")
-    default_mb = ("512" if cuda else "0.0625") if args.mode == "teardown" else ("64,512,2048" if cuda else "0.0625,0.5,2")
+    if args.mode == "teardown":
+        default_mb = "512" if cuda else "0.0625"
+    else:
+        default_mb = "64,512,2048" if cuda else "0.0625,0.5,2"
     sizes_mb = [float(x) for x in (args.bucket_mb or default_mb).split(",")]
     trainer_dev = "cuda:0" if cuda else "cpu"
     engine_dev = ("cuda:0" if args.mode == "colocated" else "cuda:1") if cuda else "cpu"

@@ -80,7 +80,8 @@ class RolloutCollector:
             metrics.update(ds_metrics)
         S.shape_and_advantages(rollouts, r.algorithm, r.rollout.max_new_tokens)
         n_tokens = sum(x.response_len for x in rollouts)
-        metrics.update({"time/rollout_s": gen_s, "time/rollout_wait_s": wait_s, "throughput/rollout_tokens_per_s": n_tokens / max(gen_s, 1e-9),
+        metrics.update({"time/rollout_s": gen_s, "time/rollout_wait_s": wait_s,
+                        "throughput/rollout_tokens_per_s": n_tokens / max(gen_s, 1e-9),
                         "rollout/weight_version": float(min(x.result.weight_version for x in rollouts))})
         return RolloutBatch(rollouts, metrics)
 
