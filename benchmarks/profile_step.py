@@ -6,7 +6,8 @@ groups, reward manager and logger. Three parts, three tables:
 
 1. **Phases** (the real run under Ray): per GRPO step, the wall time and the CPU time of the driver, the
    trainer actor, the engine actor and everything else (Ray daemons, reward workers) in each phase:
-   rollout, rewards, train, sync, verify (engine prompt logprobs + trainer logprobs), other (driver work
+   rollout, rewards, train, sync (which includes the post-sync probe check: it runs inside the trainer's
+   sync call), verify (the driver's other logprob calls), other (driver work
    between the calls: packing, advantages, metrics). Medians over the steps after the first. The SFT warm
    start gets the same row per SFT step. CPU time is what survives a loaded machine; wall time does not.
 2. **Inside the train step** (a fresh process holding the same `MegatronTrainer` a trainer actor holds,
@@ -206,8 +207,16 @@ def make_driver_class():
             if name == "train_step" and self._capturing():
                 self._plog.payload("train_step arguments (driver -> trainer)", (args, kwargs))
                 _dump(self._capture_dir / "grpo_train_step.pkl", (args, kwargs))
-            elif name == "compute_logprobs" and self._capturing():
-                _dump(self._capture_dir / "probe_batch.pkl", args[0])
+            elif name == "sync_weights" and self._capturing():
+                # The post-sync probe runs inside the trainer's sync (docs/weight-sync.md): take its sequences
+                # from the sync request, for the trainer-side and engine-side costs measured below.
+                from beamrl.trainer.protocol import PackedBatch
+
+                request = kwargs["request"] if "request" in kwargs else args[1]
+                seqs = [list(s) for s in request.probe_sequences]
+                if seqs:
+                    _dump(self._capture_dir / "probe_batch.pkl", PackedBatch.from_sequences(seqs))
+                    _dump(self._capture_dir / "probe_sequences.pkl", seqs)
             elif name == "train_step:result" and self._capturing():
                 self._plog.payload("train_step result (trainer -> driver)", args[0])
 
@@ -217,8 +226,7 @@ def make_driver_class():
                 _dump(self._capture_dir / "generate_requests.pkl", args[0])
             elif name == "collect:result" and self._capturing():
                 self._plog.payload("generate results (engine -> driver)", args[0])
-            elif name == "score" and self._capturing():
-                _dump(self._capture_dir / "probe_sequences.pkl", args[0])
+
 
     class _LoggerProxy:
         def __init__(self, logger, driver):
@@ -478,8 +486,7 @@ def trainer_internals(args, out: Path) -> dict:
     probe = pickle.loads((cap / "probe_batch.pkl").read_bytes())
     trainer.set_routing_replay(False)
     result["verify_logprobs_cpu_ms"] = cpu_min_ms(lambda: trainer.compute_logprobs(probe, 1.0), args.repeats)
-    bucket = recipe.sync.bucket_bytes
-    result["export_cpu_ms"] = cpu_min_ms(lambda: [b for b in trainer.export_hf(bucket)], args.repeats)
+    result["export_cpu_ms"] = cpu_min_ms(lambda: [u for u in trainer.export_hf()], args.repeats)
     trainer.shutdown()
     return result
 

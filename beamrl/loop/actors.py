@@ -80,18 +80,17 @@ class TrainerActor:
     def load_checkpoint(self, directory: str) -> None:
         self.trainer.load_checkpoint(directory)
 
-    def sync_weights(self, *, receivers: list, engine_names: list[str], engine_tp: list[int], version: int,
-                     transport: str, bucket_bytes: int, timeout: float, progress: bool = False):
-        """Collective over trainer ranks: every rank streams the HF export; rank 0 ships the buckets."""
-        from beamrl.loop.weight_sync import push_weights
+    def sync_weights(self, *, receivers: list, engine_names: list[str], engine_tp: list[int], request):
+        """Collective over trainer ranks: every rank runs the sync orchestrator on the export; rank 0 ships the
+        buckets and returns the report (`beamrl.loop.weight_sync.sync_on_rank`)."""
+        from beamrl.loop.weight_sync import sync_on_rank
 
-        return push_weights(self.trainer, self.rank, receivers, engine_names, engine_tp, version, transport,
-                            bucket_bytes, timeout, progress)
+        return sync_on_rank(self.trainer, self.rank, receivers, engine_names, engine_tp, request)
 
-    def export_hf_checkpoint(self, out_dir: str, bucket_bytes: int) -> str | None:
+    def export_hf_checkpoint(self, out_dir: str) -> str | None:
         from beamrl.loop.weight_sync import save_hf_export
 
-        return save_hf_export(self.trainer, self.rank, out_dir, bucket_bytes)
+        return save_hf_export(self.trainer, self.rank, out_dir)
 
     def shutdown(self) -> None:
         self.trainer.shutdown()

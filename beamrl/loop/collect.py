@@ -66,7 +66,9 @@ class RolloutCollector:
         if pending.done is not None:
             return pending.done
         r = self.run.recipe
+        t_wait = time.perf_counter()
         results = self.engines.collect(pending.handle)
+        wait_s = time.perf_counter() - t_wait  # < rollout_s when generation ran while the trainer trained
         rollouts, n_aborted = S.drop_aborted(S.to_rollouts(pending.prompts, results, 0))
         gen_s = time.perf_counter() - pending.started
         metrics = S.score(rollouts, self.run.tokenizer, self.run.rewards)
@@ -78,7 +80,8 @@ class RolloutCollector:
             metrics.update(ds_metrics)
         S.shape_and_advantages(rollouts, r.algorithm, r.rollout.max_new_tokens)
         n_tokens = sum(x.response_len for x in rollouts)
-        metrics.update({"time/rollout_s": gen_s, "throughput/rollout_tokens_per_s": n_tokens / max(gen_s, 1e-9),
+        metrics.update({"time/rollout_s": gen_s, "time/rollout_wait_s": wait_s,
+                        "throughput/rollout_tokens_per_s": n_tokens / max(gen_s, 1e-9),
                         "rollout/weight_version": float(min(x.result.weight_version for x in rollouts))})
         return RolloutBatch(rollouts, metrics)
 

@@ -82,7 +82,7 @@ class RLDriver:
         self.engines = self._own("engines", start_engines(run, policy))
         self.collector = RolloutCollector(run, self.engines)
         if r.sync.verify:
-            self.probe = sync_probe(run.data, run.tokenizer, r.model.dtype, r.timeouts.generate_s)
+            self.probe = sync_probe(run.data, run.tokenizer, r.model.dtype, r.rollout.engine)
         start_step = self._resume() if run.resume_dir is not None else 0
         log(f"training steps {start_step + 1}..{r.run.num_steps} (one line per step; sampled completions every "
             f"{r.logging.samples.every_n_steps} steps)" if r.logging.samples.every_n_steps else
@@ -157,7 +157,7 @@ class RLDriver:
         self.checkpoints.wait(self.trainer)
         hf = None
         if r.checkpoint.export_hf_at_end:
-            hf = self.trainer.export_hf_checkpoint(str(run.out_dir / "hf_final"), r.sync.bucket_bytes)
+            hf = self.trainer.export_hf_checkpoint(str(run.out_dir / "hf_final"))
             log(f"final HF checkpoint (SGLang format): {hf}")
         self.resources.release("logger")  # flushed before the summary reads metrics.jsonl
         self.resources.release("samples")

@@ -33,7 +33,7 @@ def sft_warm_start(run: RunContext) -> str:
             res = trainer.train_step(pbs, loss, replay=False)
             if i % max(1, sft.steps // 10) == 0 or i == sft.steps - 1:
                 log(f"SFT step {i + 1}/{sft.steps}: nll {res.loss:.4f} ({time.perf_counter() - t0:.1f} s)")
-        trainer.export_hf_checkpoint(str(out), r.sync.bucket_bytes)
+        trainer.export_hf_checkpoint(str(out))
     finally:
         trainer.shutdown()
     return str(out)

@@ -44,6 +44,10 @@ def dry_run(r: "Recipe", checks: bool = True) -> DryRunResult:
     emem = engine_memory(r, config, lay)
     report = format_layout(r, config, source, lay, tmem, emem, gpu_capacity(r))
     problems = memory_problems(r, lay, tmem, emem)
+    if r.cluster.device != "cpu":
+        from beamrl.recipe.sync_time import estimate_sync_time, format_estimate
+
+        report += "\n" + format_estimate(estimate_sync_time(r, config), r)
     if checks:
         found = preflight(r, config)
         report += "\nstart-up checks:\n" + "\n".join(f"  {line}" for line in found.lines)

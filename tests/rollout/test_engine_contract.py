@@ -20,6 +20,7 @@ from beamrl.net import reserve_port
 from beamrl.protocols.rollout import EngineError, GenerateRequest, SamplingParams
 from beamrl.protocols.flat_bucket import FlatBucket
 from beamrl.protocols.weights import WeightSyncError
+from beamrl.sync.packing import pack_session
 
 from .fake_engine import FakeEngine
 
@@ -167,11 +168,11 @@ def test_stop_token_finishes_with_stop(engine):
 
 def test_update_outside_session_fails(engine):
     with pytest.raises(WeightSyncError, match="begin_weight_update"):
-        engine.update_weights_from_distributed(["model.norm.weight"], ["float32"], [[64]], "no_such_group", timeout=T)
-    if engine.contract_name != "sglang-http":  # over HTTP a CPU bucket is refused earlier (needs CUDA-IPC)
-        bucket = FlatBucket.from_named_tensors([("model.norm.weight", torch.ones(64))])
-        with pytest.raises(WeightSyncError, match="begin_weight_update"):
-            engine.update_weights_from_tensor(bucket, timeout=T)
+        engine.update_weights_from_distributed(0, (0, 0), "no_such_group", timeout=T)
+    bucket = FlatBucket.from_named_tensors([("model.norm.weight", torch.ones(64))])
+    bucket.index, bucket.checksum = 0, (0, 0)
+    with pytest.raises(WeightSyncError, match="begin_weight_update"):
+        engine.update_weights_from_tensor(bucket, timeout=T)
 
 
 def test_flat_bucket_update_matches_reference_and_bumps_version(engine, checkpoint, tmp_path):
@@ -196,16 +197,16 @@ def test_flat_bucket_update_matches_reference_and_bumps_version(engine, checkpoi
     seqs = [[1, 5, 9, 13, 17, 21, 25, 29], [100, 3, 200, 7]]
     before = engine.score(seqs, timeout=T)
     v = engine.weight_version
-    bucket = FlatBucket.from_named_tensors(list(new.items()))
+    manifest, buckets = pack_session(list({**state, **new}.items()), v + 1, bucket_bytes=1 << 16)
     if engine.contract_name == "sglang-http":
         # Over HTTP the tensor path carries CUDA-IPC handles: a CPU bucket is refused by name, the server lives,
         # and the same weights go in through the disk path instead.
-        engine.begin_weight_update(timeout=T)
+        engine.begin_weight_update(manifest, timeout=T)
         try:
             with pytest.raises(WeightSyncError, match="CUDA"):
-                engine.update_weights_from_tensor(bucket, timeout=T)
+                engine.update_weights_from_tensor(buckets[0], timeout=T)
         finally:
-            engine.end_weight_update(v, timeout=T)
+            assert engine.abort_weight_update("refused", timeout=T) == "untouched"
         assert engine.health(timeout=T)
         from beamrl.models.beam.checkpoint import save_checkpoint
 
@@ -215,11 +216,10 @@ def test_flat_bucket_update_matches_reference_and_bumps_version(engine, checkpoi
         engine.update_weights_from_disk(str(out), timeout=T)
         engine.update_weight_version(v + 1, timeout=T)
     else:
-        engine.begin_weight_update(timeout=T)
-        try:
+        engine.begin_weight_update(manifest, timeout=T)
+        for bucket in buckets:
             engine.update_weights_from_tensor(bucket, timeout=T)
-        finally:
-            engine.end_weight_update(v + 1, timeout=T)
+        engine.end_weight_update(v + 1, timeout=T)
     assert engine.weight_version == v + 1
     after = engine.score(seqs, timeout=T)
     ref.load_hf_tensors(new)

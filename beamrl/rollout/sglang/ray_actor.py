@@ -48,7 +48,7 @@ class RayEngineHandle(SGLangHTTPEngine):
 
     def __init__(self, actor: Any, url: str, beam_config: BeamConfig, config: SGLangEngineConfig) -> None:
         super().__init__(url, beam_config, tp_size=config.engine_tp, weight_version=config.weight_version,
-                         memory_saver=config.enable_memory_saver)
+                         memory_saver=config.enable_memory_saver, dtype=config.dtype, model_path=config.model_path)
         self.actor = actor
 
     def shutdown(self) -> None:

@@ -58,7 +58,7 @@ def _hf_weights(t) -> dict[str, torch.Tensor]:
     """Full HF tensors on every rank (export gathers them on rank 0; broadcast to the others)."""
     import torch.distributed as dist
 
-    tensors = {k: v for bucket in t.export_hf(1 << 62) for k, v in bucket.tensors.items()}
+    tensors = {k: v for unit in t.export_hf() for k, v in unit}
     box = [tensors if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     return box[0]

@@ -85,7 +85,7 @@ def run_layout(parallel: dict, distributed_optimizer: bool = False, with_grads: 
     trainer = MegatronTrainer(cfg)
     weights = random_state_dict(cfg.model, WEIGHT_SEED, torch.float32)
     trainer.load_hf_state_dict(weights)
-    exported = {k: v for bucket in trainer.export_hf(bucket_bytes=1 << 16) for k, v in bucket.tensors.items()}
+    exported = {k: v for unit in trainer.export_hf() for k, v in unit}
     export_ok = dist.get_rank() != 0 or (exported.keys() == weights.keys()
                                          and all(torch.equal(exported[k], weights[k]) for k in weights))
     mbs = micro_batches()
