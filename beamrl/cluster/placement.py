@@ -29,6 +29,12 @@ from beamrl.config import ConfigError
 from beamrl.trainer.megatron.config import ParallelConfig, RankCoordinates
 
 
+def sync_rank_offsets(tp_sizes: list[int]) -> list[int]:
+    """Each engine's first rank in the weight-update group: the trainer is rank 0 and engine k's TP rank t is
+    1 + sum(tp_sizes[:k]) + t (an engine that spans nodes counts all its GPUs: its leader joins them all)."""
+    return [1 + sum(tp_sizes[:k]) for k in range(len(tp_sizes))]
+
+
 class PlacementError(RuntimeError):
     """Where the actors were placed breaks a rule of the plan (e.g. a TP group on two nodes)."""
 
@@ -171,12 +177,11 @@ def plan_placement(*, device: str, num_nodes: int, gpus_per_node: int, trainer: 
     ranks = tuple(TrainerRank(slot(r), trainer.coordinates(r, trainer_gpus)) for r in range(trainer_gpus))
     _require_groups_in_nodes(ranks, trainer)
     first = 0 if mode == "colocated" else trainer_gpus
-    engines, offset = [], 1
-    for k in range(num_engines):
+    engines = []
+    for k, offset in enumerate(sync_rank_offsets([engine_tp] * num_engines)):
         start = first + k * engine_tp
         shares = tuple(range(start, start + engine_tp)) if mode == "colocated" else ()
         engines.append(_plan_engine(k, f"{engine}-{k}", start, engine_tp, gpn, offset, shares, trainer_gpus))
-        offset += engine_tp
     plan = Placement(device=device, mode=mode, num_nodes=num_nodes, slots_per_node=gpn, trainer=ranks,
                      engines=tuple(engines), reference=reference)
     plan.check()  # the rules above make these hold; a planning bug must not reach the cluster

@@ -95,17 +95,35 @@ class TrainerActor:
 
 @ray.remote
 class EngineActor:
-    """A rollout engine (`RolloutEngine` + `WeightReceiver`) built in the actor from a picklable factory."""
+    """One process of a rollout engine (`RolloutEngine` + `WeightReceiver`; on node ranks >= 1 of a multi-node
+    engine a follower that serves no API), built in the actor from a picklable factory in two phases:
+    `reserve` picks this node's address and free ports (the leader's become the engine's meeting point), then
+    `start` builds the engine with them (every node of an engine starts at the same time)."""
 
     def __init__(self, factory, num_threads: int = 1):
         torch.set_num_threads(num_threads)
-        self.engine = factory()
+        self.factory = factory
+        self.engine = None
+
+    def reserve(self) -> tuple[str, int, int]:
+        """(this node's cluster address, a free port for the server, a free port for the engine's nodes to meet)."""
+        from beamrl.net import free_port
+
+        host = ray.util.get_node_ip_address()
+        return host, free_port(host), free_port(host)
+
+    def start(self, *, host: str, port: int, dist_init_addr: str | None) -> bool:
+        self.engine = self.factory.with_launch(host=host, port=port, dist_init_addr=dist_init_addr)()
+        return True
 
     def ready(self) -> bool:
         return True
 
     def tp_size(self) -> int:
         return self.engine.tp_size
+
+    def health(self, timeout: float) -> bool:
+        return self.engine is not None and bool(self.engine.health(timeout))
 
     def call(self, method: str, *args, **kwargs):
         """Forward one protocol call (`generate`, `score`, `health`, `begin_weight_update`, ...)."""
@@ -115,4 +133,5 @@ class EngineActor:
         return self.engine.weight_version
 
     def shutdown(self) -> None:
-        self.engine.shutdown()
+        if self.engine is not None:
+            self.engine.shutdown()

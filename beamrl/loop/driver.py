@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from beamrl.cluster.report import format_placement
 from beamrl.loop.checkpoints import RunCheckpoints, restore_driver_state, save_due, step_of
 from beamrl.loop.collect import PendingRollout, RolloutBatch, RolloutCollector
 from beamrl.loop.groups import EngineGroup, TrainerGroup
@@ -58,7 +59,8 @@ class RLDriver:
         self.checkpoints = RunCheckpoints(run.checkpoint_root, r.checkpoint.keep_last, r.checkpoint.async_save,
                                           r.timeouts.checkpoint_s, log)
         check_launchable(r)
-        start_ray(r, self.resources)
+        log(format_placement(run.placement))
+        start_ray(run, self.resources)
         policy = run.initial_checkpoint
         if run.resume_dir is None and r.sft is not None:
             policy = sft_warm_start(run)

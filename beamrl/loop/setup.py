@@ -2,13 +2,15 @@
 release at the end (`Resources`).
 
 Order matters and is kept here: the model config is read first (a missing checkpoint fails by field before
-anything is written), then the output directory, tokenizer, prompts, rewards, the resume point (a fresh run
-refuses to overwrite an earlier run's checkpoints) and the metric loggers, then Ray.
+anything is written), then the placement plan (a layout that cannot be placed fails by field too), the output
+directory, tokenizer, prompts, rewards, the resume point (a fresh run refuses to overwrite an earlier run's
+checkpoints) and the metric loggers, then Ray and the placement groups, and every actor onto its slot's bundle.
 """
 
 from __future__ import annotations
 
 import json
+import secrets
 import shutil
 import tempfile
 import time
@@ -19,6 +21,7 @@ from typing import Any
 
 import torch
 
+from beamrl.cluster.placement import Placement
 from beamrl.dtypes import torch_dtype
 from beamrl.loop.groups import EngineGroup, TrainerGroup
 from beamrl.loop.log import log
@@ -27,7 +30,9 @@ from beamrl.models.beam.config import BeamConfig
 from beamrl.recipe.errors import RecipeError
 from beamrl.recipe.schema import Recipe
 
-# GPU shares when actors share a GPU: policy rank + reference rank + colocated engine <= 1.
+# Shares of a slot's GPU (CPU worker slot) when actors share it: policy rank + reference rank + colocated engine
+# process <= 1. A disaggregated engine process takes its first slot whole (its other slots are held by the
+# placement group and used by its server).
 POLICY_SHARE, REFERENCE_SHARE, ENGINE_SHARE = 0.6, 0.2, 0.2
 
 
@@ -75,6 +80,9 @@ class RunContext:
     routing_replay: bool  # algorithm.routing_replay resolved (null: on for MoE models)
     return_routed_experts: bool  # rollout.return_routed_experts resolved (null: follows routing_replay)
     resume_dir: Path | None
+    placement: Placement  # who runs on which node and GPU (`beamrl.recipe.layout.placement_of`)
+    api_key: str  # this run's secret for the engines' HTTP servers (SGLang --api-key)
+    groups: Any = None  # the Ray placement groups (`beamrl.cluster.ray_groups.PlacementGroups`), once placed
 
     @property
     def cpu(self) -> bool:
@@ -113,7 +121,10 @@ def prepare_run(recipe: Recipe, resume: bool, resources: Resources) -> RunContex
     from beamrl.metrics import build_metrics_logger
     from beamrl.rewards import RewardManager
 
+    from beamrl.recipe.layout import placement_of
+
     config = model_config(recipe)  # first: a missing checkpoint leaves no output directory behind
+    placement = placement_of(recipe)  # and a layout that cannot be placed neither
     out_dir = Path(recipe.run.resolved_output_dir)
     ckpt_root = Path(recipe.checkpoint.dir) if recipe.checkpoint.dir else out_dir / "checkpoints"
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -142,7 +153,8 @@ def prepare_run(recipe: Recipe, resume: bool, resources: Resources) -> RunContex
     return_routed_experts = bool(ro.return_routed_experts if ro.return_routed_experts is not None
                                  else routing_replay)
     return RunContext(recipe, out_dir, ckpt_root, config, init, tokenizer, data, (int(tokenizer.eos_token_id),),
-                      rewards, logger, routing_replay, return_routed_experts, resume_dir)
+                      rewards, logger, routing_replay, return_routed_experts, resume_dir, placement,
+                      secrets.token_urlsafe(32))
 
 
 def truncate_metrics(out_dir: Path, first_step: int) -> None:
@@ -158,39 +170,54 @@ def truncate_metrics(out_dir: Path, first_step: int) -> None:
 def check_launchable(recipe: Recipe) -> None:
     """Layouts that `--dry-run` plans but this loop cannot launch yet fail here, by name, before any actor."""
     r = recipe
-    if r.cluster.device == "cpu":
-        return
-    if r.rollout.engine_tp > r.cluster.gpus_per_node:
-        raise NotImplementedError(
-            f"rollout.engine_tp={r.rollout.engine_tp} spans several nodes (cluster.gpus_per_node="
-            f"{r.cluster.gpus_per_node}); beamrl does not launch multi-node SGLang engines yet (docs/rl-loop.md)")
-    if r.placement.mode == "colocated" and r.rollout.engine_tp != 1:
-        raise NotImplementedError(f"placement.mode=colocated with rollout.engine_tp={r.rollout.engine_tp}: "
-                                  f"colocated GPU engines are launched one GPU each (engine_tp 1) for now")
+    spans_nodes = r.rollout.engine_tp > r.cluster.gpus_per_node
+    if r.cluster.device == "cpu" and spans_nodes and r.rollout.engine == "sglang" and r.sync.transport == "colocated":
+        # A CPU engine that spans (simulated) nodes is a set of HTTP servers; SGLang's tensor path over HTTP
+        # cannot carry CPU tensors (docs/sglang.md, weight updates).
+        raise RecipeError("sync.transport", "colocated", "an SGLang CPU engine that spans nodes (rollout.engine_tp > "
+                          "cluster.gpus_per_node) takes weights through 'disk' (or 'distributed' when disaggregated)")
+    if r.cluster.device == "cuda" and r.sync.transport == "colocated" and r.cluster.num_nodes > 1:
+        # TODO(issue 15, colocated GPUs): CUDA-IPC buckets from every trainer rank. Until then trainer rank 0 packs
+        # every bucket on its own GPU, and an engine on another node cannot open its CUDA-IPC handles.
+        raise NotImplementedError("sync.transport=colocated on several nodes: only trainer rank 0 ships CUDA-IPC "
+                                  "buckets so far, which engines on other nodes cannot open; use sync.transport=disk "
+                                  "(a shared filesystem) for now")
 
 
-def start_ray(recipe: Recipe, resources: Resources) -> None:
-    """CPU: a private local Ray (its own short temp dir: parallel runs must not share Ray's sockets). GPU: join
-    the cluster that `launch/` started."""
+def start_ray(run: "RunContext", resources: Resources) -> None:
+    """CPU: a private local Ray with one simulated node per recipe node, each declaring cluster.gpus_per_node worker
+    slots (its own short temp dir: parallel runs must not share Ray's sockets). GPU: join the cluster that
+    `launch/` started. Then the placement groups of the plan (`run.groups`)."""
     import ray
 
-    from beamrl.loop.ray_utils import connect_cluster_ray, init_local_ray
+    from beamrl.cluster.ray_groups import PlacementGroups
+    from beamrl.cluster.ray_start import (WORKER_SLOT, connect_cluster_ray, init_local_ray, node_resource,
+                                          start_rehearsal_cluster)
 
+    recipe = run.recipe
+    cl = recipe.cluster
     tmp: Path | None = None
-    if recipe.cluster.device == "cpu":
+    stop = ray.shutdown
+    if cl.device == "cpu":
         tmp = Path(tempfile.mkdtemp(prefix="beamrl-ray-", dir="/tmp"))
-        n_trainer = recipe.trainer.num_gpus
-        n_reference = n_trainer if recipe.algorithm.kl.reference else 0
-        init_local_ray(num_cpus=n_trainer + n_reference + recipe.rollout.num_engines + 2, temp_dir=tmp)
+        if cl.num_nodes == 1:
+            init_local_ray(num_cpus=2, temp_dir=tmp, resources={WORKER_SLOT: cl.gpus_per_node, node_resource(0): 1})
+        else:
+            t0 = time.perf_counter()
+            stop = start_rehearsal_cluster(cl.num_nodes, cl.gpus_per_node, tmp).shutdown
+            log(f"rehearsal: local Ray cluster of {cl.num_nodes} simulated node(s) x {cl.gpus_per_node} worker "
+                f"slot(s) up in {time.perf_counter() - t0:.1f} s")
     else:
         connect_cluster_ray()
 
     def shutdown() -> None:
-        ray.shutdown()
+        stop()
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
 
     resources.add("ray", shutdown)
+    run.groups = PlacementGroups(run.placement, recipe.timeouts.health_s, log=log)
+    resources.add("placement groups", run.groups.remove)
 
 
 def trainer_setup(recipe: Recipe, model: BeamConfig, lr: float | None = None):
@@ -205,20 +232,20 @@ def trainer_setup(recipe: Recipe, model: BeamConfig, lr: float | None = None):
 
 def start_trainer(run: RunContext, hf_checkpoint: str, lr: float | None = None,
                   reference: bool = False) -> TrainerGroup:
-    """The Megatron ranks (one actor each). CPU: one core-slot per actor; GPU: a rank per GPU, shared with the
-    KL reference ranks and colocated engines."""
+    """The Megatron ranks (one actor each), rank r on the bundle of the plan's slot for rank r: the rank numbers
+    come from the plan, not from the order Ray starts actors in."""
     r = run.recipe
-    n = r.trainer.num_gpus
     share = REFERENCE_SHARE if reference else POLICY_SHARE
-    options = [{"num_cpus": 1} if run.cpu else {"num_cpus": 1, "num_gpus": share} for _ in range(n)]
+    options = [run.groups.actor_options(t.slot, share) for t in run.placement.trainer]
     t0 = time.perf_counter()
-    group = TrainerGroup(trainer_setup(r, run.model, lr), hf_checkpoint, n, r.timeouts.train_step_s, options)
-    log(f"trainer: {n} Megatron rank(s) ready in {time.perf_counter() - t0:.1f} s")
+    group = TrainerGroup(trainer_setup(r, run.model, lr), hf_checkpoint, len(options), r.timeouts.train_step_s,
+                         options)
+    log(f"trainer: {len(options)} Megatron rank(s) ready in {time.perf_counter() - t0:.1f} s")
     return group
 
 
-def engine_factories(run: RunContext, checkpoint: str) -> list:
-    """One picklable factory per engine of `rollout.engine` (`beamrl.rollout.engines.ENGINES`)."""
+def engine_factories(run: RunContext, checkpoint: str) -> list[list]:
+    """Per engine of the plan, one picklable factory per node (`beamrl.rollout.engines.ENGINES`), node-rank order."""
     from beamrl.rollout.engines import EngineLaunch, engine_factory
 
     r = run.recipe
@@ -226,20 +253,32 @@ def engine_factories(run: RunContext, checkpoint: str) -> list:
     device = "cpu" if run.cpu else "cuda"
     # Colocated GPU engines release weights / KV cache while the trainer runs (needs SGLang's memory saver).
     memory_saver = r.placement.mode == "colocated" and device == "cuda"
-    return [engine_factory(ro, EngineLaunch(
-        checkpoint=checkpoint, dtype=r.model.dtype, device=device, seed=r.run.seed + i, name=f"{ro.engine}-{i}",
-        port=30000 + 10 * i, start_timeout=r.timeouts.generate_s, return_routed_experts=run.return_routed_experts,
-        memory_saver=memory_saver)) for i in range(ro.num_engines)]
+    out = []
+    for e in run.placement.engines:
+        base = engine_factory(ro, EngineLaunch(
+            checkpoint=checkpoint, dtype=r.model.dtype, device=device, seed=r.run.seed + e.index, name=e.name,
+            start_timeout=r.timeouts.generate_s, return_routed_experts=run.return_routed_experts,
+            memory_saver=memory_saver, nnodes=e.nnodes, api_key=run.api_key))
+        out.append([base.with_launch(node_rank=part.node_rank, base_gpu_id=part.base_gpu,
+                                     visible_gpus=_tuple_or_none(run.groups.gpu_ids(part.node)))
+                    for part in e.nodes])
+    return out
+
+
+def _tuple_or_none(xs):
+    return None if xs is None else tuple(xs)
 
 
 def start_engines(run: RunContext, checkpoint: str) -> EngineGroup:
-    """The rollout engines (one actor each): a core-slot on CPU; engine_tp GPUs disaggregated, a share of one
-    GPU colocated."""
+    """The rollout engines: one actor per node of each engine, on the bundle of its first slot (colocated: a
+    share of the GPU it shares with a trainer rank)."""
     r = run.recipe
     factories = engine_factories(run, checkpoint)
-    gpus = ENGINE_SHARE if r.placement.mode == "colocated" else r.rollout.engine_tp
-    options = [{"num_cpus": 1} if run.cpu else {"num_cpus": 1, "num_gpus": gpus} for _ in factories]
+    share = ENGINE_SHARE if r.placement.mode == "colocated" else 1.0
+    options = [[run.groups.actor_options(part.slots[0], share) for part in e.nodes] for e in run.placement.engines]
     t0 = time.perf_counter()
     engines = EngineGroup(factories, r.timeouts.generate_s, options)
-    log(f"rollout: {len(factories)} {r.rollout.engine} engine(s) ready in {time.perf_counter() - t0:.1f} s")
+    n_proc = sum(len(e.nodes) for e in run.placement.engines)
+    log(f"rollout: {len(factories)} {r.rollout.engine} engine(s) ({n_proc} node process(es)) ready in "
+        f"{time.perf_counter() - t0:.1f} s")
     return engines

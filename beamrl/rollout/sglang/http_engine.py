@@ -2,7 +2,9 @@
 
 Every request has a timeout (`requests`); a refused connection or a `success: false` reply raises
 `EngineError`/`WeightSyncError` with the server's own message. Optionally owns an `SGLangServer` (shut down
-with the engine).
+with the engine). With an `api_key` every request carries it (`Authorization: Bearer`), as SGLang's `--api-key`
+requires. Of a multi-node engine only the leader (node rank 0) is an `SGLangHTTPEngine`; the other nodes are
+`SGLangFollower`s (`follower.py`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ class SGLangHTTPEngine(RolloutEngine, WeightReceiver):
     """Client of one SGLang server at `url`. `beam_config` gives the route layout (num layers, top-k, MLP types)."""
 
     def __init__(self, url: str, beam_config: BeamConfig, tp_size: int = 1, weight_version: int = 0,
-                 memory_saver: bool = False, server=None) -> None:
+                 memory_saver: bool = False, server=None, api_key: str | None = None) -> None:
         import requests
 
         self.url = url.rstrip("/")
@@ -30,15 +32,21 @@ class SGLangHTTPEngine(RolloutEngine, WeightReceiver):
         self._memory_saver = memory_saver
         self.server = server
         self._session = requests.Session()
+        if api_key:
+            self._session.headers["Authorization"] = f"Bearer {api_key}"
 
     @classmethod
     def launch(cls, config, start_timeout: float = 600.0, log_path=None) -> "SGLangHTTPEngine":
         """Start an `SGLangServer` for `config` and return a client that owns it."""
         from beamrl.rollout.sglang.server import SGLangServer
 
+        if config.node_rank != 0:
+            raise ValueError(f"node rank {config.node_rank} of a multi-node engine serves no API: launch it as an "
+                             "SGLangFollower")
         server = SGLangServer(config, log_path=log_path).start(start_timeout)
         return cls(server.url, BeamConfig.from_json_file(config.model_path), tp_size=config.engine_tp,
-                   weight_version=config.weight_version, memory_saver=config.enable_memory_saver, server=server)
+                   weight_version=config.weight_version, memory_saver=config.enable_memory_saver, server=server,
+                   api_key=config.api_key)
 
     @property
     def name(self) -> str:
