@@ -132,6 +132,13 @@ class EngineActor:
     def weight_version(self) -> int:
         return self.engine.weight_version
 
+    def process_ids(self) -> list[int]:
+        """The OS processes of this engine process on its node: its server, or an in-process engine's children."""
+        server = getattr(self.engine, "server", None)
+        if server is not None:
+            return [server.pid] if server.pid is not None else []
+        return list(getattr(self.engine, "child_pids", []))
+
     def shutdown(self) -> None:
         if self.engine is not None:
             self.engine.shutdown()

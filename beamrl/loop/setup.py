@@ -15,7 +15,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -154,7 +154,7 @@ def prepare_run(recipe: Recipe, resume: bool, resources: Resources) -> RunContex
                                  else routing_replay)
     return RunContext(recipe, out_dir, ckpt_root, config, init, tokenizer, data, (int(tokenizer.eos_token_id),),
                       rewards, logger, routing_replay, return_routed_experts, resume_dir, placement,
-                      secrets.token_urlsafe(32))
+                      secrets.token_hex(32))
 
 
 def truncate_metrics(out_dir: Path, first_step: int) -> None:
@@ -246,27 +246,30 @@ def start_trainer(run: RunContext, hf_checkpoint: str, lr: float | None = None,
 
 def engine_factories(run: RunContext, checkpoint: str) -> list[list]:
     """Per engine of the plan, one picklable factory per node (`beamrl.rollout.engines.ENGINES`), node-rank order."""
-    from beamrl.rollout.engines import EngineLaunch, engine_factory
+    from beamrl.rollout.engines import EngineLaunch
 
     r = run.recipe
-    ro = r.rollout
     device = "cpu" if run.cpu else "cuda"
     # Colocated GPU engines release weights / KV cache while the trainer runs (needs SGLang's memory saver).
     memory_saver = r.placement.mode == "colocated" and device == "cuda"
+    return [node_factories(r.rollout, EngineLaunch(
+        checkpoint=checkpoint, dtype=r.model.dtype, device=device, seed=r.run.seed + e.index, name=e.name,
+        start_timeout=r.timeouts.generate_s, return_routed_experts=run.return_routed_experts,
+        memory_saver=memory_saver, api_key=run.api_key), e, run.groups) for e in run.placement.engines]
+
+
+def node_factories(rollout, launch, engine, groups) -> list:
+    """The factories of one planned engine (`EnginePlacement`), one per node: `launch` with the node's rank, its
+    first GPU and (on GPU) the GPU ids of its node as Ray placed them (`PlacementGroups.gpu_ids`)."""
+    from beamrl.rollout.engines import engine_factory
+
+    base = engine_factory(rollout, replace(launch, nnodes=engine.nnodes))
     out = []
-    for e in run.placement.engines:
-        base = engine_factory(ro, EngineLaunch(
-            checkpoint=checkpoint, dtype=r.model.dtype, device=device, seed=r.run.seed + e.index, name=e.name,
-            start_timeout=r.timeouts.generate_s, return_routed_experts=run.return_routed_experts,
-            memory_saver=memory_saver, nnodes=e.nnodes, api_key=run.api_key))
-        out.append([base.with_launch(node_rank=part.node_rank, base_gpu_id=part.base_gpu,
-                                     visible_gpus=_tuple_or_none(run.groups.gpu_ids(part.node)))
-                    for part in e.nodes])
+    for part in engine.nodes:
+        gpus = groups.gpu_ids(part.node)
+        out.append(base.with_launch(node_rank=part.node_rank, base_gpu_id=part.base_gpu,
+                                    visible_gpus=None if gpus is None else tuple(gpus)))
     return out
-
-
-def _tuple_or_none(xs):
-    return None if xs is None else tuple(xs)
 
 
 def start_engines(run: RunContext, checkpoint: str) -> EngineGroup:

@@ -131,6 +131,11 @@ class SGLangEngineConfig:
         if not self.api_key and not _is_loopback(self.host):
             raise SGLangConfigError(f"SGLangEngineConfig.host={self.host!r} is reachable from other machines: set "
                                     "api_key (a per-run secret) or bind to 127.0.0.1")
+        if self.api_key is not None and (not self.api_key or self.api_key.startswith("-") or
+                                         any(c.isspace() for c in self.api_key)):
+            # SGLang turns its --config file back into command-line arguments: a leading '-' reads as a flag
+            raise SGLangConfigError("SGLangEngineConfig.api_key must be non-empty, without whitespace, and not start "
+                                    "with '-'")
         if self.enable_memory_saver and self.device == "cpu":
             raise SGLangConfigError(
                 "SGLangEngineConfig.enable_memory_saver=True needs CUDA (torch_memory_saver); device is 'cpu'")
