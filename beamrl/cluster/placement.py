@@ -147,7 +147,8 @@ class Placement:
             for part in e.nodes:
                 nodes = {where(s) for s in part.slots}
                 if len(nodes) > 1:
-                    raise PlacementError(f"engine {e.name} node rank {part.node_rank} spans nodes {sorted(map(str, nodes))}")
+                    raise PlacementError(f"engine {e.name} node rank {part.node_rank} spans nodes "
+                                         f"{sorted(map(str, nodes))}")
                 part_nodes.append(nodes.pop())
                 for s in part.slots:
                     if s in used:

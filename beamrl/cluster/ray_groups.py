@@ -82,7 +82,8 @@ class PlacementGroups:
                 f"{len(pending)} of {len(self.groups)} node placement group(s) ({self.plan.slots_per_node} x "
                 f"{self.resource} on one node each) were not placed within {timeout:.0f} s; the Ray cluster has "
                 f"{len(ray.nodes())} node(s) and {have:g} {self.resource} in all, the recipe asks for "
-                f"{self.plan.num_nodes} node(s) x {self.plan.slots_per_node} (cluster.num_nodes, cluster.gpus_per_node)")
+                f"{self.plan.num_nodes} node(s) x {self.plan.slots_per_node} "
+                "(cluster.num_nodes, cluster.gpus_per_node)")
 
     def _read_back(self, timeout: float) -> dict[Slot, Bundle]:
         nodes = {n["NodeID"]: n for n in ray.nodes() if n.get("Alive")}
@@ -160,5 +161,6 @@ def _node_key(node: dict) -> tuple:
         ip: tuple = (0, int(ipaddress.ip_address(addr)))
     except ValueError:
         ip = (1, addr)
-    ident = [int(k[len(NODE_RESOURCE_PREFIX):]) for k in node.get("Resources", {}) if k.startswith(NODE_RESOURCE_PREFIX)]
+    ident = [int(k[len(NODE_RESOURCE_PREFIX):]) for k in node.get("Resources", {})
+             if k.startswith(NODE_RESOURCE_PREFIX)]
     return ip, ident[0] if ident else -1, node["NodeID"]

@@ -38,7 +38,8 @@ def format_placement(plan: Placement) -> str:
         for gpu in range(plan.slots_per_node + 1):
             s = Slot(node, gpu) if gpu < plan.slots_per_node else None
             if run and (s is None or key(s) != key(run[-1])):
-                lines.append(f"  node {node} {unit}s {ranges(x.gpu for x in run)}: {_roles(plan, run, trainer, engine_part)}")
+                roles = _roles(plan, run, trainer, engine_part)
+                lines.append(f"  node {node} {unit}s {ranges(x.gpu for x in run)}: {roles}")
                 run = []
             if s is not None:
                 run.append(s)

@@ -98,24 +98,44 @@ class EngineGroup:
     factories in node-rank order and `node_options[k]` their Ray options (their placement-group bundles)."""
 
     def __init__(self, engines: list[list], timeout: float, node_options: list[list[dict]], num_threads: int = 1):
-        self.timeout = timeout
+        self.timeout, self.num_threads = timeout, num_threads
+        self.factories, self.node_options = engines, node_options
         self.names = [nodes[0].name for nodes in engines]
-        self.nodes = [[EngineActor.options(**o).remote(factory=f, num_threads=num_threads) for f, o in zip(fs, opts)]
-                      for fs, opts in zip(engines, node_options)]
-        self.actors = [nodes[0] for nodes in self.nodes]
-        self.followers = [nodes[1:] for nodes in self.nodes]
-        every = [a for nodes in self.nodes for a in nodes]
-        addresses = iter(ray_get([a.reserve.remote() for a in every], timeout, "rollout engines: reserving ports"))
+        self.nodes: list[list] = [[] for _ in engines]
+        try:
+            self._start(list(range(len(engines))))
+        except BaseException:
+            self.shutdown()  # the servers that did start must not outlive a failed start-up
+            raise
+
+    @property
+    def actors(self) -> list:
+        """Each engine's leader (node rank 0): every API call goes there (none once shut down)."""
+        return [nodes[0] for nodes in self.nodes if nodes]
+
+    @property
+    def followers(self) -> list[list]:
+        """Each engine's other node processes (none for an engine on one node, or once shut down)."""
+        return [nodes[1:] for nodes in self.nodes]
+
+    def _start(self, indices: list[int]) -> None:
+        """Start engines `indices` (all their nodes) in the two phases; a single engine can be started again
+        alone after its actors were shut down."""
+        for k in indices:
+            self.nodes[k] = [EngineActor.options(**o).remote(factory=f, num_threads=self.num_threads)
+                             for f, o in zip(self.factories[k], self.node_options[k])]
+        every = [a for k in indices for a in self.nodes[k]]
+        addresses = iter(ray_get([a.reserve.remote() for a in every], self.timeout, "rollout engines: reserving ports"))
         starts = []
-        for nodes in self.nodes:
-            mine = [next(addresses) for _ in nodes]
+        for k in indices:
+            mine = [next(addresses) for _ in self.nodes[k]]
             leader_host, _, meet_port = mine[0]
-            meet = f"{leader_host}:{meet_port}" if len(nodes) > 1 else None
+            meet = f"{leader_host}:{meet_port}" if len(mine) > 1 else None
             starts += [a.start.remote(host=host, port=port, dist_init_addr=meet)
-                       for a, (host, port, _) in zip(nodes, mine)]
-        ray_get(starts, timeout, "rollout engine start-up")
-        self.tp_sizes = ray_get([a.tp_size.remote() for a in self.actors], timeout, "engines.tp_size")
-        planned = [nodes[0].rollout.engine_tp for nodes in engines]
+                       for a, (host, port, _) in zip(self.nodes[k], mine)]
+        ray_get(starts, self.timeout, "rollout engine start-up")
+        self.tp_sizes = ray_get([a.tp_size.remote() for a in self.actors], self.timeout, "engines.tp_size")
+        planned = [nodes[0].rollout.engine_tp for nodes in self.factories]
         if self.tp_sizes != planned:
             raise EngineError(f"engines report TP sizes {self.tp_sizes}, the plan has {planned} (rollout.engine_tp)")
 
@@ -196,7 +216,8 @@ class EngineGroup:
 
     def shutdown(self) -> None:
         """Leaders first (a leader's shutdown stops its engine's TP ranks on every node), then the followers."""
-        shutdown_actors(self.actors, self.names)
-        shutdown_actors([a for fs in self.followers for a in fs],
-                        [f"{n}/node{j + 1}" for n, fs in zip(self.names, self.followers) for j in range(len(fs))])
-        self.actors, self.followers, self.nodes = [], [], []
+        started = [(n, nodes) for n, nodes in zip(self.names, self.nodes) if nodes]
+        shutdown_actors([nodes[0] for _, nodes in started], [n for n, _ in started])
+        shutdown_actors([a for _, nodes in started for a in nodes[1:]],
+                        [f"{n}/node{j}" for n, nodes in started for j in range(1, len(nodes))])
+        self.nodes = [[] for _ in self.nodes]

@@ -51,7 +51,7 @@ def test_tp2_trainer_on_its_own_node_one_step_off(tmp_path):
                   "trainer.tp=2", "trainer.sp=true", "rollout.engine_tp=2", "placement.off_policy_steps=1",
                   "algorithm.importance.mode=tis", "algorithm.importance.cap=2.0", timeout=1500)
     _ok(p)
-    assert "node 0 slots 0-1: trainer ranks 0-1 (tp 0-1, dp 0, pp 0; ep 0, expert-dp 0)" in p.stdout
+    assert "node 0 slots 0-1: trainer ranks 0-1 (tp 0-1, dp 0, pp 0; ep 0, expert-dp 0-1)" in p.stdout
     assert "node 1 slots 0-1: engine sglang-0 TP ranks 0-1, weight-sync ranks 1-2" in p.stdout
     rows = metrics(tmp_path / "run")
     # one step off: step k+1 is generated with version k while step k trains

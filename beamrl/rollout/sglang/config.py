@@ -119,7 +119,8 @@ class SGLangEngineConfig:
                     "SGLangEngineConfig.deterministic=True is not available on device='cpu' "
                     "(the CPU engine only has the torch_native attention backend)")
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
-            raise SGLangConfigError(f"SGLangEngineConfig.node_rank={self.node_rank} must be in [0, nnodes={self.nnodes})")
+            raise SGLangConfigError(f"SGLangEngineConfig.node_rank={self.node_rank} must be in "
+                                    f"[0, nnodes={self.nnodes})")
         if self.nnodes > 1 and not self.dist_init_addr:
             raise SGLangConfigError("SGLangEngineConfig.dist_init_addr (the leader's host:port) is required with "
                                     f"nnodes={self.nnodes}")

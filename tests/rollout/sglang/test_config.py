@@ -71,7 +71,8 @@ def test_multi_node_server_arguments(tmp_path):
     server.stop()  # the key does not outlive the server
     assert not server.secrets_path.exists()
     single = SGLangEngineConfig(model_path="/ckpt", base_gpu_id=4)
-    assert "--nnodes" not in single.launch_argv() and single.launch_argv()[single.launch_argv().index("--base-gpu-id") + 1] == "4"
+    argv = single.launch_argv()
+    assert "--nnodes" not in argv and argv[argv.index("--base-gpu-id") + 1] == "4"
 
 
 def test_server_gets_its_gpus_and_cpu_tp_settings(monkeypatch):
