@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from beamrl.algorithms.groups import as_groups, group_count, group_sum
+from beamrl.algorithms.groups import as_groups, group_count, group_max, group_min, group_sum
 from beamrl.registry import Registry
 
 if TYPE_CHECKING:
@@ -37,7 +37,9 @@ def grpo_advantages(
 
     `cfg.normalize_std=False` gives Dr. GRPO (A_i = r_i - mean_group), which removes the std bias toward
     easy/hard prompts. unbiased_std picks the (n-1) denominator (torch.std default, as TRL and verl do).
-    A group of one sample gets advantage 0."""
+    A group whose scores are all equal (its min equals its max; a group of one included) gets advantage
+    exactly 0: testing the centred scores for 0 would miss scores that are not exact in binary (0.1, a
+    weighted sum), whose float mean leaves a ~1e-8 residue that the tiny std then blows up."""
     if not eps >= 0:
         raise ValueError(f"grpo_advantages: eps={eps} must be >= 0")
     normalize_std = True if cfg is None else cfg.normalize_std
@@ -46,12 +48,13 @@ def grpo_advantages(
     n = group_count(g)
     mean = group_sum(r, g) / n
     centred = r - mean[g.index]
+    # Constant groups carry no signal: exactly 0 (never 0/0, never rounding residue / tiny std).
+    constant = (group_max(r, g) == group_min(r, g))[g.index]
     if not normalize_std:
-        return centred.reshape(g.shape)
+        return torch.where(constant, torch.zeros_like(centred), centred).reshape(g.shape)
     dof = (n - 1).clamp(min=1) if unbiased_std else n
     std = (group_sum(centred * centred, g) / dof).sqrt()
-    # An all-equal group (or eps=0 with std=0) carries no signal: 0, never 0/0.
-    adv = torch.where(centred == 0, torch.zeros_like(centred), centred / (std[g.index] + eps))
+    adv = torch.where(constant, torch.zeros_like(centred), centred / (std[g.index] + eps))
     return adv.reshape(g.shape)
 
 

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from beamrl.algorithms.groups import as_groups, group_count, group_sum
+from beamrl.algorithms.groups import as_groups, group_max, group_min
 
 if TYPE_CHECKING:
     from beamrl.algorithms.config import OverlongConfig
@@ -71,8 +71,7 @@ def filter_groups(
         raise ValueError(f"max_oversample={max_oversample} must be >= 1")
     g = as_groups(raw_scores, group_ids)
     s = g.scores.detach().to(torch.float64)
-    gmax = torch.full((g.num_groups,), -math.inf, dtype=s.dtype, device=s.device).scatter_reduce(0, g.index, s, "amax")
-    gmin = torch.full((g.num_groups,), math.inf, dtype=s.dtype, device=s.device).scatter_reduce(0, g.index, s, "amin")
+    gmax, gmin = group_max(s, g), group_min(s, g)
     informative = (gmax - gmin) > atol
     kept = g.labels[torch.nonzero(informative).flatten()]
     dropped = g.labels[torch.nonzero(~informative).flatten()]
@@ -87,13 +86,14 @@ def filter_groups(
         suggested = math.ceil(num_needed * max_oversample)
     else:
         suggested = min(math.ceil(num_needed / keep_rate), math.ceil(num_needed * max_oversample))
-    mean = group_sum(s, g) / group_count(g).to(s.dtype)
+    # "All max" / "all min": every sample of the dropped group scored the batch's max (min). Compared on the
+    # group's own min/max, never on a rounded mean (a group all at 0.7 has a mean != 0.7 in floats).
     metrics = {
         "dynamic_sampling/keep_rate": keep_rate,
         "dynamic_sampling/num_kept": float(len(kept)),
         "dynamic_sampling/num_dropped": float(len(dropped)),
-        "dynamic_sampling/dropped_all_max": float(((~informative) & (mean == s.max())).sum()) if len(s) else 0.0,
-        "dynamic_sampling/dropped_all_min": float(((~informative) & (mean == s.min())).sum()) if len(s) else 0.0,
+        "dynamic_sampling/dropped_all_max": float(((~informative) & (gmin == s.max())).sum()) if len(s) else 0.0,
+        "dynamic_sampling/dropped_all_min": float(((~informative) & (gmax == s.min())).sum()) if len(s) else 0.0,
     }
     return GroupFilterResult(kept, dropped, num_needed, num_surplus, suggested, metrics)
 

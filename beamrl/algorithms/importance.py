@@ -58,7 +58,8 @@ def _base_metrics(log_ratio: torch.Tensor, mask: torch.Tensor) -> dict[str, torc
     return {
         "train_rollout_logprob_abs_diff": masked_mean(log_ratio.abs(), mask),
         "ratio_mean": masked_mean(ratio, mask),
-        "train_rollout_kl": masked_mean(torch.expm1(-log_ratio) + log_ratio, mask),  # k3(old || rollout)
+        # k3 of KL(rollout || old): the tokens were sampled by the rollout policy, so r = old / rollout.
+        "train_rollout_kl": masked_mean(torch.expm1(log_ratio) - log_ratio, mask),
     }
 
 

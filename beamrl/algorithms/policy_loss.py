@@ -138,7 +138,8 @@ def ppo_clip_loss(inputs: LossInputs, cfg: "AlgorithmConfig") -> LossOutputs:
                 "clip_fraction_high": masked_mean(clip_high.float(), mask),
                 "clip_fraction_low": masked_mean(clip_low.float(), mask),
                 "ppo_kl": masked_mean(-lr, mask),  # k1(old || new), as miles/verl log it
-                "approx_kl": masked_mean(torch.expm1(-lr) + lr, mask),  # k3, >= 0
+                # k3 of KL(old || new): the tokens were sampled by pi_old, so r = new / old. >= 0.
+                "approx_kl": masked_mean(torch.expm1(lr) - lr, mask),
                 "ratio_mean": masked_mean(r, mask),
                 "ratio_max": torch.where(any_tok, torch.where(mask, r, torch.full_like(r, -big)).max(), 0.0),
                 "ratio_min": torch.where(any_tok, torch.where(mask, r, torch.full_like(r, big)).min(), 0.0),

@@ -31,8 +31,11 @@ from beamrl.trainer.megatron.config import ParallelConfig, RankCoordinates
 
 def sync_rank_offsets(tp_sizes: list[int]) -> list[int]:
     """Each engine's first rank in the weight-update group: the trainer is rank 0 and engine k's TP rank t is
-    1 + sum(tp_sizes[:k]) + t (an engine that spans nodes counts all its GPUs: its leader joins them all)."""
-    return [1 + sum(tp_sizes[:k]) for k in range(len(tp_sizes))]
+    1 + sum(tp_sizes[:k]) + t (an engine that spans nodes counts all its GPUs: its leader joins them all). The
+    distributed transport's own rule (`update_group_ranks`), so the plan prints the ranks the sync uses."""
+    from beamrl.sync.transports.distributed import update_group_ranks
+
+    return update_group_ranks(tp_sizes)[0]
 
 
 class PlacementError(RuntimeError):

@@ -39,8 +39,10 @@ def _quiet_local_env() -> None:
 
 
 def init_local_ray(num_cpus: int, temp_dir: Path, object_store_mb: int = 512,
-                   resources: dict[str, float] | None = None) -> None:
-    """Start (or join) a single-node Ray for a CPU run: quiet, loopback only, bounded object store."""
+                   resources: dict[str, float] | None = None, runtime_env: dict | None = None) -> None:
+    """Start a fresh single-node Ray for a CPU run (`address="local"`: never join a cluster another process left
+    running on this machine): quiet, loopback only, bounded object store. `runtime_env`: the job's (e.g.
+    `beamrl.third_party_output.worker_runtime_env`). A no-op when this process is already connected."""
     if ray.is_initialized():
         return
     _quiet_local_env()
@@ -49,9 +51,9 @@ def init_local_ray(num_cpus: int, temp_dir: Path, object_store_mb: int = 512,
     # and the error after the last try is Ray's own.
     for attempt in range(3):
         try:
-            ray.init(num_cpus=num_cpus, resources=resources, include_dashboard=False, logging_level="ERROR",
-                     log_to_driver=True, object_store_memory=object_store_mb << 20, _temp_dir=str(temp_dir.resolve()),
-                     configure_logging=True)
+            ray.init(address="local", num_cpus=num_cpus, resources=resources, include_dashboard=False,
+                     logging_level="ERROR", log_to_driver=True, object_store_memory=object_store_mb << 20,
+                     _temp_dir=str(temp_dir.resolve()), configure_logging=True, runtime_env=runtime_env)
             return
         except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception for this
             if "timed out during startup" not in str(e) or attempt == 2:
@@ -73,10 +75,11 @@ class RehearsalCluster:
         self.cluster.shutdown()
 
 
-def start_rehearsal_cluster(num_nodes: int, slots_per_node: int, temp_dir: Path,
-                            object_store_mb: int = 128) -> RehearsalCluster:
+def start_rehearsal_cluster(num_nodes: int, slots_per_node: int, temp_dir: Path, object_store_mb: int = 128,
+                            runtime_env: dict | None = None) -> RehearsalCluster:
     """Start `num_nodes` simulated nodes on this machine, each with `slots_per_node` worker slots and its identity
-    resource, and connect this process to them (node 0 is the head, where this process runs)."""
+    resource, and connect this process to them (node 0 is the head, where this process runs; the address is the
+    new cluster's own, so no other cluster on the machine is joined). `runtime_env`: the job's."""
     from ray.cluster_utils import Cluster
 
     _quiet_local_env()
@@ -93,14 +96,16 @@ def start_rehearsal_cluster(num_nodes: int, slots_per_node: int, temp_dir: Path,
         for i in range(1, num_nodes):
             cluster.add_node(**args(i))
         cluster.wait_for_nodes()
-        ray.init(address=cluster.address, logging_level="ERROR", log_to_driver=True, configure_logging=True)
+        ray.init(address=cluster.address, logging_level="ERROR", log_to_driver=True, configure_logging=True,
+                 runtime_env=runtime_env)
     except BaseException:
         out.shutdown()
         raise
     return out
 
 
-def connect_cluster_ray() -> None:
-    """Join the Ray cluster started by `launch/` (`RAY_ADDRESS` or `ray start` on this node)."""
+def connect_cluster_ray(runtime_env: dict | None = None) -> None:
+    """Join the Ray cluster started by `launch/` (`RAY_ADDRESS` or `ray start` on this node). `runtime_env`: the
+    job's."""
     if not ray.is_initialized():
-        ray.init(address="auto", logging_level="ERROR")
+        ray.init(address="auto", logging_level="ERROR", runtime_env=runtime_env)

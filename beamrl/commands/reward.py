@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -184,6 +183,7 @@ def run_test(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from beamrl.rewards import RewardComponentConfig, RewardLoadError, RewardManager, load_reward_fn
+    from beamrl.rewards.loading import importable_working_directory
 
     if args.limit is not None and args.limit < 1:
         raise InputError(f"--limit {args.limit} must be >= 1")
@@ -191,10 +191,7 @@ def run_test(args: argparse.Namespace) -> int:
         raise InputError(f"--workers {args.workers} must be >= 1")
     field_map = parse_field_map(args.field_map)
     kwargs = parse_kwargs(args.kwarg)
-    # Like `python -m`, resolve "my_module:fn" against the current directory too (the console script's
-    # sys.path lacks it); spawned reward workers inherit this sys.path.
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
+    importable_working_directory()  # "my_module:fn" in the current directory, exactly as `beamrl train` finds it
     try:
         component = RewardComponentConfig(
             name="reward",

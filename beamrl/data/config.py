@@ -19,8 +19,8 @@ class SyntheticAdditionConfig(Section):
 
 
 class DataConfig(Section):
-    """Prompt source. `format`: a `FORMATS` name. `tokenizer`: 'digit' (built in), an HF tokenizer dir/hub id,
-    or null (the model checkpoint's)."""
+    """Prompt source. `format`: a `FORMATS` name. `tokenizer`: 'digit' or 'byte' (built in, no files), an HF
+    tokenizer directory (or a hub id in the HF cache), or null (the tokenizer saved beside model.checkpoint)."""
 
     format: registry_choice(FORMATS)  # type: ignore[valid-type]
     source: str | None = None

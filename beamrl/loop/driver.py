@@ -13,25 +13,28 @@ import time
 from pathlib import Path
 
 from beamrl.cluster.report import format_placement
-from beamrl.loop.checkpoints import RunCheckpoints, restore_driver_state, save_due, step_of
+from beamrl.loop.checkpoints import RunCheckpoints, published, restore_driver_state, save_due, step_of
 from beamrl.loop.collect import PendingRollout, RolloutBatch, RolloutCollector
 from beamrl.loop.groups import EngineGroup, TrainerGroup
 from beamrl.loop.log import log
+from beamrl.loop.run_dir import plan_start
+from beamrl.loop.samples import completion_samples
 from beamrl.loop.setup import (Resources, RunContext, check_launchable, prepare_run, start_engines, start_ray,
-                               start_trainer, truncate_metrics)
+                               start_trainer, truncate_step_files)
 from beamrl.loop.sft import sft_warm_start
 from beamrl.loop.summary import plot_and_summarize
 from beamrl.loop.train import train_on_rollouts
 from beamrl.loop.weight_update import SyncProbe, publish_weights, release_engine_memory, sync_probe
 from beamrl.metrics import keys
+from beamrl.metrics.samples import samples_due
 from beamrl.recipe.schema import Recipe
 
 
 class RLDriver:
     """Owns the actors of a run and the step loop. Use as a context manager so everything is always released."""
 
-    def __init__(self, recipe: Recipe, resume: bool = False):
-        self.recipe, self.resume = recipe, resume
+    def __init__(self, recipe: Recipe, resume: bool = False, overwrite: bool = False, verbose: bool = False):
+        self.recipe, self.resume, self.overwrite, self.verbose = recipe, resume, overwrite, verbose
         self.resources = Resources()
         self.ctx: RunContext | None = None
         self.trainer: TrainerGroup | None = None
@@ -55,15 +58,24 @@ class RLDriver:
     # ------------------------------------------------------------------------------------------ the run
     def run(self) -> Path:
         r = self.recipe
-        run = self.ctx = prepare_run(r, self.resume, self.resources)  # first: a bad field fails before Ray
+        t0 = time.perf_counter()
+        start = plan_start(r, self.resume, self.overwrite, log)  # refuse / resume / replace: nothing written yet
+        if start.completed:
+            log(f"run {r.run.name!r} is complete: {start.resume_dir} covers its {r.run.num_steps} steps; nothing to "
+                "do (raise run.num_steps to train further)")
+            return start.out_dir
+        run = self.ctx = prepare_run(r, start, self.resources)  # start-up checks: a bad field fails before Ray
         self.checkpoints = RunCheckpoints(run.checkpoint_root, r.checkpoint.keep_last, r.checkpoint.async_save,
                                           r.timeouts.checkpoint_s, log)
         check_launchable(r)
         log(format_placement(run.placement))
-        start_ray(run, self.resources)
+        log(f"starting Ray ({'a local instance' if run.cpu else 'joining the cluster'})")
+        start_ray(run, self.resources, self.verbose)
         policy = run.initial_checkpoint
         if run.resume_dir is None and r.sft is not None:
             policy = sft_warm_start(run)
+        log(f"starting the trainer ({r.trainer.num_gpus} Megatron rank(s)) and {r.rollout.num_engines} "
+            f"{r.rollout.engine} engine(s) from {policy}")
         self.trainer = self._own("trainer", start_trainer(run, policy))
         if r.algorithm.kl.reference:  # the reference is the policy's starting point (after SFT, also on resume)
             sft_out = run.out_dir / "sft_checkpoint"
@@ -72,10 +84,13 @@ class RLDriver:
         self.engines = self._own("engines", start_engines(run, policy))
         self.collector = RolloutCollector(run, self.engines)
         if r.sync.verify:
-            self.probe = sync_probe(run.data, run.tokenizer, r.model.dtype, r.timeouts.generate_s)
+            self.probe = sync_probe(run.data, run.tokenizer, r.model.dtype, r.rollout.engine)
         start_step = self._resume() if run.resume_dir is not None else 0
+        log(f"training steps {start_step + 1}..{r.run.num_steps} (one line per step; sampled completions every "
+            f"{r.logging.samples.every_n_steps} steps)" if r.logging.samples.every_n_steps else
+            f"training steps {start_step + 1}..{r.run.num_steps} (one line per step)")
         self._steps(start_step)
-        self._finish()
+        self._finish(time.perf_counter() - t0)
         return run.out_dir
 
     def _steps(self, start_step: int) -> None:
@@ -97,6 +112,7 @@ class RLDriver:
             metrics[keys.TIME_STEP] = time.perf_counter() - t0
             metrics[keys.TOKENS_PER_S] = batch.num_tokens / max(metrics[keys.TIME_STEP], 1e-9)
             self.ctx.logger.log(step, metrics)
+            self._show_samples(step, batch)
             self.checkpoints.poll(self.trainer)  # publish a background save as soon as it is complete
             if save_due(step + 1, r.checkpoint.every_n_steps, r.run.num_steps):
                 self._save(step + 1, pending)
@@ -121,23 +137,35 @@ class RLDriver:
     def _resume(self) -> int:
         run = self.ctx
         directory = self.checkpoints.load_for_resume(self.trainer, run.resume_dir)
-        truncate_metrics(run.out_dir, step_of(directory))  # again: a damaged checkpoint sends it further back
+        truncate_step_files(run.out_dir, step_of(directory))  # again: a damaged checkpoint sends it further back
         step, version = restore_driver_state(run.data, directory)
         self._publish(version, staged=False)  # engines start from the initial weights: bring them to the checkpoint
         log(f"resumed from {directory} (the newest complete checkpoint) at step {step}")
         return step
+
+    def _show_samples(self, step: int, batch: RolloutBatch) -> None:
+        s = self.recipe.logging.samples
+        if samples_due(step, s.every_n_steps, self.recipe.run.num_steps):
+            self.ctx.samples.log(completion_samples(step, batch.rollouts, self.ctx.tokenizer, s.count))
 
     def _save(self, step: int, pending: PendingRollout | None) -> None:
         # A rollout in flight for `step` already took its prompts: resume before them, or they would be skipped.
         data_state = pending.data_state if pending is not None else self.ctx.data.state_dict()
         self.checkpoints.save(self.trainer, step, self.version, data_state)
 
-    def _finish(self) -> None:
-        r = self.recipe
+    def _finish(self, elapsed_s: float) -> None:
+        r, run = self.recipe, self.ctx
         self._save(r.run.num_steps, None)  # the final checkpoint, also with every_n_steps: 0 ("only at the end")
         self.checkpoints.wait(self.trainer)
+        hf = None
         if r.checkpoint.export_hf_at_end:
-            path = self.trainer.export_hf_checkpoint(str(self.ctx.out_dir / "hf_final"), r.sync.bucket_bytes)
-            log(f"final HF checkpoint (SGLang format): {path}")
+            hf = self.trainer.export_hf_checkpoint(str(run.out_dir / "hf_final"))
+            log(f"final HF checkpoint (SGLang format): {hf}")
         self.resources.release("logger")  # flushed before the summary reads metrics.jsonl
-        plot_and_summarize(self.ctx.out_dir, r.logging.plot_reward_curve)
+        self.resources.release("samples")
+        last = published(run.checkpoint_root)
+        plot_and_summarize(run.out_dir, r.logging.plot_reward_curve, run={
+            "name": r.run.name, "num_steps": r.run.num_steps, "wall_time_s": round(elapsed_s, 3),
+            "resumed_from": str(run.resume_dir) if run.resume_dir else None,
+            "output_dir": str(run.out_dir), "checkpoint_dir": str(run.checkpoint_root),
+            "last_checkpoint": str(last[-1]) if last else None, "hf_export": hf})

@@ -72,16 +72,16 @@ class TrainerGroup:
     def load_checkpoint(self, directory: str, timeout_s: float) -> None:
         self._all("load_checkpoint", timeout_s + 60, lambda a: a.load_checkpoint.remote(directory=directory))
 
-    def sync_weights(self, engines: "EngineGroup", version: int, transport: str, bucket_bytes: int, timeout: float,
-                     progress: bool) -> dict:
-        out = self._all("sync_weights", timeout * 4, lambda a: a.sync_weights.remote(
-            receivers=engines.actors, engine_names=engines.names, engine_tp=engines.tp_sizes, version=version,
-            transport=transport, bucket_bytes=bucket_bytes, timeout=timeout, progress=progress))
+    def sync_weights(self, engines: "EngineGroup", request) -> dict:
+        """One weight sync, verification included (`beamrl.loop.weight_sync.SyncRequest`): every rank runs the
+        orchestrator; rank 0's report is returned. A failure raises `ActorCallError` with the engine's words."""
+        wait = request.timeout * 4 + 60  # pause, begin, the buckets, commit and the probe each have their own limit
+        out = self._all("sync_weights", wait, lambda a: a.sync_weights.remote(
+            receivers=engines.actors, engine_names=engines.names, engine_tp=engines.tp_sizes, request=request))
         return out[0]
 
-    def export_hf_checkpoint(self, out_dir: str, bucket_bytes: int) -> str:
-        return self._all("export_hf_checkpoint", None,
-                         lambda a: a.export_hf_checkpoint.remote(out_dir=out_dir, bucket_bytes=bucket_bytes))[0]
+    def export_hf_checkpoint(self, out_dir: str) -> str:
+        return self._all("export_hf_checkpoint", None, lambda a: a.export_hf_checkpoint.remote(out_dir=out_dir))[0]
 
     def shutdown(self) -> None:
         shutdown_actors(self.actors, [f"trainer-{r}" for r in range(len(self.actors))])

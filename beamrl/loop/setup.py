@@ -1,10 +1,11 @@
 """Setting up a run: the resolved pieces every step reads (`RunContext`), Ray, the actor groups, and what a run must
 release at the end (`Resources`).
 
-Order matters and is kept here: the model config is read first (a missing checkpoint fails by field before
-anything is written), then the placement plan (a layout that cannot be placed fails by field too), the output
-directory, tokenizer, prompts, rewards, the resume point (a fresh run refuses to overwrite an earlier run's
-checkpoints) and the metric loggers, then Ray and the placement groups, and every actor onto its slot's bundle.
+Order matters and is kept here: how the run starts (`run_dir.plan_start`: an earlier run's outputs are refused,
+resumed or replaced) is decided by the driver first; then the model config, the placement plan (a layout that
+cannot be placed fails by field), the start-up checks (`beamrl.recipe.preflight`: checkpoint tensors, tokenizer,
+data source, reward functions) and the prompts load, all before anything is written. Only then the output
+directory, rewards and metric loggers, then Ray and the placement groups, and every actor onto its slot's bundle.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from beamrl.cluster.placement import Placement
 from beamrl.dtypes import torch_dtype
 from beamrl.loop.groups import EngineGroup, TrainerGroup
 from beamrl.loop.log import log
-from beamrl.loop.checkpoints import pick_resume, published, step_of
+from beamrl.loop.checkpoints import step_of
+from beamrl.loop.run_dir import StartPlan, delete_outputs
 from beamrl.models.beam.config import BeamConfig
 from beamrl.recipe.errors import RecipeError
 from beamrl.recipe.schema import Recipe
@@ -77,6 +79,7 @@ class RunContext:
     stop_ids: tuple[int, ...]
     rewards: Any  # beamrl.rewards.RewardManager
     logger: Any  # beamrl.metrics.MultiLogger
+    samples: Any  # beamrl.metrics.samples.SampleLog (logging.samples)
     routing_replay: bool  # algorithm.routing_replay resolved (null: on for MoE models)
     return_routed_experts: bool  # rollout.return_routed_experts resolved (null: follows routing_replay)
     resume_dir: Path | None
@@ -114,57 +117,60 @@ def initial_checkpoint(recipe: Recipe, config: BeamConfig, out_dir: Path) -> str
     return str(path)
 
 
-def prepare_run(recipe: Recipe, resume: bool, resources: Resources) -> RunContext:
-    """Everything before the actors; what must be released is added to `resources`."""
-    from beamrl.data import build_prompt_loader
-    from beamrl.data.prompts import load_tokenizer
+def prepare_run(recipe: Recipe, start: StartPlan, resources: Resources) -> RunContext:
+    """Everything before the actors; what must be released is added to `resources`. Nothing is written until
+    the start-up checks passed and the prompts loaded (a failure there is a `RecipeError` naming the field)."""
     from beamrl.metrics import build_metrics_logger
+    from beamrl.metrics.samples import SampleLog
+    from beamrl.recipe.preflight import load_prompts, preflight
     from beamrl.rewards import RewardManager
 
     from beamrl.recipe.layout import placement_of
 
     config = model_config(recipe)  # first: a missing checkpoint leaves no output directory behind
     placement = placement_of(recipe)  # and a layout that cannot be placed neither
-    out_dir = Path(recipe.run.resolved_output_dir)
-    ckpt_root = Path(recipe.checkpoint.dir) if recipe.checkpoint.dir else out_dir / "checkpoints"
+    checks = preflight(recipe, config)
+    tokenizer = checks.tokenizer
+    data = load_prompts(recipe, tokenizer)
+    log(f"checks passed: {'; '.join(checks.lines)}; {len(data)} prompts")
+    out_dir, ckpt_root, resume_dir = start.out_dir, start.checkpoint_root, start.resume_dir
+    if start.replace is not None:
+        delete_outputs(start.replace, log)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "recipe.yaml").write_text(recipe.to_yaml())
     torch.manual_seed(recipe.run.seed)
-    tokenizer = load_tokenizer(recipe.data.tokenizer, recipe.model.checkpoint)
-    data = build_prompt_loader(recipe.data, recipe.rollout.prompts_per_step, tokenizer)
-    vocab = getattr(tokenizer, "vocab_size", None) or len(tokenizer)
-    if vocab > config.vocab_size:
-        raise ValueError(f"data.tokenizer has {vocab} tokens but the model's vocab_size is {config.vocab_size}")
     init = initial_checkpoint(recipe, config, out_dir)
     rewards = RewardManager(recipe.rewards, recipe.reward_pool, log=log)
     rewards.start()
     resources.add("rewards", rewards.close)
-    resume_dir = pick_resume(ckpt_root, log) if resume else None
-    if resume and resume_dir is None:
-        raise FileNotFoundError(f"--resume: no complete checkpoint under {ckpt_root}")
-    if not resume and published(ckpt_root):
-        raise FileExistsError(f"{ckpt_root} holds checkpoints of an earlier run: continue it with --resume, or "
-                              f"start a new one with run.name=... or run.output_dir=... (nothing was deleted)")
-    truncate_metrics(out_dir, step_of(resume_dir) if resume_dir else 0)
+    truncate_step_files(out_dir, step_of(resume_dir) if resume_dir else 0)
     logger = build_metrics_logger(recipe.logging, out_dir, recipe.run.name, recipe.run.num_steps, recipe.to_dict())
     resources.add("logger", logger.close)
+    samples = SampleLog(out_dir, recipe.logging.console, recipe.run.num_steps)
+    resources.add("samples", samples.close)
     a, ro = recipe.algorithm, recipe.rollout
     routing_replay = bool(a.routing_replay if a.routing_replay is not None else bool(config.moe_layers))
     return_routed_experts = bool(ro.return_routed_experts if ro.return_routed_experts is not None
                                  else routing_replay)
-    return RunContext(recipe, out_dir, ckpt_root, config, init, tokenizer, data, (int(tokenizer.eos_token_id),),
-                      rewards, logger, routing_replay, return_routed_experts, resume_dir, placement,
-                      secrets.token_hex(32))
+    return RunContext(recipe=recipe, out_dir=out_dir, checkpoint_root=ckpt_root, model=config, initial_checkpoint=init,
+                      tokenizer=tokenizer, data=data, stop_ids=(int(tokenizer.eos_token_id),), rewards=rewards,
+                      logger=logger, samples=samples, routing_replay=routing_replay,
+                      return_routed_experts=return_routed_experts, resume_dir=resume_dir, placement=placement,
+                      api_key=secrets.token_hex(32))
 
 
-def truncate_metrics(out_dir: Path, first_step: int) -> None:
-    """Keep metrics.jsonl lines of steps before `first_step` (a fresh run starts empty; a resumed run drops
-    the steps after its checkpoint, which it recomputes)."""
-    path = out_dir / "metrics.jsonl"
-    if not path.exists():
-        return
-    keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] < first_step]
-    path.write_text("".join(ln + "\n" for ln in keep))
+STEP_FILES = ("metrics.jsonl", "samples.jsonl")  # one JSON object per line, each with the step it belongs to
+
+
+def truncate_step_files(out_dir: Path, first_step: int) -> None:
+    """Keep the metrics.jsonl and samples.jsonl lines of steps before `first_step` (a fresh run starts empty; a
+    resumed run drops the steps after its checkpoint, which it recomputes)."""
+    for name in STEP_FILES:
+        path = out_dir / name
+        if not path.exists():
+            continue
+        keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] < first_step]
+        path.write_text("".join(ln + "\n" for ln in keep))
 
 
 def check_launchable(recipe: Recipe) -> None:
@@ -184,15 +190,19 @@ def check_launchable(recipe: Recipe) -> None:
                                   "(a shared filesystem) for now")
 
 
-def start_ray(run: "RunContext", resources: Resources) -> None:
+def start_ray(run: "RunContext", resources: Resources, verbose: bool = False) -> None:
     """CPU: a private local Ray with one simulated node per recipe node, each declaring cluster.gpus_per_node worker
     slots (its own short temp dir: parallel runs must not share Ray's sockets). GPU: join the cluster that
-    `launch/` started. Then the placement groups of the plan (`run.groups`)."""
+    `launch/` started. Then the placement groups of the plan (`run.groups`). Every worker filters third-party
+    warnings unless `verbose`."""
     import ray
 
     from beamrl.cluster.ray_groups import PlacementGroups
     from beamrl.cluster.ray_start import (WORKER_SLOT, connect_cluster_ray, init_local_ray, node_resource,
                                           start_rehearsal_cluster)
+    from beamrl.third_party_output import worker_runtime_env
+
+    env = worker_runtime_env(verbose)
 
     recipe = run.recipe
     cl = recipe.cluster
@@ -201,14 +211,15 @@ def start_ray(run: "RunContext", resources: Resources) -> None:
     if cl.device == "cpu":
         tmp = Path(tempfile.mkdtemp(prefix="beamrl-ray-", dir="/tmp"))
         if cl.num_nodes == 1:
-            init_local_ray(num_cpus=2, temp_dir=tmp, resources={WORKER_SLOT: cl.gpus_per_node, node_resource(0): 1})
+            init_local_ray(num_cpus=2, temp_dir=tmp, resources={WORKER_SLOT: cl.gpus_per_node, node_resource(0): 1},
+                           runtime_env=env)
         else:
             t0 = time.perf_counter()
-            stop = start_rehearsal_cluster(cl.num_nodes, cl.gpus_per_node, tmp).shutdown
+            stop = start_rehearsal_cluster(cl.num_nodes, cl.gpus_per_node, tmp, runtime_env=env).shutdown
             log(f"rehearsal: local Ray cluster of {cl.num_nodes} simulated node(s) x {cl.gpus_per_node} worker "
                 f"slot(s) up in {time.perf_counter() - t0:.1f} s")
     else:
-        connect_cluster_ray()
+        connect_cluster_ray(runtime_env=env)
 
     def shutdown() -> None:
         stop()

@@ -19,8 +19,9 @@ def format_duration(seconds: float) -> str:
 
 
 def format_step_line(step: int, num_steps: int | None, m: dict[str, float], eta_s: float | None = None) -> str:
-    """`step 12/300 | reward 0.513 | len 812 | rollout 41.2s train 30.1s | 9,870 tok/s | ETA 3h05m`."""
-    parts = [f"step {step}" + (f"/{num_steps}" if num_steps else "")]
+    """`step 12/300 | reward 0.513 | len 812 | rollout 41.2s train 30.1s | 9,870 tok/s | ETA 3h05m`. `step` is
+    metrics.jsonl's (0-based); the console counts from 1, so the last step reads `300/300`."""
+    parts = [f"step {step + 1}" + (f"/{num_steps}" if num_steps else "")]
     if keys.REWARD_MEAN in m:
         parts.append(f"reward {m[keys.REWARD_MEAN]:.3f}")
     if keys.RESPONSE_LEN_MEAN in m:

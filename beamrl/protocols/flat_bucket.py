@@ -4,7 +4,7 @@ The disaggregated path broadcasts only the buffer; the engine rebuilds the layou
 shapes) with `FlattenedTensorBucket.empty`. So the layout here must agree with SGLang's byte for byte:
 tensors are packed back to back in the given order, with no padding, and each tensor's byte offset must be
 a multiple of its element size (SGLang refuses an unaligned tensor rather than padding it). Putting wider
-dtypes first (`aligned_order`) always satisfies that rule; `bucketing.py` does so.
+dtypes first (`aligned_order`) always satisfies that rule; the sync's bucket plan (`beamrl.sync.plan`) does so.
 """
 
 from __future__ import annotations
@@ -74,9 +74,13 @@ def aligned_order(named: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[str, 
 
 
 class FlatBucket:
-    """A uint8 1-D `buffer` plus the `metas` describing the tensors packed in it."""
+    """A uint8 1-D `buffer` plus the `metas` describing the tensors packed in it.
 
-    def __init__(self, buffer: torch.Tensor, metas: list[TensorMeta]) -> None:
+    In a sync session a bucket also carries its `index` in the session's manifest and the sender's raw-bit
+    `checksum` of the buffer (`beamrl.protocols.checksum`, two ints); receivers check both before committing it."""
+
+    def __init__(self, buffer: torch.Tensor, metas: list[TensorMeta], index: int | None = None,
+                 checksum: tuple[int, int] | None = None) -> None:
         if buffer.dtype != torch.uint8 or buffer.dim() != 1:
             raise ValueError(f"FlatBucket buffer must be 1-D uint8, got {buffer.dtype} with shape "
                              f"{tuple(buffer.shape)}")
@@ -85,7 +89,9 @@ class FlatBucket:
         if metas[-1].end != buffer.numel():
             raise ValueError(f"FlatBucket buffer has {buffer.numel()} bytes but the layout needs {metas[-1].end}")
         self.buffer = buffer
-        self.metas = metas
+        self.metas = list(metas)
+        self.index = index
+        self.checksum = checksum
 
     @classmethod
     def from_named_tensors(cls, named: Sequence[tuple[str, torch.Tensor]],

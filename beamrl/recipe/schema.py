@@ -28,8 +28,9 @@ from beamrl.sync.config import SyncConfig
 from beamrl.trainer.megatron.config import TrainerConfig
 
 GPU_TYPES = ("h200", "b200")
-# 'pkg.module:function' (import path) or a registered / entry-point reward name.
-REWARD_REF = re.compile(r"^([A-Za-z_][\w.]*:[A-Za-z_][\w.]*|[A-Za-z_][\w.\-]*)$")
+# 'pkg.module:function' (import path; the part after ':' may be a name the module registers with @reward) or a
+# registered / entry-point reward name.
+REWARD_REF = re.compile(r"^([A-Za-z_][\w.]*:[A-Za-z_][\w.\-]*|[A-Za-z_][\w.\-]*)$")
 
 
 class ModelSection(Section):

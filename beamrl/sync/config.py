@@ -10,11 +10,13 @@ from beamrl.sync.transports import TRANSPORTS
 
 class SyncConfig(Section):
     """transport: a `TRANSPORTS` name. bucket_mb: bucket size in MiB (one oversized tensor may exceed it).
-    verify: compare engine and trainer logprobs on probe sequences after every sync."""
+    verify: after a sync, compare the engines' logprobs on short probe sequences with the trainer's (every
+    `probe_every` syncs; the per-bucket checksums are checked on every sync regardless)."""
 
     transport: registry_choice(TRANSPORTS) = "colocated"  # type: ignore[valid-type]
     bucket_mb: int = Field(512, gt=0)
     verify: bool = True
+    probe_every: int = Field(1, ge=1)
 
     @property
     def bucket_bytes(self) -> int:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from tests.loop.e2e_helpers import metrics, run_train
+from tests.loop.e2e_helpers import assert_engine_routes_replayed, metrics, run_train
 
 pytestmark = pytest.mark.slow
 
@@ -19,9 +19,10 @@ def test_colocated_sglang_engine(tmp_path):
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert [r["rollout/weight_version"] for r in rows] == [0, 1, 2]
     assert [r["sync/version"] for r in rows] == [1, 2, 3]
-    # R3: the engine's routes are replayed, so bf16 trainer and engine logprobs stay close
+    assert_engine_routes_replayed(rows)
+    # ... so bf16 trainer and engine logprobs stay close
     assert max(r["train_rollout_logprob_abs_diff"] for r in rows) < 0.1
 
 
 # Disaggregated runs (TP2 trainer, one step off, distributed sync; an engine spanning nodes) are rehearsed on
-# several simulated nodes in test_e2e_rehearsal.py.
+# several simulated nodes in test_e2e_rehearsal.py, with the same route and importance checks.

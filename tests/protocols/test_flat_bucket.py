@@ -2,11 +2,10 @@
 layout of a broadcast buffer itself)."""
 
 import pytest
+import sglang.srt.weight_sync.tensor_bucket as sglang_bucket  # a required dependency: never a skip
 import torch
 
 from beamrl.protocols.flat_bucket import FlatBucket, aligned_order, layout
-
-sglang_bucket = pytest.importorskip("sglang.srt.weight_sync.tensor_bucket")
 
 
 def mixed_tensors() -> list[tuple[str, torch.Tensor]]:

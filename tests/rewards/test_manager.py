@@ -81,7 +81,7 @@ def test_hanging_function_is_killed_quickly_and_pool_shuts_down():
         res = rm.score(samples("hang", "ok", "ok", "hang", "ok"))
         took = time.monotonic() - t0
         procs += rm.pool.processes()
-    assert took < 20, f"a 60 s hang with a 1 s timeout took {took:.1f} s"  # generous: shared 2-core CI box
+    assert took < 120, f"a 600 s hang with a 1 s timeout took {took:.1f} s"  # generous: shared 2-core CI box
     assert [c.status for c in res.components["hang"]] == ["timeout", "ok", "ok", "timeout", "ok"]
     assert res.metrics["reward/hang/timeouts"] == 2.0 and res.scores("hang")[0] == 0.0
     assert "did not return within 1 s" in res.components["hang"][0].message
@@ -90,10 +90,10 @@ def test_hanging_function_is_killed_quickly_and_pool_shuts_down():
 
 
 def test_batch_timeout_bounds_the_whole_batch():
-    with RewardManager([comp("hang", "sleeps_on_hang", timeout_s=30.0)], pool(1)) as rm:
+    with RewardManager([comp("hang", "sleeps_on_hang", timeout_s=500.0)], pool(1)) as rm:
         t0 = time.monotonic()
         res = rm.score(samples("hang", "ok"), batch_timeout_s=1.0)
-        assert time.monotonic() - t0 < 15
+        assert time.monotonic() - t0 < 120  # the 1 s batch bound, not the 500 s per-call one
     assert [c.status for c in res.components["hang"]] == ["timeout", "timeout"]
 
 
@@ -114,7 +114,7 @@ def test_timeout_also_kills_subprocesses_of_the_function(tmp_path):
         res = rm.score([RewardSample(completion="x", metadata={"pid_file": str(pid_file)})])
     assert res.components["sandbox"][0].status == "timeout"
     child = int(pid_file.read_text())
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while time.monotonic() < deadline and _alive(child):
         time.sleep(0.05)
     assert not _alive(child), "the function's subprocess outlived its killed worker"

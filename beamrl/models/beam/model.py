@@ -133,15 +133,11 @@ class BeamMoE(nn.Module):
         order = flat.argsort(stable=True)
         counts = torch.bincount(flat, minlength=c.num_experts).tolist()
         xs, ws = x[order // k], weights.reshape(-1)[order]
-        outs = torch.empty(n * k, x.shape[1], dtype=x.dtype, device=x.device)
-        start = 0
-        for e, cnt in enumerate(counts):
-            if cnt:
-                ex = self.experts[e]
-                seg = slice(start, start + cnt)
-                outs[seg] = numerics.expert_output(xs[seg], ex.gate_proj.weight, ex.up_proj.weight,
-                                                   ex.down_proj.weight, ws[seg])
-                start += cnt
+        experts = list(self.experts)
+        outs = numerics.grouped_expert_outputs(
+            xs, counts, torch.stack([ex.gate_proj.weight for ex in experts]),
+            torch.stack([ex.up_proj.weight for ex in experts]), torch.stack([ex.down_proj.weight for ex in experts]),
+            ws)
         per_expert = torch.empty_like(outs)
         per_expert[order] = outs
         return numerics.moe_combine(per_expert.view(n, k, -1), c.routed_scaling_factor), ids

@@ -18,7 +18,8 @@ class NativeEngineConfig:
     on CPUs without native bf16 GEMMs, faster). max_batch_size: requests decoded together. seed: source of the
     per-request seeds of requests that give none. name: labels errors and weight-sync reports. num_threads: if
     set, `torch.set_num_threads` for this (engine) process: tiny models decode fastest with 1 intra-op thread,
-    and an oversubscribed CPU makes more threads much slower."""
+    and an oversubscribed CPU makes more threads much slower. rollback: undo a failed weight-update session from
+    host copies of what it overwrote (None: on CPU only; docs/weight-sync.md, "Failures")."""
 
     model_path: str
     dtype: str = "float32"
@@ -28,6 +29,7 @@ class NativeEngineConfig:
     name: str = "native-0"
     weight_version: int = 0
     num_threads: int | None = None
+    rollback: bool | None = None
 
     def __post_init__(self) -> None:
         if not self.model_path:

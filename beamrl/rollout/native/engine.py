@@ -3,8 +3,9 @@
 It implements `RolloutEngine` and `WeightReceiver` with SGLang's semantics (docs/native-engine.md): logprobs
 before truncation, routed experts in SGLang's row layout, weight-update sessions, versions. Calls are
 serialised by one lock (as SGLang's scheduler serialises them); each waits for it at most `timeout` seconds.
-A failed weight update marks the engine as not serving until a full `update_weights_from_disk` succeeds, so a
-half-updated model never serves silently.
+Weight updates go through `LocalWeightReceiver` (manifest, per-bucket checksums, staged buckets): a failed session
+is rolled back (on CPU by default) or marks the engine as not serving until a full `update_weights_from_disk`
+succeeds (GPU), so a half-updated model never serves silently.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from beamrl.rollout.native.config import NativeEngineConfig
 from beamrl.rollout.native.generation import generate_batch, routes_array
 from beamrl.protocols.rollout import EngineError, GenerateRequest, GenerateResult, RolloutEngine
 from beamrl.protocols.flat_bucket import FlatBucket
+from beamrl.protocols.manifest import SyncManifest
 from beamrl.sync.local_receiver import LocalWeightReceiver
 from beamrl.protocols.weights import WeightReceiver, WeightSyncError
 
@@ -46,19 +48,17 @@ class NativeEngine(RolloutEngine, WeightReceiver):
         self._lock = threading.Lock()
         self._abort_epoch = 0
         self._seeds = random.Random(config.seed)
-        self._failure: str | None = None  # why the engine does not serve (failed update)
         self._host_weights: dict[str, torch.Tensor] | None = None  # set while 'weights' are released
         self._closed = False
-        self._in_session = False
-        self._groups: list[str] = []
-        self._receiver = LocalWeightReceiver(self._load_tensors, name=config.name, device=self.model.device,
-                                             initial_version=config.weight_version)
+        self._receiver = LocalWeightReceiver(self.model, name=config.name, initial_version=config.weight_version,
+                                             rollback=config.rollback)
 
     @classmethod
     def from_model(cls, model: BeamForCausalLM, name: str = "native-0", max_batch_size: int = 64, seed: int = 0,
-                   weight_version: int = 0) -> "NativeEngine":
+                   weight_version: int = 0, rollback: bool | None = None) -> "NativeEngine":
         cfg = NativeEngineConfig(model_path="<in-memory>", dtype=dtype_name(model.dtype), device=str(model.device),
-                                 max_batch_size=max_batch_size, seed=seed, name=name, weight_version=weight_version)
+                                 max_batch_size=max_batch_size, seed=seed, name=name, weight_version=weight_version,
+                                 rollback=rollback)
         return cls(cfg, model)
 
     @property
@@ -78,12 +78,12 @@ class NativeEngine(RolloutEngine, WeightReceiver):
             self._lock.release()
 
     def _require_serving(self, what: str) -> None:
-        if self._failure is not None:
-            raise EngineError(f"{self.name}: not serving ({self._failure}); reload the full weights with "
+        if self._receiver.failure is not None:
+            raise EngineError(f"{self.name}: not serving ({self._receiver.failure}); reload the full weights with "
                               f"update_weights_from_disk or restart the engine")
         if self._host_weights is not None:
             raise EngineError(f"{self.name}: {what} while the weights are released; call resume_memory(['weights'])")
-        if self._in_session:
+        if self._receiver.in_session:
             raise EngineError(f"{self.name}: {what} during an open weight-update session; end it first")
 
     # ------------------------------------------------------------------ generation
@@ -143,7 +143,7 @@ class NativeEngine(RolloutEngine, WeightReceiver):
             return out
 
     def health(self, timeout: float) -> bool:
-        return not self._closed and self._failure is None
+        return not self._closed and self._receiver.failure is None
 
     def abort_all(self, timeout: float) -> None:
         """Running requests finish with 'abort' at their next decode step (never waits for the lock)."""
@@ -193,82 +193,99 @@ class NativeEngine(RolloutEngine, WeightReceiver):
     def tp_size(self) -> int:
         return 1
 
-    def _load_tensors(self, named: list[tuple[str, torch.Tensor]]) -> None:
-        self.model.load_hf_tensors(named)
-
     def _require_weights(self, what: str) -> None:
         if self._host_weights is not None:
             raise WeightSyncError(f"{self.name}: {what} while the weights are released; call "
                                   f"resume_memory(['weights']) first")
 
-    def _session_update(self, what: str, timeout: float, call) -> None:
-        """Run a bucket update inside the open session. Any failure may leave earlier buckets applied, so it
-        stops the engine from serving (a call outside a session is refused first and changes nothing)."""
+    def _weights_call(self, what: str, timeout: float, call, needs_weights: bool = True):
+        """Run one weight-update call of the receiver under the engine lock (`LocalWeightReceiver` holds the
+        session, its checks and the failure policy: docs/weight-sync.md)."""
         with self._locked(what, timeout, WeightSyncError):
-            if not self._in_session:
-                raise WeightSyncError(f"{self.name}: {what} must run between begin_weight_update() and "
-                                      f"end_weight_update()")
-            self._require_weights(what)
-            try:
-                call()
-            except Exception as exc:
-                self._failure = f"{what} failed: {exc}"
-                raise exc if isinstance(exc, WeightSyncError) else WeightSyncError(f"{self.name}: {exc}") from exc
+            if needs_weights:
+                self._require_weights(what)
+            return call()
 
-    def begin_weight_update(self, timeout: float) -> None:
-        with self._locked("begin_weight_update", timeout, WeightSyncError):
-            self._receiver.begin_weight_update(timeout)
-            self._in_session = True
+    def begin_weight_update(self, manifest: SyncManifest, timeout: float) -> None:
+        self._weights_call("begin_weight_update", timeout,
+                           lambda: self._receiver.begin_weight_update(manifest, timeout))
 
     def update_weights_from_tensor(self, bucket: FlatBucket, timeout: float) -> None:
-        self._session_update("update_weights_from_tensor", timeout,
-                             lambda: self._receiver.update_weights_from_tensor(bucket, timeout))
+        self._weights_call("update_weights_from_tensor", timeout,
+                           lambda: self._receiver.update_weights_from_tensor(bucket, timeout))
 
-    def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                                        group_name: str, timeout: float) -> None:
-        """Receive one uint8 broadcast laid out by (names, dtypes, shapes); the group's own timeout (set at
+    def update_weights_from_distributed(self, index: int, checksum: tuple[int, int], group_name: str,
+                                        timeout: float) -> None:
+        """Receive bucket `index` as one uint8 broadcast; the group's own timeout (set at
         `init_weights_update_group`) bounds the wait for the sender."""
-        self._session_update("update_weights_from_distributed", timeout,
-                             lambda: self._receiver.update_weights_from_distributed(names, dtypes, shapes,
-                                                                                    group_name, timeout))
+        self._weights_call("update_weights_from_distributed", timeout,
+                           lambda: self._receiver.update_weights_from_distributed(index, checksum, group_name,
+                                                                                  timeout))
+
+    def staging_supported(self, timeout: float) -> bool:
+        return True
+
+    def attach_staging(self, slots: list, timeout: float) -> list:
+        return self._weights_call("attach_staging", timeout, lambda: self._receiver.attach_staging(slots, timeout),
+                                  needs_weights=False)
+
+    def detach_staging(self, timeout: float) -> None:
+        self._weights_call("detach_staging", timeout, lambda: self._receiver.detach_staging(timeout),
+                           needs_weights=False)
+
+    def load_staged_bucket(self, slot: int, index: int, timeout: float) -> None:
+        self._weights_call("load_staged_bucket", timeout,
+                           lambda: self._receiver.load_staged_bucket(slot, index, timeout))
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
                                   group_name: str, backend: str, timeout: float) -> None:
         """Join a new process group (TCP rendezvous at master_address:master_port) as `rank_offset`; the trainer
         (rank 0) must join concurrently. Collectives of the group time out after `timeout` s."""
-        with self._locked("init_weights_update_group", timeout, WeightSyncError):
-            self._receiver.init_weights_update_group(master_address, master_port, rank_offset, world_size,
-                                                     group_name, backend, timeout)
-            self._groups.append(group_name)
+        self._weights_call("init_weights_update_group", timeout, lambda: self._receiver.init_weights_update_group(
+            master_address, master_port, rank_offset, world_size, group_name, backend, timeout), needs_weights=False)
 
     def destroy_weights_update_group(self, group_name: str, timeout: float) -> None:
-        with self._locked("destroy_weights_update_group", timeout, WeightSyncError):
-            self._receiver.destroy_weights_update_group(group_name, timeout)
-            self._groups.remove(group_name)
+        self._weights_call("destroy_weights_update_group", timeout,
+                           lambda: self._receiver.destroy_weights_update_group(group_name, timeout),
+                           needs_weights=False)
 
     def update_weights_from_disk(self, path: str, timeout: float) -> None:
         """Load a full checkpoint (no session needed, as in SGLang). Every tensor is validated before any is
         copied, so a failure leaves the weights unchanged; success also clears an earlier update failure."""
-        with self._locked("update_weights_from_disk", timeout, WeightSyncError):
-            self._require_weights("update_weights_from_disk")
-            self._receiver.update_weights_from_disk(path, timeout)
-            self._failure = None
+        self._weights_call("update_weights_from_disk", timeout,
+                           lambda: self._receiver.update_weights_from_disk(path, timeout))
 
     def end_weight_update(self, new_version: int, timeout: float) -> None:
-        """Close the session and serve `new_version`. After a failed update in the session, the session is closed
-        without bumping the version and `WeightSyncError` is raised (the engine stays not serving)."""
+        """Commit the session and serve `new_version`; a failed commit is rolled back or leaves the engine not
+        serving (the receiver's policy) and raises."""
         if int(new_version) < 0:
             raise WeightSyncError(f"{self.name}: weight version must be >= 0, got {new_version}")
-        with self._locked("end_weight_update", timeout, WeightSyncError):
-            failed = self._failure
-            self._receiver.end_weight_update(self.weight_version if failed else int(new_version), timeout)
-            self._in_session = False
-            if failed:
-                raise WeightSyncError(f"{self.name}: session closed without serving version {new_version}: {failed}")
+        self._weights_call("end_weight_update", timeout,
+                           lambda: self._receiver.end_weight_update(new_version, timeout), needs_weights=False)
+
+    def abort_weight_update(self, reason: str, timeout: float) -> str:
+        return self._weights_call("abort_weight_update", timeout,
+                                  lambda: self._receiver.abort_weight_update(reason, timeout), needs_weights=False)
 
     def update_weight_version(self, new_version: int, timeout: float) -> None:
-        with self._locked("update_weight_version", timeout, WeightSyncError):
-            self._receiver.set_weight_version(int(new_version), timeout)
+        self._weights_call("update_weight_version", timeout,
+                           lambda: self._receiver.update_weight_version(int(new_version), timeout),
+                           needs_weights=False)
+
+    def served_weight_version(self, timeout: float) -> int:
+        return self._receiver.weight_version
+
+    def weights_checksum(self, timeout: float) -> str:
+        """SHA-256 over every parameter's name and raw bytes: equal before and after a refused or rolled-back
+        sync, different after a real one (SGLang's engine answers the same question with `check_weights`)."""
+        import hashlib
+
+        with self._locked("weights_checksum", timeout):
+            h = hashlib.sha256()
+            for name, p in self.model.named_parameters():
+                h.update(name.encode())
+                h.update(p.detach().reshape(-1).view(torch.uint8).cpu().numpy().tobytes())
+            return h.hexdigest()
 
     def shutdown(self) -> None:
         if self._closed:
@@ -276,7 +293,7 @@ class NativeEngine(RolloutEngine, WeightReceiver):
         self._abort_epoch += 1  # a running generate stops at its next step
         locked = self._lock.acquire(timeout=60.0)
         try:
-            for group in list(self._groups) if locked else []:
+            for group in self._receiver.group_names if locked else []:
                 try:
                     self._receiver.destroy_weights_update_group(group, 10.0)
                 except WeightSyncError:

@@ -24,8 +24,7 @@ from beamrl.models.beam.config import BeamConfig
 from beamrl.trainer.megatron import train_step as schedule
 from beamrl.trainer.megatron.config import ParallelConfig, TrainerConfig
 from beamrl.trainer.megatron.parallel import destroy_parallel, initialize_parallel
-from beamrl.trainer.protocol import (HFBucket, LogprobResult, LossFn, PackedBatch, TrainerWorker,
-                                     TrainStepResult)
+from beamrl.trainer.protocol import LogprobResult, LossFn, PackedBatch, TrainerWorker, TrainStepResult
 
 class TrainerConfigError(ValueError):
     """A trainer setting is invalid; the message names the field."""
@@ -256,10 +255,33 @@ class MegatronTrainer(TrainerWorker):
                 collected[k] = torch.as_tensor(v).detach().float().reshape(())
             return loss, collected
 
-        mbs, length = self._prepare(micro_batches, record=False)
+        # While replaying, the routers also record the routes they used: the replay self-check below.
+        mbs, length = self._prepare(micro_batches, record=self._replay_enabled)
         collected = schedule.run_schedule(self.chunks, mbs, length, self._logits_spec(temperature, True), output_fn,
                                           forward_only=False)
-        return self._reduce_collected(collected)
+        sums = self._reduce_collected(collected)
+        if self._replay_enabled:
+            sums.update(self._replay_self_check(mbs))
+        return sums
+
+    def _replay_self_check(self, mbs: list[schedule.MicroBatch]) -> dict[str, float]:
+        """`replay/route_mismatches` and `replay/routes_checked` of this step, summed over every rank (each rank
+        counts its own layers and, under SP, its own tokens; DP ranks their own micro-batches). Collective."""
+        from beamrl.trainer.megatron import replay
+
+        ps = self._ps
+        sp = self.config.parallel.sp
+        counts = torch.zeros(2, dtype=torch.int64)
+        for mb in mbs:
+            mismatched, checked = replay.count_route_mismatches(
+                mb.recorded, mb.thd.routes, self.config.model.moe_layers,
+                tp_rank=ps.get_tensor_model_parallel_rank() if sp else 0,
+                tp_size=ps.get_tensor_model_parallel_world_size() if sp else 1)
+            counts += torch.tensor([mismatched, checked])
+        counts = counts.to(self.device)
+        dist.all_reduce(counts)  # the whole trainer world: the counts of different ranks never overlap
+        mismatched, checked = counts.tolist()
+        return {"replay/route_mismatches": float(mismatched), "replay/routes_checked": float(checked)}
 
     def optimizer_step(self) -> tuple[bool, float, float]:
         """The second half of `train_step`: clip, Adam update, LR schedule. Returns (updated, grad norm, lr used);
@@ -284,7 +306,7 @@ class MegatronTrainer(TrainerWorker):
                 swapped.append((p, p.data))
                 p.data = torch.zeros_like(p.data) if grad is None else grad.detach().to(p.dtype).view_as(p.data)
         try:
-            return {k: v.clone() for bucket in self.export_hf(1 << 62) for k, v in bucket.tensors.items()}
+            return {k: v.clone() for unit in self.export_hf() for k, v in unit}
         finally:
             for p, data in swapped:
                 p.data = data
@@ -403,13 +425,18 @@ class MegatronTrainer(TrainerWorker):
         if reload is not None:
             reload()
 
-    def export_hf(self, bucket_bytes: int = 256 << 20, dst_rank: int = 0) -> Iterator[HFBucket]:
-        """Stream full HF tensors in buckets (`mapping.export_hf_tensors`). Collective: every rank must iterate
-        to the end; buckets hold tensors on `dst_rank` only (other ranks get empty buckets)."""
+    def export_hf(self, dst_rank: int = 0) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Stream full HF tensors, one list per export unit (`mapping.export_hf_tensors`). Collective: every rank
+        must iterate to the end; the lists hold tensors on `dst_rank` only (other ranks get empty lists)."""
         from beamrl.trainer.megatron import mapping
 
-        for tensors in mapping.export_hf_tensors(self.models, bucket_bytes, dst_rank=dst_rank):
-            yield HFBucket(dict(tensors))
+        yield from mapping.export_hf_tensors(self.models, dst_rank=dst_rank)
+
+    def export_hf_layout(self) -> list[list[tuple[str, tuple[int, ...], torch.dtype]]]:
+        """(name, shape, dtype) per unit of `export_hf`, the same on every rank, without communication."""
+        from beamrl.trainer.megatron import mapping
+
+        return mapping.export_hf_layout(self.models)
 
     def save_checkpoint(self, directory: str | Path, async_save: bool = False) -> Path:
         """Write a distributed checkpoint to `directory` (absent or empty; docs/checkpoints.md). With `async_save`

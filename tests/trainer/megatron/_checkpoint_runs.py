@@ -3,6 +3,8 @@
 Everything runs in one launch per optimizer kind (trainers are rebuilt in the same processes, as in
 `_equivalence.run_layouts`), on `_equivalence`'s tiny Beam, micro-batches and loss, in float32.
 
+BF16 with the non-distributed optimizer (`bf16_non_distributed`): see there.
+
 Resharding comparison (`reshard`), for a checkpoint written at layout X = TP2+SP x EP2 after K = 2 steps:
 - `saver`: the run at X itself, which saves asynchronously and trains N = 3 more steps while the files are written;
 - for each target layout Y:
@@ -47,7 +49,7 @@ def _train(t, steps: int) -> list[float]:
 
     mbs = E.micro_batches()
     loss_fn = E.make_loss(sum(b.num_loss_tokens for b in mbs))
-    dp, r = t.config.parallel.dp(dist.get_world_size()), t._ps.get_data_parallel_rank()
+    dp, r = t.config.parallel.dp_size(dist.get_world_size()), t._ps.get_data_parallel_rank()
     mine = mbs[r * len(mbs) // dp:(r + 1) * len(mbs) // dp]
     return [t.train_step(mine, loss_fn).loss for _ in range(steps)]
 
@@ -56,7 +58,7 @@ def _hf_weights(t) -> dict[str, torch.Tensor]:
     """Full HF tensors on every rank (export gathers them on rank 0; broadcast to the others)."""
     import torch.distributed as dist
 
-    tensors = {k: v for bucket in t.export_hf(1 << 62) for k, v in bucket.tensors.items()}
+    tensors = {k: v for unit in t.export_hf() for k, v in unit}
     box = [tensors if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     return box[0]
@@ -182,3 +184,97 @@ def bf16_resume(directory: str) -> dict:
     resumed += _train(t, 2)
     t.shutdown()
     return {"straight": straight, "resumed": resumed}
+
+
+def bf16_non_distributed(directory: str) -> dict:
+    """bf16 + the non-distributed optimizer (Megatron's Float16 optimizer, Beam's FP32 router among BF16 weights),
+    saved at TP2+SP x EP2 after K steps (async):
+    - `labels`: every parameter's main copy and moments are stored under that parameter's own key (saver and
+      resharded trainer);
+    - `saver` / `same`: the next N losses of the saver and of a fresh trainer at the same layout that loads the
+      checkpoint (must be bit-exact);
+    - `saved` / `resharded`: every tensor of the checkpoint state as global tensors (rank 0), of the saver and of a
+      fresh trainer at TP1 x EP2 that loads the checkpoint (must be bit-exact: resharding moves data only)."""
+    t = _trainer(SAVE_LAYOUT, False, dtype="bfloat16", weights="initial")
+    _train(t, K)
+    out = {"labels": {"saver": _misfiled_optimizer_state(t)}, "saved": _global_state(t)}
+    t.save_checkpoint(directory, async_save=True)
+    out["saver"] = _train(t, N)
+    t.finalize_checkpoint()
+    t.shutdown()
+    t = _trainer(SAVE_LAYOUT, False, dtype="bfloat16")  # random init: everything must come from the checkpoint
+    t.load_checkpoint(directory)
+    out["same"] = _train(t, N)
+    t.shutdown()
+    t = _trainer({"ep": 2}, False, dtype="bfloat16")
+    t.load_checkpoint(directory)
+    out["labels"]["resharded"] = _misfiled_optimizer_state(t)
+    out["resharded"] = _global_state(t)
+    t.shutdown()
+    return out
+
+
+def _global_state(t) -> dict[str, torch.Tensor] | None:
+    """Every tensor of `t`'s checkpoint state (model and optimizer) as one global tensor per key, assembled on rank 0
+    from all ranks' main replicas (None elsewhere): what a checkpoint of `t` holds, whatever the layout."""
+    import torch.distributed as dist
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import apply_factories, is_main_replica
+
+    from beamrl.trainer.megatron.checkpoint import state
+
+    sharded, _ = state.sharded_state(t, is_loading=False)
+    apply_factories(sharded)
+    mine = [(sh.key, tuple(sh.global_shape), tuple(sh.global_offset), sh.data.detach().cpu().clone())
+            for sh in nested_values(sharded) if is_main_replica(sh.replica_id)]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    if dist.get_rank() != 0:
+        return None
+    full, covered = {}, {}
+    for key, shape, offset, data in (c for rank in gathered for c in rank):
+        if key not in full:
+            full[key] = torch.zeros(shape, dtype=data.dtype)
+            covered[key] = torch.zeros(shape, dtype=torch.int32)
+        where = tuple(slice(o, o + n) for o, n in zip(offset, data.shape))
+        full[key][where] = data
+        covered[key][where] += 1
+    holes = [k for k, c in covered.items() if not bool((c == 1).all())]
+    assert not holes, f"not covered exactly once by main replicas: {holes[:5]}"
+    return full
+
+
+def _misfiled_optimizer_state(t) -> list[str]:
+    """Optimizer state entries of `t`'s checkpoint state that do not hold their own parameter's state. For every
+    parameter w, Megatron's optimizer keeps the FP32 main copy m (`w.main_param` for a BF16 w, else w itself) and
+    m's Adam moments; the entries `optimizer.state.fp32_param.<key of w>` (BF16 w only), `optimizer.state.exp_avg.
+    <key of w>` and `optimizer.state.exp_avg_sq.<key of w>` must be exactly those tensors."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    from beamrl.trainer.megatron.checkpoint import state
+
+    sharded, _ = state.sharded_state(t, is_loading=False)
+    key_of, entries = {}, {}
+    for sh in nested_values(sharded):
+        if sh.key.startswith("optimizer.state."):
+            slot, key = sh.key[len("optimizer.state."):].split(".", 1)
+            entries[(slot, key)] = sh.data
+        else:
+            key_of[id(sh.data)] = sh.key
+    subs = getattr(t.optimizer, "chained_optimizers", None) or [t.optimizer]
+    adam = {}
+    for sub in subs:
+        adam.update(sub.optimizer.state)
+    problems = []
+    for chunk in t.models:
+        for name, w in chunk.named_parameters():
+            if not w.requires_grad:
+                continue
+            key, main = key_of[id(w)], getattr(w, "main_param", w)
+            expected = {"exp_avg": adam[main]["exp_avg"], "exp_avg_sq": adam[main]["exp_avg_sq"]}
+            if main is not w:
+                expected["fp32_param"] = main
+            for slot, tensor in expected.items():
+                if entries.get((slot, key)) is not tensor:
+                    problems.append(f"{slot}.{key} ({name})")
+    return problems

@@ -37,6 +37,18 @@ def micro_batches():
     return out
 
 
+def replay_routes(batch, seed: int) -> torch.Tensor:
+    """Random distinct experts for every (token, MoE layer) of `batch` (-1 on dense layers): routes that differ
+    from the natural ones, for the replay self-check."""
+    cfg = model_config()
+    g = torch.Generator().manual_seed(seed)
+    r = torch.full((batch.num_tokens, cfg.num_hidden_layers, cfg.num_experts_per_tok), -1, dtype=torch.int64)
+    for layer in cfg.moe_layers:
+        r[:, layer] = torch.stack([torch.randperm(cfg.num_experts, generator=g)[:cfg.num_experts_per_tok]
+                                   for _ in range(batch.num_tokens)])
+    return r
+
+
 def make_loss(total_tokens: int):
     def loss_fn(logprobs, entropy, batch):
         m = batch.loss_mask
@@ -73,7 +85,7 @@ def run_layout(parallel: dict, distributed_optimizer: bool = False, with_grads: 
     trainer = MegatronTrainer(cfg)
     weights = random_state_dict(cfg.model, WEIGHT_SEED, torch.float32)
     trainer.load_hf_state_dict(weights)
-    exported = {k: v for bucket in trainer.export_hf(bucket_bytes=1 << 16) for k, v in bucket.tensors.items()}
+    exported = {k: v for unit in trainer.export_hf() for k, v in unit}
     export_ok = dist.get_rank() != 0 or (exported.keys() == weights.keys()
                                          and all(torch.equal(exported[k], weights[k]) for k in weights))
     mbs = micro_batches()
@@ -92,6 +104,14 @@ def run_layout(parallel: dict, distributed_optimizer: bool = False, with_grads: 
     forced_lp = trainer.compute_logprobs(mbs[1], routes=forced).logprobs
     trainer.set_routing_replay(False)
     free = trainer.compute_logprobs(mbs[1]).logprobs
+    # Replay self-check of a training forward: every rank's routers must have used exactly the given routes.
+    from beamrl.trainer.protocol import PackedBatch
+
+    with_routes = [PackedBatch(b.tokens, b.cu_seqlens, b.loss_mask, b.fields, replay_routes(b, 100 + i))
+                   for i, b in enumerate(mine)]
+    trainer.set_routing_replay(True)
+    replay_check = trainer.forward_backward(with_routes, loss_fn)
+    trainer.set_routing_replay(False)
     losses, entropies, grads = [], [], None
     for step in range(STEPS):
         sums = trainer.forward_backward(mine, loss_fn)
@@ -103,7 +123,8 @@ def run_layout(parallel: dict, distributed_optimizer: bool = False, with_grads: 
     trainer.shutdown()
     return {"losses": losses, "entropies": entropies, "grads": grads, "logprobs": lp.logprobs,
             "entropy": lp.entropy, "recorded": recorded, "replayed": replayed, "free": free, "forced": forced_lp,
-            "export_round_trip": export_ok}
+            "export_round_trip": export_ok,
+            "replay_check": (replay_check["replay/route_mismatches"], replay_check["replay/routes_checked"])}
 
 
 def run_layouts(layouts: list[tuple[dict, bool, bool]]) -> list[dict]:

@@ -1,11 +1,13 @@
 """Distributed checkpoints (2 gloo processes, float32 unless noted): written at TP2+SP x EP2 with an async save,
 they resume at TP1 x EP2, PP2 and EP1 x DP2 with the next 3 losses of an uninterrupted run at that layout, the
-same layout resumes bit for bit, and damaged files are named before anything is loaded. See
-`_checkpoint_runs.py` for how the comparison is built."""
+same layout resumes bit for bit, and damaged files are named before anything is loaded; in bf16 with the
+non-distributed optimizer, each parameter's state is stored under its own key, resumes bit for bit and reshards
+unchanged. See `_checkpoint_runs.py` for how the comparisons are built."""
 
 import json
 
 import pytest
+import torch
 
 from beamrl.trainer.megatron.checkpoint import FORMAT, CheckpointError, check, read_meta
 from beamrl.trainer.megatron.launch import launch
@@ -108,6 +110,26 @@ def test_bf16_resume_restores_the_fp32_main_copies_exactly(tmp_path):
     out = launch(R.bf16_resume, 2, (str(tmp_path / "ckpt"),), timeout_s=600)[0]
     assert out["resumed"] == out["straight"]
     assert out["straight"][0] != out["straight"][2]
+
+
+def test_bf16_non_distributed_optimizer_resumes_and_reshards_exactly(tmp_path):
+    """Megatron's Float16 optimizer next to Beam's FP32 router: each parameter's state under its own key, a bit-exact
+    resume at the same layout, and TP2+SP x EP2 -> TP1 x EP2 moves every weight, main copy and moment unchanged."""
+    out = launch(R.bf16_non_distributed, 2, (str(tmp_path / "ckpt"),), timeout_s=900)[0]
+    assert out["labels"] == {"saver": [], "resharded": []}
+    assert out["same"] == out["saver"]
+    assert out["saver"][0] != out["saver"][-1]
+    saved, resharded = out["saved"], out["resharded"]
+    assert saved.keys() == resharded.keys()
+    assert [k for k in saved if not torch.equal(saved[k], resharded[k])] == []
+    # Not vacuous: the state holds the BF16 weights' FP32 main copies, the FP32 router's moments, and moments that
+    # training made non-zero (a fresh trainer's would be zero, its weights random).
+    router = "model.decoder.layers.1.mlp.router.weight"
+    assert saved[f"optimizer.state.exp_avg.{router}"].dtype == torch.float32
+    assert f"optimizer.state.fp32_param.{router}" not in saved  # FP32: optimised in place, no copy
+    mains = [k for k in saved if k.startswith("optimizer.state.fp32_param.")]
+    assert mains and all(saved[k].dtype == torch.float32 for k in mains)
+    assert all(saved[k].abs().sum() > 0 for k in saved if k.startswith("optimizer.state.exp_avg_sq."))
 
 
 def test_incomplete_checkpoint_is_refused(tmp_path):

@@ -6,7 +6,8 @@
 - Optimizer: Megatron's `sharded_state_dict` of the (chained) optimizer. The distributed optimizer uses the
   `fully_reshardable` format: every parameter's FP32 main copy and Adam moments as tensors of the parameter's own
   shape and sharding, gathered over DP on DP rank 0 at save time (the gloo, memory-efficient variant), so they
-  reshard like the weights. The non-distributed optimizer stores the same per-parameter tensors natively.
+  reshard like the weights. The non-distributed optimizer stores the same per-parameter tensors natively (in a
+  BF16 model described by `float16_optimizer`, not by Megatron, which misnumbers them next to FP32 parameters).
   Sub-optimizer prefixes are off (`chained_optim_avoid_prefix`): the chain's make-up depends on the layout.
 
 The non-tensor part of the optimizer state (parameter-group hyper-parameters) is not stored: it is rebuilt from
@@ -20,6 +21,8 @@ import torch
 from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
 from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedObject
 from megatron.core.dist_checkpointing.utils import extract_sharded_base
+
+from beamrl.trainer.megatron.checkpoint import float16_optimizer
 
 #: Metadata passed to every `sharded_state_dict` call (see the module docstring).
 SHARDING_METADATA = {
@@ -41,11 +44,26 @@ def sharded_state(trainer, is_loading: bool) -> tuple[dict, dict]:
     _align_param_index_maps(trainer.optimizer)
     if is_loading:
         _create_adam_state(trainer.optimizer)
-    optimizer = trainer.optimizer.sharded_state_dict(model, is_loading=is_loading, metadata=dict(SHARDING_METADATA))
+    optimizer = _optimizer_sharded_state(trainer.optimizer, model, is_loading)
     sharded, common = extract_sharded_base({"model": model, "optimizer": optimizer})
     # Values marked "not stored" (e.g. parameter-group index lists) are this trainer's own: keep them as they are.
     dict_list_map_inplace(lambda v: v.unwrap() if isinstance(v, LocalNonpersistentObject) else v, common)
     return sharded, common
+
+
+def _optimizer_sharded_state(optimizer, model: dict, is_loading: bool):
+    """The (chained) optimizer's `sharded_state_dict`, as Megatron's `ChainedOptimizer` builds it without prefixes
+    (one dict per sub-optimizer, or the single one's), except that the non-distributed mixed-precision
+    sub-optimizers are described by `float16_optimizer` (Megatron 0.19.2 misnumbers their parameters next to FP32
+    ones, see there)."""
+    subs = _sub_optimizers(optimizer)
+    if len(subs) > 1:
+        optimizer._synchronize_steps()  # as ChainedOptimizer does (TE/Apex keep the step per group)
+    parts = [float16_optimizer.sharded_state_dict(sub, model, is_loading)
+             if float16_optimizer.is_float16_optimizer(sub)
+             else sub.sharded_state_dict(model, is_loading=is_loading, metadata=dict(SHARDING_METADATA))
+             for sub in subs]
+    return dict(enumerate(parts)) if len(subs) > 1 else parts[0]
 
 
 def _align_param_index_maps(optimizer) -> None:

@@ -7,6 +7,9 @@ from beamrl.models.beam import preset
 
 from ._world import world1
 
+# In-process Megatron on CPU: the compatibility layer for this module only (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("megatron_cpu_shim")
+
 
 @pytest.fixture(scope="module", autouse=True)
 def _world():
