@@ -107,17 +107,29 @@ class EngineActor:
         torch.set_num_threads(num_threads)
         self.factory = factory
         self.engine = None
+        self._reserved: list = []
 
     def reserve(self) -> tuple[str, int, int]:
-        """(this node's cluster address, a free port for the server, a free port for the engine's nodes to meet)."""
-        from beamrl.net import free_port
+        """(this node's cluster address, a port for the server, a port for the engine's nodes to meet). Both ports
+        stay reserved (`beamrl.net.reserve_port`: no other process gets them) until `start` has finished."""
+        from beamrl.net import reserve_port
 
+        self._release_ports()
         host = ray.util.get_node_ip_address()
-        return host, free_port(host), free_port(host)
+        self._reserved = [reserve_port(host), reserve_port(host)]
+        return host, self._reserved[0].port, self._reserved[1].port
 
     def start(self, *, host: str, port: int, dist_init_addr: str | None) -> bool:
-        self.engine = self.factory.with_launch(host=host, port=port, dist_init_addr=dist_init_addr)()
+        try:
+            self.engine = self.factory.with_launch(host=host, port=port, dist_init_addr=dist_init_addr)()
+        finally:
+            self._release_ports()  # the server has bound its ports (or failed): the reservations are done
         return True
+
+    def _release_ports(self) -> None:
+        for r in self._reserved:
+            r.close()
+        self._reserved = []
 
     def ready(self) -> bool:
         return True
@@ -143,5 +155,6 @@ class EngineActor:
         return list(getattr(self.engine, "child_pids", []))
 
     def shutdown(self) -> None:
+        self._release_ports()
         if self.engine is not None:
             self.engine.shutdown()

@@ -153,6 +153,13 @@ def test_dry_run_prints_the_plan_of_the_launcher(capsys):
     out = capsys.readouterr().out
     plan_text = format_placement(placement_of(load_recipe("recipes/grpo_dapo_math.yaml")))
     assert plan_text in out
-    assert "node 0 GPUs 0-7: trainer ranks 0-7 (tp 0-7, dp 0, pp 0; ep 0-7, expert-dp 0)" in out
-    assert "node 9 GPUs 0-7: engine sglang-0 node rank 1/2 TP ranks 8-15, weight-sync ranks 9-16" in out
-    assert "weight-update group: world 33" in out
+    assert "placement (12 node(s) x 8 GPUs; node -> GPUs -> role):" in out
+    for n in range(8):  # the 96-GPU plan, node by node
+        assert (f"node {n} GPUs 0-7: trainer ranks {8 * n}-{8 * n + 7} (tp 0-7, dp {n}, pp 0; ep {8 * n}-{8 * n + 7}, "
+                "expert-dp 0)") in out
+    for k in range(2):
+        assert (f"node {8 + 2 * k} GPUs 0-7: engine sglang-{k} node rank 0/2 (leader: API) TP ranks 0-7, weight-sync "
+                f"ranks {1 + 16 * k}-{8 + 16 * k}") in out
+        assert (f"node {9 + 2 * k} GPUs 0-7: engine sglang-{k} node rank 1/2 TP ranks 8-15, weight-sync ranks "
+                f"{9 + 16 * k}-{16 + 16 * k}") in out
+    assert "weight-update group: world 33 = trainer rank 0 (update-group rank 0) + 32 engine GPUs" in out
