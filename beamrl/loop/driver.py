@@ -68,7 +68,8 @@ class RLDriver:
         self.checkpoints = RunCheckpoints(run.checkpoint_root, r.checkpoint.keep_last, r.checkpoint.async_save,
                                           r.timeouts.checkpoint_s, log)
         check_launchable(r)
-        log(format_placement(run.placement))
+        for line in format_placement(run.placement).splitlines():  # every console line of beamrl's own is prefixed
+            log(line)
         log(f"starting Ray ({'a local instance' if run.cpu else 'joining the cluster'})")
         start_ray(run, self.resources, self.verbose)
         policy = run.initial_checkpoint
