@@ -1,15 +1,18 @@
-"""Compile every beamrl Triton kernel for sm_90 without a GPU (catches API breaks between triton versions).
+"""Compile every beamrl Triton kernel for H200 (sm_90) and B200 (sm_100) without a GPU (catches API breaks between
+Triton versions and architectures).
 
-    PYTHONPATH=. python benchmarks/compile_check.py               # prints per-kernel PTX facts
-    PYTHONPATH=. python benchmarks/compile_check.py --registers   # + registers and spills (ptxas -v, sm_90a)
+    PYTHONPATH=. python benchmarks/compile_check.py                  # both architectures, per-kernel PTX facts
+    PYTHONPATH=. python benchmarks/compile_check.py --arch 100       # B200 only
+    PYTHONPATH=. python benchmarks/compile_check.py --registers      # + registers and spills (ptxas -v, sm_XXa)
 
-Uses `triton.compile` with an explicit `GPUTarget("cuda", 90, 32)`, so it runs on a CPU-only machine. It also
-reports whether the PTX contains FMA contraction (must not, for the forward kernels) and which rsqrt/exp/div
-instructions were used.
+Uses `triton.compile` with an explicit `GPUTarget("cuda", <capability>, 32)`, which runs Triton's own ptxas, so it
+works on a CPU-only machine. It also reports whether the PTX contains FMA contraction (must not, for the forward
+kernels) and which rsqrt/exp/div instructions were used. Exit code 1 if any kernel fails on any architecture.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import subprocess
@@ -91,13 +94,20 @@ _DIVISIBLE_INTS = {"stride_b", "stride_r", "stride_o", "stride_p", "H", "stride_
                    "sg_t", "sg_h", "I", "stride_gu", "sq_t", "sq_h", "sk_t", "sk_h"}
 
 
-def ptxas_registers(ptx: str) -> str:
-    """'regs=N spills=B' from the ptxas that ships with Triton (register pressure without a GPU)."""
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+# GPU type -> CUDA compute capability (the recipe's cluster.gpu_type values).
+ARCHS = {"h200": 90, "b200": 100}
+
+
+def ptxas_registers(ptx: str, capability: int) -> str:
+    """'regs=N spills=B' from the ptxas that ships with Triton (register pressure without a GPU): the one Triton
+    itself picks for the architecture (Triton 3.8 ships a separate, newer ptxas for Blackwell)."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    ptxas = get_ptxas(capability).path
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(ptx)
     try:
-        err = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True,
+        err = subprocess.run([ptxas, f"-arch=sm_{capability}a", "-v", f.name, "-o", os.devnull], capture_output=True,
                              text=True, timeout=120).stderr
     finally:
         os.unlink(f.name)
@@ -106,12 +116,13 @@ def ptxas_registers(ptx: str) -> str:
     return f"regs={regs.group(1) if regs else '?'} spills={spills.group(1) if spills else '?'}"
 
 
-def main() -> int:
-    registers = "--registers" in sys.argv
-    target = GPUTarget("cuda", 90, 32)
-    print(f"triton {triton.__version__}")
+def check(capability: int, registers: bool = False, only: str | None = None) -> bool:
+    """Compile every kernel (or those whose name contains `only`) for `capability`; print a line per kernel."""
+    target = GPUTarget("cuda", capability, 32)
     ok = True
     for name, fn, types, constexprs, warps, fusion in _cases():
+        if only is not None and only not in name:
+            continue
         try:
             sig = _sig(fn, types, constexprs)
             attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
@@ -120,6 +131,8 @@ def main() -> int:
             # forward kernels are compiled WITH fp fusion here: mul_rn must keep them FMA-free regardless
             kern = triton.compile(src, target=target, options={"num_warps": warps, "enable_fp_fusion": True})
             ptx = kern.asm["ptx"]
+            if f".target sm_{capability}" not in ptx:
+                raise RuntimeError(f"the PTX does not target sm_{capability}")
             facts = {k: len(re.findall(p, ptx)) for k, p in
                      (("fma", r"\bfma\.rn\.f32"), ("rsqrt.approx", r"rsqrt\.approx"), ("ex2.approx", r"ex2\.approx"),
                       ("div.rn", r"div\.rn\.f32"), ("div.full", r"div\.full"), ("ld.v4", r"ld\.global\.v4"),
@@ -128,13 +141,25 @@ def main() -> int:
                       ("local", r"\.local"), ("cp.async", r"cp\.async\.(?:ca|cg)"))}
             if not fusion and facts["fma"]:
                 ok = False
-                print(f"FAIL {name}: FMA contraction in a forward kernel")
-            regs = f" {ptxas_registers(ptx)}" if registers else ""
-            print(f"ok   {name:26s} warps={warps} shared={kern.metadata.shared}{regs} {facts}")
+                print(f"FAIL sm_{capability} {name}: FMA contraction in a forward kernel")
+            regs = f" {ptxas_registers(ptx, capability)}" if registers else ""
+            print(f"ok   sm_{capability} {name:26s} warps={warps} shared={kern.metadata.shared}{regs} {facts}")
         except Exception as err:  # report all kernels, fail at the end
             ok = False
-            print(f"FAIL {name}: {type(err).__name__}: {str(err)[:400]}")
-    return 0 if ok else 1
+            print(f"FAIL sm_{capability} {name}: {type(err).__name__}: {str(err)[:400]}")
+    return ok
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--arch", default="90,100", help="compute capabilities, comma-separated (default: 90,100 = "
+                   "H200 and B200)")
+    p.add_argument("--registers", action="store_true", help="also print registers and spills (ptxas -v)")
+    p.add_argument("--only", default=None, help="only the kernels whose name contains this")
+    args = p.parse_args(argv)
+    print(f"triton {triton.__version__}")
+    results = [check(int(cc), args.registers, args.only) for cc in args.arch.split(",")]
+    return 0 if all(results) else 1
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@
 # HOSTFILE: one host per line; blank lines and '#' comments are ignored.
 # --repo: the beamrl checkout on every host (same path everywhere; default: this checkout's path).
 # --dry-run: print the commands instead of running them (one per line).
+# Ray's token authentication is on: a fresh token for this cluster is installed on every host first
+# (~/.ray/beamrl_auth_token, mode 600, sent over ssh's stdin: never on a command line).
 set -euo pipefail
 
 usage() { sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-2}"; }
@@ -33,8 +35,11 @@ mapfile -t HOSTS < <(sed -e 's/#.*//' -e 's/[[:space:]]//g' "$HOSTFILE" | grep -
 [[ ${#HOSTS[@]} -ge 1 ]] || { echo "ray_cluster.sh: no hosts in $HOSTFILE" >&2; exit 2; }
 HEAD=${HOSTS[0]}
 VENV_BIN="$REPO/.venv/bin"
-# Every remote command: enter the checkout, load the cluster env (launch/env.sh), use the venv's tools.
+# Every remote command: enter the checkout, load the cluster env (launch/env.sh), use the venv's tools, and
+# require Ray's token (RAY_AUTH_MODE=token: a missing token is an error, not an open cluster).
 PRELUDE="cd $(printf '%q' "$REPO") && source launch/env.sh && export PATH=$(printf '%q' "$VENV_BIN"):\$PATH"
+PRELUDE+=" && export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=\$HOME/.ray/beamrl_auth_token"
+INSTALL_TOKEN='umask 077 && mkdir -p ~/.ray && cat > ~/.ray/beamrl_auth_token'
 
 run_on() {  # run_on HOST COMMAND-STRING
   local host=$1 cmd=$2
@@ -51,6 +56,14 @@ if [[ $STOP == 1 ]]; then
 fi
 
 echo "ray_cluster.sh: head $HEAD, ${#HOSTS[@]} node(s), port $PORT" >&2
+TOKEN=$(od -An -tx1 -N32 /dev/urandom | tr -d ' \n')
+for host in "${HOSTS[@]}"; do
+  if [[ $DRY_RUN == 1 ]]; then
+    echo "ssh $host '$INSTALL_TOKEN' < (this cluster's token)"
+  else
+    printf '%s' "$TOKEN" | ssh -o BatchMode=yes "$host" "$INSTALL_TOKEN"
+  fi
+done
 run_on "$HEAD" "ray start --head --port=$PORT --disable-usage-stats"
 for host in "${HOSTS[@]:1}"; do
   run_on "$host" "ray start --address=$HEAD:$PORT"

@@ -17,6 +17,12 @@ This module is one of the two places in beamrl allowed to patch third-party code
 4. **`SGLANG_USE_CPU_ENGINE=1`** is set in this process's environment: SGLang's own switch for its CPU
    engine (`srt/utils/common.py:is_cpu`), read when SGLang decides the device.
 
+5. **TP > 1 on CPU** (`tp_env`, added to the launch environment of an engine with several TP ranks on this
+   machine, never to this process): SGLang binds each CPU rank's OpenMP threads to a NUMA node of its own and
+   refuses more ranks than NUMA nodes unless `SGLANG_CPU_OMP_THREADS_BIND` names each rank's cores (only used on
+   AMX/arm64 CPUs); and it compares free memory across ranks at start-up, which other processes on a shared
+   machine skew (`SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK=0`).
+
 Spawned SGLang processes (scheduler, detokenizer) start fresh interpreters, so in-process import hooks do not
 reach them. While an in-process engine starts, `spawn_env()` prepends `beamrl/compat/_sglang_cpu_boot` to
 `PYTHONPATH` (restored afterwards, so unrelated subprocesses are unaffected); that folder's `sitecustomize.py`
@@ -187,6 +193,14 @@ def child_env(base: dict[str, str] | None = None) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join([str(BOOT_DIR), *parts])
     env["SGLANG_USE_CPU_ENGINE"] = "1"
     return env
+
+
+def tp_env(num_rank_slots: int) -> dict[str, str]:
+    """SGLang's own settings for an engine whose ranks on this machine have GPU ids (CPU: rank slots) below
+    `num_rank_slots` (see item 5 of the module docstring): every rank slot may use every core of this process."""
+    cores = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
+    return {"SGLANG_CPU_OMP_THREADS_BIND": "|".join([cores] * num_rank_slots),
+            "SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK": "0"}
 
 
 def activate() -> None:

@@ -98,17 +98,47 @@ class TrainerActor:
 
 @ray.remote
 class EngineActor:
-    """A rollout engine (`RolloutEngine` + `WeightReceiver`) built in the actor from a picklable factory."""
+    """One process of a rollout engine (`RolloutEngine` + `WeightReceiver`; on node ranks >= 1 of a multi-node
+    engine a follower that serves no API), built in the actor from a picklable factory in two phases:
+    `reserve` picks this node's address and free ports (the leader's become the engine's meeting point), then
+    `start` builds the engine with them (every node of an engine starts at the same time)."""
 
     def __init__(self, factory, num_threads: int = 1):
         torch.set_num_threads(num_threads)
-        self.engine = factory()
+        self.factory = factory
+        self.engine = None
+        self._reserved: list = []
+
+    def reserve(self) -> tuple[str, int, int]:
+        """(this node's cluster address, a port for the server, a port for the engine's nodes to meet). Both ports
+        stay reserved (`beamrl.net.reserve_port`: no other process gets them) until `start` has finished."""
+        from beamrl.net import reserve_port
+
+        self._release_ports()
+        host = ray.util.get_node_ip_address()
+        self._reserved = [reserve_port(host), reserve_port(host)]
+        return host, self._reserved[0].port, self._reserved[1].port
+
+    def start(self, *, host: str, port: int, dist_init_addr: str | None) -> bool:
+        try:
+            self.engine = self.factory.with_launch(host=host, port=port, dist_init_addr=dist_init_addr)()
+        finally:
+            self._release_ports()  # the server has bound its ports (or failed): the reservations are done
+        return True
+
+    def _release_ports(self) -> None:
+        for r in self._reserved:
+            r.close()
+        self._reserved = []
 
     def ready(self) -> bool:
         return True
 
     def tp_size(self) -> int:
         return self.engine.tp_size
+
+    def health(self, timeout: float) -> bool:
+        return self.engine is not None and bool(self.engine.health(timeout))
 
     def call(self, method: str, *args, **kwargs):
         """Forward one protocol call (`generate`, `score`, `health`, `begin_weight_update`, ...)."""
@@ -117,5 +147,14 @@ class EngineActor:
     def weight_version(self) -> int:
         return self.engine.weight_version
 
+    def process_ids(self) -> list[int]:
+        """The OS processes of this engine process on its node: its server, or an in-process engine's children."""
+        server = getattr(self.engine, "server", None)
+        if server is not None:
+            return [server.pid] if server.pid is not None else []
+        return list(getattr(self.engine, "child_pids", []))
+
     def shutdown(self) -> None:
-        self.engine.shutdown()
+        self._release_ports()
+        if self.engine is not None:
+            self.engine.shutdown()

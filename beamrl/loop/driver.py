@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from beamrl.cluster.report import format_placement
 from beamrl.loop.checkpoints import RunCheckpoints, published, restore_driver_state, save_due, step_of
 from beamrl.loop.collect import PendingRollout, RolloutBatch, RolloutCollector
 from beamrl.loop.groups import EngineGroup, TrainerGroup
@@ -67,8 +68,10 @@ class RLDriver:
         self.checkpoints = RunCheckpoints(run.checkpoint_root, r.checkpoint.keep_last, r.checkpoint.async_save,
                                           r.timeouts.checkpoint_s, log)
         check_launchable(r)
+        for line in format_placement(run.placement).splitlines():  # every console line of beamrl's own is prefixed
+            log(line)
         log(f"starting Ray ({'a local instance' if run.cpu else 'joining the cluster'})")
-        start_ray(r, self.resources, self.verbose)
+        start_ray(run, self.resources, self.verbose)
         policy = run.initial_checkpoint
         if run.resume_dir is None and r.sft is not None:
             policy = sft_warm_start(run)

@@ -6,8 +6,9 @@ import itertools
 
 import ray
 
+from beamrl.cluster.placement import sync_rank_offsets
 from beamrl.loop.actors import EngineActor, TrainerActor, TrainerRankSpec
-from beamrl.loop.ray_utils import ray_get
+from beamrl.loop.ray_utils import ActorCallError, ray_get
 from beamrl.protocols.rollout import EngineError, GenerateRequest, GenerateResult
 
 
@@ -88,15 +89,76 @@ class TrainerGroup:
 
 
 class EngineGroup:
-    """Rollout engines as actors. Requests of one prompt group go to one engine (prefix-cache affinity)."""
+    """Rollout engines as actors: one `EngineActor` per node of each engine. All API traffic (generation, scoring,
+    weight updates) goes to each engine's leader (node rank 0, `actors`); the other nodes (`followers`) are
+    watched for liveness. Requests of one prompt group go to one engine (prefix-cache affinity).
 
-    def __init__(self, factories: list, timeout: float, actor_options: list[dict], num_threads: int = 1):
-        self.timeout = timeout
-        self.names = [f.name for f in factories]
-        self.actors = [EngineActor.options(**actor_options[i]).remote(factory=f, num_threads=num_threads)
-                       for i, f in enumerate(factories)]
-        ray_get([a.ready.remote() for a in self.actors], timeout, "rollout engine start-up")
-        self.tp_sizes = ray_get([a.tp_size.remote() for a in self.actors], timeout, "engines.tp_size")
+    Start-up has two phases: every node actor reserves its address and ports, then all nodes of every engine
+    start together, each told the leader's meeting point (`dist_init_addr`). `engines[k]` lists engine k's node
+    factories in node-rank order and `node_options[k]` their Ray options (their placement-group bundles)."""
+
+    def __init__(self, engines: list[list], timeout: float, node_options: list[list[dict]], num_threads: int = 1):
+        self.timeout, self.num_threads = timeout, num_threads
+        self.factories, self.node_options = engines, node_options
+        self.names = [nodes[0].name for nodes in engines]
+        self.nodes: list[list] = [[] for _ in engines]
+        try:
+            self._start(list(range(len(engines))))
+        except BaseException:
+            self.shutdown()  # the servers that did start must not outlive a failed start-up
+            raise
+
+    @property
+    def actors(self) -> list:
+        """Each engine's leader (node rank 0): every API call goes there (none once shut down)."""
+        return [nodes[0] for nodes in self.nodes if nodes]
+
+    @property
+    def followers(self) -> list[list]:
+        """Each engine's other node processes (none for an engine on one node, or once shut down)."""
+        return [nodes[1:] for nodes in self.nodes]
+
+    def _start(self, indices: list[int]) -> None:
+        """Start engines `indices` (all their nodes) in the two phases; a single engine can be started again
+        alone after its actors were shut down."""
+        for k in indices:
+            self.nodes[k] = [EngineActor.options(**o).remote(factory=f, num_threads=self.num_threads)
+                             for f, o in zip(self.factories[k], self.node_options[k])]
+        every = [a for k in indices for a in self.nodes[k]]
+        addresses = iter(ray_get([a.reserve.remote() for a in every], self.timeout, "rollout engines: reserving ports"))
+        starts = []
+        for k in indices:
+            mine = [next(addresses) for _ in self.nodes[k]]
+            leader_host, _, meet_port = mine[0]
+            meet = f"{leader_host}:{meet_port}" if len(mine) > 1 else None
+            starts += [a.start.remote(host=host, port=port, dist_init_addr=meet)
+                       for a, (host, port, _) in zip(self.nodes[k], mine)]
+        ray_get(starts, self.timeout, "rollout engine start-up")
+        self.tp_sizes = ray_get([a.tp_size.remote() for a in self.actors], self.timeout, "engines.tp_size")
+        planned = [nodes[0].rollout.engine_tp for nodes in self.factories]
+        if self.tp_sizes != planned:
+            raise EngineError(f"engines report TP sizes {self.tp_sizes}, the plan has {planned} (rollout.engine_tp)")
+
+    @property
+    def rank_offsets(self) -> list[int]:
+        """Each engine's first rank in the weight-update group (`sync_rank_offsets`: the trainer is rank 0, engine
+        k's TP rank t is rank_offsets[k] + t; a multi-node engine counts all its GPUs, its leader joins them all)."""
+        return sync_rank_offsets(self.tp_sizes)
+
+    @property
+    def sync_world_size(self) -> int:
+        return 1 + sum(self.tp_sizes)
+
+    def health(self, timeout: float) -> list[bool]:
+        """Per engine: its leader and every follower answer `health` within `timeout` s (a dead actor: False)."""
+        refs = [[a.health.remote(timeout) for a in nodes] for nodes in self.nodes]
+        out = []
+        for name, rs in zip(self.names, refs):
+            try:
+                out.append(all(ray_get(rs, timeout + 30, f"{name}.health")))
+            except Exception:  # noqa: BLE001 - any failure to answer is "not healthy"
+                out.append(False)
+        return out
 
     def generate_async(self, groups: list[list[GenerateRequest]], timeout: float):
         """Submit every group (round-robin over engines) and return a handle for `collect`."""
@@ -111,14 +173,29 @@ class EngineGroup:
 
     def collect(self, handle) -> list[list[GenerateResult]]:
         refs, placement, timeout = handle
-        results = [ray_get(r, timeout + 30, f"{n}.generate") if r is not None else []
-                   for r, n in zip(refs, self.names)]
+        results = []
+        for e, (r, n) in enumerate(zip(refs, self.names)):
+            try:
+                results.append(ray_get(r, timeout + 30, f"{n}.generate") if r is not None else [])
+            except ActorCallError as err:  # a dead follower node is the likely cause: name it
+                raise ActorCallError(f"{err}{self._dead_followers(e)}") from None
         out = []
         for e, start, n in placement:
             out.append(results[e][start:start + n])
             if len(out[-1]) != n:
                 raise EngineError(f"{self.names[e]} returned {len(results[e])} results for {len(refs)} requests")
         return out
+
+    def _dead_followers(self, e: int) -> str:
+        dead = []
+        for j, a in enumerate(self.followers[e]):
+            try:
+                alive = ray_get(a.health.remote(10.0), 40.0, f"{self.names[e]}/node{j + 1}.health")
+            except ActorCallError:
+                alive = False
+            if not alive:
+                dead.append(j + 1)
+        return f"; {self.names[e]}'s follower node rank(s) {dead} are not alive" if dead else ""
 
     def generate(self, groups, timeout: float):
         return self.collect(self.generate_async(groups, timeout))
@@ -138,5 +215,9 @@ class EngineGroup:
         return dict(zip(self.names, out))
 
     def shutdown(self) -> None:
-        shutdown_actors(self.actors, self.names)
-        self.actors = []
+        """Leaders first (a leader's shutdown stops its engine's TP ranks on every node), then the followers."""
+        started = [(n, nodes) for n, nodes in zip(self.names, self.nodes) if nodes]
+        shutdown_actors([nodes[0] for _, nodes in started], [n for n, _ in started])
+        shutdown_actors([a for _, nodes in started for a in nodes[1:]],
+                        [f"{n}/node{j}" for n, nodes in started for j in range(1, len(nodes))])
+        self.nodes = [[] for _ in self.nodes]

@@ -2,24 +2,27 @@
 release at the end (`Resources`).
 
 Order matters and is kept here: how the run starts (`run_dir.plan_start`: an earlier run's outputs are refused,
-resumed or replaced) is decided by the driver first; then the model config, the start-up checks
-(`beamrl.recipe.preflight`: checkpoint tensors, tokenizer, data source, reward functions) and the prompts load,
-all before anything is written. Only then the output directory, rewards and metric loggers, then Ray.
+resumed or replaced) is decided by the driver first; then the model config, the placement plan (a layout that
+cannot be placed fails by field), the start-up checks (`beamrl.recipe.preflight`: checkpoint tensors, tokenizer,
+data source, reward functions) and the prompts load, all before anything is written. Only then the output
+directory, rewards and metric loggers, then Ray and the placement groups, and every actor onto its slot's bundle.
 """
 
 from __future__ import annotations
 
 import json
+import secrets
 import shutil
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from beamrl.cluster.placement import Placement
 from beamrl.dtypes import torch_dtype
 from beamrl.loop.groups import EngineGroup, TrainerGroup
 from beamrl.loop.log import log
@@ -29,7 +32,9 @@ from beamrl.models.beam.config import BeamConfig
 from beamrl.recipe.errors import RecipeError
 from beamrl.recipe.schema import Recipe
 
-# GPU shares when actors share a GPU: policy rank + reference rank + colocated engine <= 1.
+# Shares of a slot's GPU (CPU worker slot) when actors share it: policy rank + reference rank + colocated engine
+# process <= 1. A disaggregated engine process takes its first slot whole (its other slots are held by the
+# placement group and used by its server).
 POLICY_SHARE, REFERENCE_SHARE, ENGINE_SHARE = 0.6, 0.2, 0.2
 
 
@@ -78,6 +83,9 @@ class RunContext:
     routing_replay: bool  # algorithm.routing_replay resolved (null: on for MoE models)
     return_routed_experts: bool  # rollout.return_routed_experts resolved (null: follows routing_replay)
     resume_dir: Path | None
+    placement: Placement  # who runs on which node and GPU (`beamrl.recipe.layout.placement_of`)
+    api_key: str  # this run's secret for the engines' HTTP servers (SGLang --api-key)
+    groups: Any = None  # the Ray placement groups (`beamrl.cluster.ray_groups.PlacementGroups`), once placed
 
     @property
     def cpu(self) -> bool:
@@ -117,7 +125,10 @@ def prepare_run(recipe: Recipe, start: StartPlan, resources: Resources) -> RunCo
     from beamrl.recipe.preflight import load_prompts, preflight
     from beamrl.rewards import RewardManager
 
+    from beamrl.recipe.layout import placement_of
+
     config = model_config(recipe)  # first: a missing checkpoint leaves no output directory behind
+    placement = placement_of(recipe)  # and a layout that cannot be placed neither
     checks = preflight(recipe, config)
     tokenizer = checks.tokenizer
     data = load_prompts(recipe, tokenizer)
@@ -141,8 +152,11 @@ def prepare_run(recipe: Recipe, start: StartPlan, resources: Resources) -> RunCo
     routing_replay = bool(a.routing_replay if a.routing_replay is not None else bool(config.moe_layers))
     return_routed_experts = bool(ro.return_routed_experts if ro.return_routed_experts is not None
                                  else routing_replay)
-    return RunContext(recipe, out_dir, ckpt_root, config, init, tokenizer, data, (int(tokenizer.eos_token_id),),
-                      rewards, logger, samples, routing_replay, return_routed_experts, resume_dir)
+    return RunContext(recipe=recipe, out_dir=out_dir, checkpoint_root=ckpt_root, model=config, initial_checkpoint=init,
+                      tokenizer=tokenizer, data=data, stop_ids=(int(tokenizer.eos_token_id),), rewards=rewards,
+                      logger=logger, samples=samples, routing_replay=routing_replay,
+                      return_routed_experts=return_routed_experts, resume_dir=resume_dir, placement=placement,
+                      api_key=secrets.token_hex(32))
 
 
 STEP_FILES = ("metrics.jsonl", "samples.jsonl")  # one JSON object per line, each with the step it belongs to
@@ -162,43 +176,59 @@ def truncate_step_files(out_dir: Path, first_step: int) -> None:
 def check_launchable(recipe: Recipe) -> None:
     """Layouts that `--dry-run` plans but this loop cannot launch yet fail here, by name, before any actor."""
     r = recipe
-    if r.cluster.device == "cpu":
-        return
-    if r.rollout.engine_tp > r.cluster.gpus_per_node:
-        raise NotImplementedError(
-            f"rollout.engine_tp={r.rollout.engine_tp} spans several nodes (cluster.gpus_per_node="
-            f"{r.cluster.gpus_per_node}); beamrl does not launch multi-node SGLang engines yet (docs/rl-loop.md)")
-    if r.placement.mode == "colocated" and r.rollout.engine_tp != 1:
-        raise NotImplementedError(f"placement.mode=colocated with rollout.engine_tp={r.rollout.engine_tp}: "
-                                  f"colocated GPU engines are launched one GPU each (engine_tp 1) for now")
+    spans_nodes = r.rollout.engine_tp > r.cluster.gpus_per_node
+    if r.cluster.device == "cpu" and spans_nodes and r.rollout.engine == "sglang" and r.sync.transport == "colocated":
+        # A CPU engine that spans (simulated) nodes is a set of HTTP servers; SGLang's tensor path over HTTP
+        # cannot carry CPU tensors (docs/sglang.md, weight updates).
+        raise RecipeError("sync.transport", "colocated", "an SGLang CPU engine that spans nodes (rollout.engine_tp > "
+                          "cluster.gpus_per_node) takes weights through 'disk' (or 'distributed' when disaggregated)")
+    if r.cluster.device == "cuda" and r.sync.transport == "colocated" and r.cluster.num_nodes > 1:
+        # TODO(issue 15, colocated GPUs): CUDA-IPC buckets from every trainer rank. Until then trainer rank 0 packs
+        # every bucket on its own GPU, and an engine on another node cannot open its CUDA-IPC handles.
+        raise NotImplementedError("sync.transport=colocated on several nodes: only trainer rank 0 ships CUDA-IPC "
+                                  "buckets so far, which engines on other nodes cannot open; use sync.transport=disk "
+                                  "(a shared filesystem) for now")
 
 
-def start_ray(recipe: Recipe, resources: Resources, verbose: bool = False) -> None:
-    """CPU: a private local Ray (its own short temp dir: parallel runs must not share Ray's sockets). GPU: join
-    the cluster that `launch/` started. Every worker filters third-party warnings unless `verbose`."""
+def start_ray(run: "RunContext", resources: Resources, verbose: bool = False) -> None:
+    """CPU: a private local Ray with one simulated node per recipe node, each declaring cluster.gpus_per_node worker
+    slots (its own short temp dir: parallel runs must not share Ray's sockets). GPU: join the cluster that
+    `launch/` started. Then the placement groups of the plan (`run.groups`). Every worker filters third-party
+    warnings unless `verbose`."""
     import ray
 
-    from beamrl.loop.ray_utils import connect_cluster_ray, init_local_ray
+    from beamrl.cluster.ray_groups import PlacementGroups
+    from beamrl.cluster.ray_start import (WORKER_SLOT, connect_cluster_ray, init_local_ray, node_resource,
+                                          start_rehearsal_cluster)
     from beamrl.third_party_output import worker_runtime_env
 
     env = worker_runtime_env(verbose)
 
+    recipe = run.recipe
+    cl = recipe.cluster
     tmp: Path | None = None
-    if recipe.cluster.device == "cpu":
+    stop = ray.shutdown
+    if cl.device == "cpu":
         tmp = Path(tempfile.mkdtemp(prefix="beamrl-ray-", dir="/tmp"))
-        n_trainer = recipe.trainer.num_gpus
-        n_reference = n_trainer if recipe.algorithm.kl.reference else 0
-        init_local_ray(num_cpus=n_trainer + n_reference + recipe.rollout.num_engines + 2, temp_dir=tmp,
-                       runtime_env=env)
+        if cl.num_nodes == 1:
+            init_local_ray(num_cpus=2, temp_dir=tmp, resources={WORKER_SLOT: cl.gpus_per_node, node_resource(0): 1},
+                           runtime_env=env)
+        else:
+            t0 = time.perf_counter()
+            stop = start_rehearsal_cluster(cl.num_nodes, cl.gpus_per_node, tmp, runtime_env=env).shutdown
+            log(f"rehearsal: local Ray cluster of {cl.num_nodes} simulated node(s) x {cl.gpus_per_node} worker "
+                f"slot(s) up in {time.perf_counter() - t0:.1f} s")
     else:
         connect_cluster_ray(runtime_env=env)
 
     def shutdown() -> None:
-        ray.shutdown()
+        stop()
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
 
     resources.add("ray", shutdown)
+    run.groups = PlacementGroups(run.placement, recipe.timeouts.health_s, log=log)
+    resources.add("placement groups", run.groups.remove)
 
 
 def trainer_setup(recipe: Recipe, model: BeamConfig, lr: float | None = None):
@@ -213,41 +243,56 @@ def trainer_setup(recipe: Recipe, model: BeamConfig, lr: float | None = None):
 
 def start_trainer(run: RunContext, hf_checkpoint: str, lr: float | None = None,
                   reference: bool = False) -> TrainerGroup:
-    """The Megatron ranks (one actor each). CPU: one core-slot per actor; GPU: a rank per GPU, shared with the
-    KL reference ranks and colocated engines."""
+    """The Megatron ranks (one actor each), rank r on the bundle of the plan's slot for rank r: the rank numbers
+    come from the plan, not from the order Ray starts actors in."""
     r = run.recipe
-    n = r.trainer.num_gpus
     share = REFERENCE_SHARE if reference else POLICY_SHARE
-    options = [{"num_cpus": 1} if run.cpu else {"num_cpus": 1, "num_gpus": share} for _ in range(n)]
+    options = [run.groups.actor_options(t.slot, share) for t in run.placement.trainer]
     t0 = time.perf_counter()
-    group = TrainerGroup(trainer_setup(r, run.model, lr), hf_checkpoint, n, r.timeouts.train_step_s, options)
-    log(f"trainer: {n} Megatron rank(s) ready in {time.perf_counter() - t0:.1f} s")
+    group = TrainerGroup(trainer_setup(r, run.model, lr), hf_checkpoint, len(options), r.timeouts.train_step_s,
+                         options)
+    log(f"trainer: {len(options)} Megatron rank(s) ready in {time.perf_counter() - t0:.1f} s")
     return group
 
 
-def engine_factories(run: RunContext, checkpoint: str) -> list:
-    """One picklable factory per engine of `rollout.engine` (`beamrl.rollout.engines.ENGINES`)."""
-    from beamrl.rollout.engines import EngineLaunch, engine_factory
+def engine_factories(run: RunContext, checkpoint: str) -> list[list]:
+    """Per engine of the plan, one picklable factory per node (`beamrl.rollout.engines.ENGINES`), node-rank order."""
+    from beamrl.rollout.engines import EngineLaunch
 
     r = run.recipe
-    ro = r.rollout
     device = "cpu" if run.cpu else "cuda"
     # Colocated GPU engines release weights / KV cache while the trainer runs (needs SGLang's memory saver).
     memory_saver = r.placement.mode == "colocated" and device == "cuda"
-    return [engine_factory(ro, EngineLaunch(
-        checkpoint=checkpoint, dtype=r.model.dtype, device=device, seed=r.run.seed + i, name=f"{ro.engine}-{i}",
-        port=30000 + 10 * i, start_timeout=r.timeouts.generate_s, return_routed_experts=run.return_routed_experts,
-        memory_saver=memory_saver)) for i in range(ro.num_engines)]
+    return [node_factories(r.rollout, EngineLaunch(
+        checkpoint=checkpoint, dtype=r.model.dtype, device=device, seed=r.run.seed + e.index, name=e.name,
+        start_timeout=r.timeouts.generate_s, return_routed_experts=run.return_routed_experts,
+        memory_saver=memory_saver, api_key=run.api_key), e, run.groups) for e in run.placement.engines]
+
+
+def node_factories(rollout, launch, engine, groups) -> list:
+    """The factories of one planned engine (`EnginePlacement`), one per node: `launch` with the node's rank, its
+    first GPU and (on GPU) the GPU ids of its node as Ray placed them (`PlacementGroups.gpu_ids`)."""
+    from beamrl.rollout.engines import engine_factory
+
+    base = engine_factory(rollout, replace(launch, nnodes=engine.nnodes))
+    out = []
+    for part in engine.nodes:
+        gpus = groups.gpu_ids(part.node)
+        out.append(base.with_launch(node_rank=part.node_rank, base_gpu_id=part.base_gpu,
+                                    visible_gpus=None if gpus is None else tuple(gpus)))
+    return out
 
 
 def start_engines(run: RunContext, checkpoint: str) -> EngineGroup:
-    """The rollout engines (one actor each): a core-slot on CPU; engine_tp GPUs disaggregated, a share of one
-    GPU colocated."""
+    """The rollout engines: one actor per node of each engine, on the bundle of its first slot (colocated: a
+    share of the GPU it shares with a trainer rank)."""
     r = run.recipe
     factories = engine_factories(run, checkpoint)
-    gpus = ENGINE_SHARE if r.placement.mode == "colocated" else r.rollout.engine_tp
-    options = [{"num_cpus": 1} if run.cpu else {"num_cpus": 1, "num_gpus": gpus} for _ in factories]
+    share = ENGINE_SHARE if r.placement.mode == "colocated" else 1.0
+    options = [[run.groups.actor_options(part.slots[0], share) for part in e.nodes] for e in run.placement.engines]
     t0 = time.perf_counter()
     engines = EngineGroup(factories, r.timeouts.generate_s, options)
-    log(f"rollout: {len(factories)} {r.rollout.engine} engine(s) ready in {time.perf_counter() - t0:.1f} s")
+    n_proc = sum(len(e.nodes) for e in run.placement.engines)
+    log(f"rollout: {len(factories)} {r.rollout.engine} engine(s) ({n_proc} node process(es)) ready in "
+        f"{time.perf_counter() - t0:.1f} s")
     return engines

@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from beamrl.cluster.placement import Placement, plan_placement
+from beamrl.cluster.report import format_placement, ranges
 from beamrl.models.beam import BeamConfig
 from beamrl.recipe.errors import RecipeError, in_section
 
@@ -45,6 +47,17 @@ def check_model_fit(r: "Recipe", c: BeamConfig) -> None:
                               f"eos_token_id={c.eos_token_id}")
 
 
+def placement_of(r: "Recipe") -> Placement:
+    """The run's placement plan (`beamrl.cluster.placement`): who runs on which node and GPU. The same function
+    serves `--dry-run` and the launcher. Raises `RecipeError` naming the field to change."""
+    cl, tr, ro = r.cluster, r.trainer, r.rollout
+    with in_section(""):
+        return plan_placement(device=cl.device, num_nodes=cl.num_nodes, gpus_per_node=cl.gpus_per_node,
+                              trainer=tr.parallel, trainer_gpus=tr.num_gpus, engine=ro.engine,
+                              num_engines=ro.num_engines, engine_tp=ro.engine_tp, mode=r.placement.mode,
+                              reference=r.algorithm.kl.reference)
+
+
 @dataclass(frozen=True)
 class Layout:
     """Who runs where. `stage_layers[p]` lists the global layer ids held by pipeline rank p (all its
@@ -73,17 +86,16 @@ class Layout:
     nodes_per_engine: float
     rollout_gpus: int
     samples_per_step: int
+    plan: Placement  # who runs on which node and GPU (`placement_of`)
     warnings: list[str] = field(default_factory=list)
 
 
 def plan_layout(r: "Recipe", c: BeamConfig) -> Layout:
     """Check `r` against `c` (raises `RecipeError`) and return the layout."""
     check_model_fit(r, c)
+    placement = placement_of(r)
     tr, ro, cl = r.trainer, r.rollout, r.cluster
     warnings: list[str] = []
-    if cl.device == "cuda" and tr.tp > cl.gpus_per_node:
-        warnings.append(f"trainer.tp={tr.tp} spans nodes (gpus_per_node={cl.gpus_per_node}): TP all-reduces "
-                        "will cross the inter-node network")
     if cl.device == "cuda" and r.placement.mode == "disaggregated" and tr.num_gpus % cl.gpus_per_node:
         warnings.append(f"trainer.num_gpus={tr.num_gpus} is not whole nodes: trainer and engines share a node")
     if c.moe_layers and r.algorithm.routing_replay is False:
@@ -98,7 +110,7 @@ def plan_layout(r: "Recipe", c: BeamConfig) -> Layout:
         optimizer_steps_per_rollout=ro.samples_per_step // tr.global_batch_size,
         engine=ro.engine, num_engines=ro.num_engines, engine_tp=ro.engine_tp,
         nodes_per_engine=ro.engine_tp / cl.gpus_per_node, rollout_gpus=ro.num_gpus,
-        samples_per_step=ro.samples_per_step, warnings=warnings,
+        samples_per_step=ro.samples_per_step, plan=placement, warnings=warnings,
     )
 
 
@@ -140,7 +152,7 @@ def format_layout(r: "Recipe", c: BeamConfig, source: str, lay: Layout,
         f"ep*etp = {lay.ep * lay.etp} divides tp*dp = {lay.tp * lay.dp}; heads {c.num_attention_heads}/"
         f"{c.num_key_value_heads} % tp ok; experts {c.num_experts} % ep ok; layers {c.num_hidden_layers} % pp ok")
     for p, layers in enumerate(lay.stage_layers):
-        add(f"  stage {p}: layers {_ranges(layers)} ({len(layers)})")
+        add(f"  stage {p}: layers {ranges(layers)} ({len(layers)})")
     add(f"  batch: {r.rollout.prompts_per_step} prompts x {r.rollout.n_samples_per_prompt} samples = "
         f"{lay.samples_per_step} per step = {lay.optimizer_steps_per_rollout} optimizer step(s) of "
         f"{r.trainer.global_batch_size} = {lay.micro_batches_per_optimizer_step} micro-batch(es) of "
@@ -151,6 +163,7 @@ def format_layout(r: "Recipe", c: BeamConfig, source: str, lay: Layout,
     add(f"rollout: {lay.num_engines} x {lay.engine} engine(s) of TP{lay.engine_tp}"
         f"{f' ({lay.nodes_per_engine:g} nodes each)' if lay.nodes_per_engine > 1 else ''} = {lay.rollout_gpus} {unit}; "
         f"max_new_tokens {r.rollout.max_new_tokens}; routed experts {'on' if routes else 'off'}")
+    add(format_placement(lay.plan))
     add("memory per GPU (estimate):")
     for m in trainer_mem:
         add(f"  trainer stage {m.stage}: {_gib(m.total)} = weights {_gib(m.weights)} + grads {_gib(m.grads)} + "
@@ -181,13 +194,3 @@ def format_layout(r: "Recipe", c: BeamConfig, source: str, lay: Layout,
         add(f"warning: {w}")
     return "\n".join(L)
 
-
-def _ranges(xs: list[int]) -> str:
-    out, start = [], None
-    for i, x in enumerate(xs):
-        if start is None:
-            start = x
-        if i + 1 == len(xs) or xs[i + 1] != x + 1:
-            out.append(f"{start}" if start == x else f"{start}-{x}")
-            start = None
-    return ",".join(out)

@@ -91,7 +91,8 @@ class RunSection(Section):
 
 
 class TimeoutsSection(Section):
-    """Every wait of the loop has one of these limits (seconds)."""
+    """Every wait of the loop has one of these limits (seconds). health_s also bounds the placement groups being
+    placed at start-up (a cluster too small for the plan fails then, naming its size)."""
 
     generate_s: float = Field(1800.0, gt=0)
     train_step_s: float = Field(3600.0, gt=0)

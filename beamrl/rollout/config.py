@@ -13,7 +13,8 @@ from pydantic import Field, model_validator
 
 from beamrl.config import ConfigError, Section, registry_choice
 from beamrl.rollout.engines import ENGINES
-from beamrl.rollout.sglang.config import ATTENTION_BACKENDS, DETERMINISTIC_ATTENTION_BACKENDS, SGLANG_NAMES
+from beamrl.rollout.sglang.config import (ATTENTION_BACKENDS, DETERMINISTIC_ATTENTION_BACKENDS, PLACEMENT_ARGS,
+                                          SGLANG_NAMES)
 
 if TYPE_CHECKING:
     from beamrl.models.beam import BeamConfig
@@ -61,6 +62,9 @@ class RolloutConfig(Section):
         if self.top_k == 0 or self.top_k < -1:
             raise ConfigError("top_k", self.top_k, "-1 (off) or >= 1")
         for key in self.server_args:
+            if key in PLACEMENT_ARGS:
+                raise ConfigError(f"server_args.{key}", self.server_args[key], "set by beamrl for each engine process "
+                                  "from the placement plan (cluster, engine_tp) and the run's API key; remove it")
             if key in SERVER_ARGS_OWNED:
                 raise ConfigError(f"server_args.{key}", self.server_args[key],
                                   f"set {SERVER_ARGS_OWNED[key]} instead (first-class field)")

@@ -15,6 +15,17 @@ def test_dry_run_grpo_dapo_math_passes(capsys):
     assert "dry-run: OK" in out
 
 
+def test_dry_run_grpo_dapo_math_b200_passes(capsys):
+    """The same job sized for B200: four single-node TP8 engines, the optimizer state on the GPU, within capacity."""
+    assert main(["train", "recipes/grpo_dapo_math_b200.yaml", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "12 node(s) x 8 B200 = 96 GPUs" in out and "4 x sglang engine(s) of TP8 = 32 GPUs" in out
+    assert "optimizer 87.6 GiB" in out and "per B200" in out and "dry-run: OK" in out
+    for k, node in enumerate(range(8, 12)):  # one whole node per engine, no multi-node engine
+        assert f"node {node} GPUs 0-7: engine sglang-{k} TP ranks 0-7, weight-sync ranks {1 + 8 * k}-{8 + 8 * k}" in out
+    assert "node rank" not in out
+
+
 def test_dry_run_quickstart_passes(capsys):
     assert main(["train", "quickstart", "--dry-run"]) == 0
     assert "capacity: not checked on cluster.device=cpu" in capsys.readouterr().out

@@ -33,8 +33,13 @@ def _dry_run(tmp_path, *args):
 
 def test_ray_cluster_dry_run_structure(tmp_path):
     lines = _dry_run(tmp_path, ["beamrl", "train", "recipes/grpo_dapo_math.yaml", "run.num_steps=5"])
-    assert len(lines) == 4
+    assert len(lines) == 6
+    # Ray token authentication: a token installed on every host first (through stdin), then required everywhere
+    assert [l.split()[1] for l in lines[:2]] == ["gpu-node-01", "gpu-node-02"]
+    assert all("cat > ~/.ray/beamrl_auth_token' < (this cluster's token)" in l for l in lines[:2])
+    lines = lines[2:]
     assert all(l.startswith("ssh ") and "cd /opt/beamrl && source launch/env.sh" in l for l in lines)
+    assert all("export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=$HOME/.ray/beamrl_auth_token" in l for l in lines)
     head, worker, wait, train = lines
     assert head.startswith("ssh gpu-node-01 ") and "ray start --head --port=6400" in head  # head first
     assert worker.startswith("ssh gpu-node-02 ") and "ray start --address=gpu-node-01:6400" in worker
@@ -52,6 +57,9 @@ def test_ray_cluster_stop_and_errors(tmp_path):
 
 FAKE = """#!/usr/bin/env bash
 echo "$(basename "$0") $*" >> "$FAKE_LOG"
+if [[ "$(basename "$0")" =~ ^(ray|beamrl)$ ]]; then
+  echo "auth $RAY_AUTH_MODE $(wc -c < "$RAY_AUTH_TOKEN_PATH") $(stat -c %a "$RAY_AUTH_TOKEN_PATH")" >> "$FAKE_LOG"
+fi
 if [[ "$(basename "$0")" == srun && " $* " == *" hostname "* ]]; then echo 10.0.0.1; fi
 if [[ "$(basename "$0")" == scontrol ]]; then printf 'n1\\nn2\\nn3\\n'; fi
 exit 0
@@ -83,6 +91,10 @@ def test_sbatch_with_fake_slurm(tmp_path):
     assert "--nodes 3" in calls[waits[-1]] and waits[-1] < train
     assert any("ray stop" in c for c in calls[train:])  # cleanup on exit
     assert "NCCL_CUMEM_ENABLE" not in r.stderr
+    # Ray token authentication: every `ray` call and the driver see a private 64-hex-digit token; removed at exit
+    auth = [c for c in calls if c.startswith("auth ")]
+    assert len(auth) == sum(c.startswith(("ray ", "beamrl ")) for c in calls) and set(auth) == {"auth token 64 600"}
+    assert not list((checkout / ".ray-auth").iterdir())
 
 
 def test_sbatch_dry_run_skips_ray(tmp_path):
@@ -98,4 +110,5 @@ def test_sbatch_dry_run_skips_ray(tmp_path):
            "SLURM_SUBMIT_DIR": str(checkout), "SLURM_JOB_NODELIST": "n1"}
     subprocess.run(["bash", str(checkout / "launch" / "slurm" / "beamrl.sbatch"), "--dry-run"], env=env, check=True,
                    timeout=60)
-    assert log.read_text().splitlines() == ["beamrl train r.yaml --dry-run"]
+    assert log.read_text().splitlines()[0] == "beamrl train r.yaml --dry-run"
+    assert not (checkout / ".ray-auth").exists()  # a layout check starts no Ray and makes no token

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -59,3 +60,23 @@ def kill_after(out_dir: Path, marker: Path, *overrides: str, timeout: float = 90
         except ProcessLookupError:
             pass
         p.wait(timeout=60)
+
+
+def assert_engine_routes_replayed(rows):
+    """R3, from the trainer's replay self-check: in every step the training forward routed every (token, MoE layer)
+    pair the engine routed through exactly the engine's experts (docs/metrics.md, replay/*)."""
+    for r in rows:
+        assert r["train/replay/routes_checked"] > 0, r  # replay was on and the engine's routes reached the trainer
+        assert r["train/replay/route_mismatches"] == 0, r
+
+
+def assert_importance_metrics_in_bounds(rows, cap):
+    """TIS metrics: present, finite and inside the range their definitions allow."""
+    for r in rows:
+        m = {k[len("train/is/"):]: v for k, v in r.items() if k.startswith("train/is/")}
+        assert {"ratio_mean", "train_rollout_kl", "train_rollout_logprob_abs_diff", "truncated_fraction",
+                "masked_fraction"} <= set(m), sorted(m)
+        assert all(math.isfinite(v) for v in m.values()), m
+        assert m["ratio_mean"] > 0 and m["train_rollout_kl"] >= 0 and m["train_rollout_logprob_abs_diff"] >= 0
+        assert 0 <= m["truncated_fraction"] <= 1 and m["masked_fraction"] == 0  # TIS truncates, never masks
+        assert m["truncated_fraction"] > 0 or m["ratio_mean"] <= cap  # nothing truncated: every ratio <= cap

@@ -99,7 +99,7 @@ def test_a_hanging_reward_costs_the_others_nothing_and_the_step_about_one_timeou
 
 @pytest.fixture(scope="module")
 def local_ray(tmp_path_factory):
-    from beamrl.loop.ray_utils import init_local_ray
+    from beamrl.cluster.ray_start import init_local_ray
 
     init_local_ray(num_cpus=2, temp_dir=tmp_path_factory.mktemp("ray"))
     yield
@@ -124,7 +124,7 @@ def test_dead_engine_fails_fast_with_its_name(tmp_path, local_ray):
     rollout = RolloutConfig(engine="native", max_new_tokens=2, n_samples_per_prompt=1, prompts_per_step=1)
     launch = EngineLaunch(checkpoint=str(tmp_path / "ckpt"), dtype="float32", device="cpu", seed=0, name="native-0",
                           port=0, start_timeout=120, return_routed_experts=False)
-    group = EngineGroup([engine_factory(rollout, launch)], 120, [{"num_cpus": 1}])
+    group = EngineGroup([[engine_factory(rollout, launch)]], 120, [[{"num_cpus": 1}]])
     req = [[GenerateRequest([1, 2, 3], SamplingParams(max_new_tokens=2, seed=0))]]
     assert len(group.generate(req, 60)[0]) == 1
     ray.kill(group.actors[0])

@@ -22,7 +22,8 @@ BEAMRL = Path(__file__).resolve().parents[2] / "beamrl"
 # section -> (module that must define its class, packages whose code reads its fields)
 OWNERS = {
     "trainer": ("beamrl.trainer.megatron.config", ["trainer", "loop"]),
-    "rollout": ("beamrl.rollout.config", ["rollout", "loop"]),
+    # the recipe package reads the rollout fields that size the placement plan (`layout.placement_of`)
+    "rollout": ("beamrl.rollout.config", ["rollout", "loop", "recipe"]),
     "algorithm": ("beamrl.algorithms.config", ["algorithms", "loop"]),
     "data": ("beamrl.data.config", ["data", "loop"]),
     "sync": ("beamrl.sync.config", ["sync", "loop"]),
@@ -39,8 +40,6 @@ OWNERS = {
 NOT_READ_BY_NAME = {
     "run.output_dir": "derived: read through `RunSection.resolved_output_dir` (null = outputs/<run.name>)",
     "sync.bucket_mb": "derived: read through `SyncConfig.bucket_bytes` (MiB -> bytes at the transport)",
-    "timeouts.health_s": "not used yet: the loop runs no engine health checks (rollout/health.py takes its own "
-                         "timeout argument)",
 }
 
 # (config class, keyword, recipe field) allowed by check 3, and why.

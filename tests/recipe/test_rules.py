@@ -32,6 +32,9 @@ CASES = [
     (["rollout.top_k=0"], "rollout.top_k", "-1"),
     (["rollout.server_args={mem_fraction_static: 0.5}"], "rollout.server_args.mem_fraction_static",
      "rollout.mem_fraction"),
+    # the placement arguments come from the plan and the run's API key, one set per engine process
+    (["rollout.server_args={nnodes: 2}"], "rollout.server_args.nnodes", "placement plan"),
+    (["rollout.server_args={api_key: k}"], "rollout.server_args.api_key", "placement plan"),
     (["rollout.deterministic=true"], "rollout.attention_backend", "fa3"),
     (["rollout.deterministic=true", "rollout.attention_backend=trtllm_mha"], "rollout.attention_backend", "fa3"),
     (["rollout.engine=native"], "rollout.engine_tp", "native engine"),

@@ -9,6 +9,7 @@ Fields that are also recipe fields (`rollout.engine_tp`, `rollout.mem_fraction`,
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,8 @@ DTYPES = ("auto", *DTYPE_NAMES)  # "auto": the checkpoint's own dtype
 SGLANG_NAMES = {"engine_tp": "tp_size", "mem_fraction": "mem_fraction_static",
                 "return_routed_experts": "enable_return_routed_experts",
                 "deterministic": "enable_deterministic_inference"}
+# Set per process by the launcher from the placement plan (and the run's API key); never from `server_args`.
+PLACEMENT_ARGS = ("host", "port", "nnodes", "node_rank", "dist_init_addr", "base_gpu_id", "api_key", "config")
 # The CPU engine (CI, laptops, `beamrl parity` without a GPU): SGLang's torch_native attention and a small pool
 # (sglang-integration.md §3). `SGLangEngineConfig.on_cpu` starts from these.
 CPU_SETTINGS: dict[str, Any] = dict(
@@ -46,7 +49,13 @@ class SGLangEngineConfig:
 
     `server_args` are passed through verbatim (`{"context_length": 4096}` -> `context_length=4096` /
     `--context-length 4096`; `True` -> a bare flag) for options beamrl does not model; they may not override a
-    modelled field."""
+    modelled field.
+
+    Multi-node engines (scale-out): every node runs one server with the same arguments except `node_rank`;
+    `nnodes` nodes split the `engine_tp` ranks evenly and meet at `dist_init_addr` (the leader's host:port).
+    `base_gpu_id` is the first GPU of this node's share among `visible_gpus` (the server's CUDA_VISIBLE_DEVICES,
+    None = inherit). A server bound to an address other than loopback must have an `api_key`; it reaches SGLang
+    through a private config file (`--config`), never the command line."""
 
     model_path: str
     engine_tp: int = 1
@@ -71,6 +80,12 @@ class SGLangEngineConfig:
     log_level: str = "warning"
     host: str = "127.0.0.1"
     port: int = 30000
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
+    base_gpu_id: int = 0
+    visible_gpus: tuple[int, ...] | None = None
+    api_key: str | None = field(default=None, repr=False)
     server_args: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -103,13 +118,36 @@ class SGLangEngineConfig:
                 raise SGLangConfigError(
                     "SGLangEngineConfig.deterministic=True is not available on device='cpu' "
                     "(the CPU engine only has the torch_native attention backend)")
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise SGLangConfigError(f"SGLangEngineConfig.node_rank={self.node_rank} must be in "
+                                    f"[0, nnodes={self.nnodes})")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise SGLangConfigError("SGLangEngineConfig.dist_init_addr (the leader's host:port) is required with "
+                                    f"nnodes={self.nnodes}")
+        if self.engine_tp % self.nnodes:
+            raise SGLangConfigError(f"SGLangEngineConfig.engine_tp={self.engine_tp} must split evenly over "
+                                    f"nnodes={self.nnodes}")
+        if self.base_gpu_id < 0:
+            raise SGLangConfigError(f"SGLangEngineConfig.base_gpu_id={self.base_gpu_id} must be >= 0")
+        if not self.api_key and not _is_loopback(self.host):
+            raise SGLangConfigError(f"SGLangEngineConfig.host={self.host!r} is reachable from other machines: set "
+                                    "api_key (a per-run secret) or bind to 127.0.0.1")
+        if self.api_key is not None and (not self.api_key or self.api_key.startswith("-") or
+                                         any(c.isspace() for c in self.api_key)):
+            # SGLang turns its --config file back into command-line arguments: a leading '-' reads as a flag
+            raise SGLangConfigError("SGLangEngineConfig.api_key must be non-empty, without whitespace, and not start "
+                                    "with '-'")
         if self.enable_memory_saver and self.device == "cpu":
             raise SGLangConfigError(
                 "SGLangEngineConfig.enable_memory_saver=True needs CUDA (torch_memory_saver); device is 'cpu'")
-        clash = set(self.server_args) & set(self._modelled_kwargs())
+        clash = set(self.server_args) & (set(self._modelled_kwargs()) | set(PLACEMENT_ARGS))
         if clash:
             raise SGLangConfigError(f"SGLangEngineConfig.server_args must not override modelled fields: "
                                     f"{sorted(clash)}")
+
+    @property
+    def tp_per_node(self) -> int:
+        return self.engine_tp // self.nnodes
 
     @classmethod
     def on_cpu(cls, model_path: str | Path, **overrides: Any) -> "SGLangEngineConfig":
@@ -129,6 +167,10 @@ class SGLangEngineConfig:
                         max_total_tokens=self.max_total_tokens, max_running_requests=self.max_running_requests,
                         chunked_prefill_size=self.chunked_prefill_size)
         kw.update({k: v for k, v in optional.items() if v is not None})
+        if self.nnodes > 1:
+            kw.update(nnodes=self.nnodes, node_rank=self.node_rank, dist_init_addr=self.dist_init_addr)
+        if self.base_gpu_id:
+            kw["base_gpu_id"] = self.base_gpu_id
         return {SGLANG_NAMES.get(k, k): v for k, v in kw.items()}
 
     def engine_kwargs(self) -> dict[str, Any]:
@@ -147,3 +189,10 @@ class SGLangEngineConfig:
             elif value is not None:
                 argv += [flag, str(value)]
         return argv
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"

@@ -1,7 +1,8 @@
 """`SGLangEngine`: SGLang 0.5.23's in-process `sglang.Engine` behind beamrl's `RolloutEngine` + `WeightReceiver`.
 
-For single-node use and tests (the CPU engine in CI). Production uses the HTTP server (`server.py`) or the Ray
-actor (`ray_actor.py`), which also survive an engine crash without taking the caller down.
+For single-node use and tests (the CPU engine in CI). The RL loop runs the HTTP server (`server.py`, one per node
+of an engine) inside a Ray actor (`beamrl.loop.actors.EngineActor`), which also survives an engine crash without
+taking the caller down.
 
 Every call runs the tokenizer manager's coroutine on `engine.loop` under `asyncio.wait_for`, so it has a
 timeout and never hangs; calls are serialized by a lock (one event loop). Child-process liveness is checked
@@ -82,6 +83,9 @@ class SGLangEngine(RolloutEngine, WeightReceiver):
         """Launch the engine (blocking, at most `start_timeout` s); raise `EngineError` with the log tail."""
         if self._engine is not None:
             return
+        if self.config.nnodes > 1:
+            raise EngineError("the in-process SGLang engine runs on one node; a multi-node engine is one server per "
+                              "node (SGLangHTTPEngine + SGLangFollower)")
         if self.config.device == "cpu":
             from beamrl.compat.sglang_cpu import activate
 
@@ -108,7 +112,7 @@ class SGLangEngine(RolloutEngine, WeightReceiver):
 
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         t0 = time.monotonic()
-        with _stderr_to(self.log_path), _spawn_env(self.config.device):
+        with _stderr_to(self.log_path), _spawn_env(self.config):
             thread = threading.Thread(target=launch, name="sglang-engine-owner", daemon=True)
             thread.start()
             started.wait(self.start_timeout)
@@ -442,15 +446,26 @@ class SGLangEngine(RolloutEngine, WeightReceiver):
 
 
 @contextmanager
-def _spawn_env(device: str) -> Iterator[None]:
-    """On CPU, SGLang's spawned processes need the compat shims (beamrl.compat.sglang_cpu.spawn_env)."""
-    if device != "cpu":
+def _spawn_env(config: SGLangEngineConfig) -> Iterator[None]:
+    """On CPU, SGLang's spawned processes need the compat shims (beamrl.compat.sglang_cpu.spawn_env) and, with
+    several TP ranks, the CPU engine's TP settings (`tp_env`), set only while the engine starts."""
+    if config.device != "cpu":
         yield
         return
-    from beamrl.compat.sglang_cpu import spawn_env
+    from beamrl.compat.sglang_cpu import spawn_env, tp_env
 
-    with spawn_env():
-        yield
+    extra = tp_env(config.base_gpu_id + config.engine_tp) if config.engine_tp > 1 else {}
+    saved = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    try:
+        with spawn_env():
+            yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 @contextmanager

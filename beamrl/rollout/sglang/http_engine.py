@@ -2,7 +2,9 @@
 
 Every request has a timeout (`requests`); a refused connection or a `success: false` reply raises
 `EngineError`/`WeightSyncError` with the server's own message. Optionally owns an `SGLangServer` (shut down
-with the engine).
+with the engine). With an `api_key` every request carries it (`Authorization: Bearer`), as SGLang's `--api-key`
+requires. Of a multi-node engine only the leader (node rank 0) is an `SGLangHTTPEngine`; the other nodes are
+`SGLangFollower`s (`follower.py`).
 """
 
 from __future__ import annotations
@@ -22,10 +24,11 @@ class SGLangHTTPEngine(RolloutEngine, WeightReceiver):
 
     def __init__(self, url: str, beam_config: BeamConfig, tp_size: int = 1, weight_version: int = 0,
                  memory_saver: bool = False, server=None, dtype: str = "auto", model_path: str | None = None,
-                 rollback: bool = False) -> None:
+                 rollback: bool = False, api_key: str | None = None) -> None:
         """`dtype`: the engine's serving dtype ('auto': the checkpoint's). `rollback` (needs `model_path`, the
         checkpoint the server started from): undo a failed weight-update session from a host mirror
-        (`SGLangSyncGuard`; off by default: GPU servers hold weights too large to mirror)."""
+        (`SGLangSyncGuard`; off by default: GPU servers hold weights too large to mirror). `api_key`: the
+        server's `--api-key`, sent with every request."""
         import requests
 
         if rollback and model_path is None:
@@ -37,6 +40,8 @@ class SGLangHTTPEngine(RolloutEngine, WeightReceiver):
         self._memory_saver = memory_saver
         self.server = server
         self._session = requests.Session()
+        if api_key:
+            self._session.headers["Authorization"] = f"Bearer {api_key}"
         self._in_session = False
         self._guard = SGLangSyncGuard(self.name, beam_config, dtype, model_path or "", rollback=rollback)
 
@@ -45,10 +50,13 @@ class SGLangHTTPEngine(RolloutEngine, WeightReceiver):
         """Start an `SGLangServer` for `config` and return a client that owns it."""
         from beamrl.rollout.sglang.server import SGLangServer
 
+        if config.node_rank != 0:
+            raise ValueError(f"node rank {config.node_rank} of a multi-node engine serves no API: launch it as an "
+                             "SGLangFollower")
         server = SGLangServer(config, log_path=log_path).start(start_timeout)
         return cls(server.url, BeamConfig.from_json_file(config.model_path), tp_size=config.engine_tp,
                    weight_version=config.weight_version, memory_saver=config.enable_memory_saver, server=server,
-                   dtype=config.dtype, model_path=config.model_path)
+                   dtype=config.dtype, model_path=config.model_path, api_key=config.api_key)
 
     @property
     def name(self) -> str:

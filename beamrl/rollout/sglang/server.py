@@ -2,11 +2,18 @@
 
 The command line comes from `SGLangEngineConfig.launch_argv()`. The server's stdout/stderr go to `log_path`,
 whose tail is quoted in every start-up error. On a machine without CUDA the child gets the CPU shims through
-`beamrl.compat.sglang_cpu.child_env()` (never on a GPU machine: that module refuses).
+`beamrl.compat.sglang_cpu.child_env()` (never on a GPU machine: that module refuses), and with several TP ranks
+the CPU engine's own TP settings (`tp_env`). On a GPU, `visible_gpus` becomes the child's CUDA_VISIBLE_DEVICES.
+The API key goes into a file only this user can read, passed as `--config`, so it never shows on a command line.
+
+A multi-node engine is one server per node (`nnodes`, `node_rank`): only node rank 0 serves the API; the others
+run their TP ranks' schedulers and answer `/health` only, which `start()` waits for on every node.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -32,20 +39,39 @@ class SGLangServer:
     def url(self) -> str:
         return f"http://{self.config.host}:{self.config.port}"
 
+    @property
+    def secrets_path(self) -> Path:
+        """The `--config` file holding the API key (mode 0600), next to the log."""
+        return self.log_path.parent / "server-secrets.yaml"
+
     def command(self) -> list[str]:
-        return [self.python, "-m", "sglang.launch_server", *self.config.launch_argv()]
+        extra = ["--config", str(self.secrets_path)] if self.config.api_key else []
+        return [self.python, "-m", "sglang.launch_server", *self.config.launch_argv(), *extra]
 
     def _env(self) -> dict[str, str] | None:
-        if self.config.device != "cpu":
-            return None
-        from beamrl.compat.sglang_cpu import child_env
+        c = self.config
+        if c.device != "cpu":
+            if c.visible_gpus is None:
+                return None
+            return dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(str(g) for g in c.visible_gpus))
+        from beamrl.compat.sglang_cpu import child_env, tp_env
 
         import torch
 
         if torch.cuda.is_available():
             raise EngineError("SGLangEngineConfig.device='cpu' on a machine with CUDA: use device='cuda'")
         # The shims are installed in the child by the boot dir's sitecustomize (not in this process).
-        return child_env()
+        env = child_env()
+        if c.engine_tp > 1:
+            env.update(tp_env(c.base_gpu_id + c.tp_per_node))
+        return env
+
+    def _write_secrets(self) -> None:
+        if not self.config.api_key:
+            return
+        fd = os.open(self.secrets_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(f"api-key: {json.dumps(self.config.api_key)}\n")  # a JSON string is a valid YAML scalar
 
     def start(self, timeout: float = 600.0, poll: float = 1.0) -> "SGLangServer":
         """Launch and wait for `GET /health` to answer 200, at most `timeout` s; `EngineError` with the log tail."""
@@ -54,6 +80,7 @@ class SGLangServer:
         if self.process is not None:
             return self
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._write_secrets()
         log = open(self.log_path, "ab")
         try:
             self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=self._env(),
@@ -84,11 +111,22 @@ class SGLangServer:
     def is_running(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
+    def health(self, timeout: float) -> bool:
+        """The process is alive and `GET /health` answers 200 within `timeout` s."""
+        import requests
+
+        if not self.is_running():
+            return False
+        try:
+            return requests.get(self.url + "/health", timeout=timeout).status_code == 200
+        except requests.RequestException:
+            return False
+
     def stop(self, grace: float = 10.0) -> None:
         """Terminate the server and its children (its own process group); idempotent."""
-        import os
         import signal
 
+        self.secrets_path.unlink(missing_ok=True)
         if self.process is None:
             return
         proc, self.process = self.process, None

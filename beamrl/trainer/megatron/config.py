@@ -12,11 +12,14 @@
   * model (`check_model`): tp divides the attention and KV heads (query groups are sharded over TP), the vocab
     and the dense-MLP width; ep divides num_experts and etp the expert width; a MoE model with tp > 1 needs sp;
     a dense model needs ep = 1; pp divides the layers and vpp the layers per stage.
-Rank order is Megatron's default `tp-cp-ep-dp-pp`: TP ranks are adjacent, PP is outermost.
+Rank order is Megatron's default `tp-cp-ep-dp-pp`: TP ranks are adjacent, PP is outermost (`coordinates`: which
+groups a global rank belongs to, as `parallel_state.RankGenerator` numbers them; the placement plan keeps each
+TP and expert-TP group inside a node with it).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field, model_validator
@@ -25,6 +28,31 @@ from beamrl.config import ConfigError, Section
 
 if TYPE_CHECKING:
     from beamrl.models.beam.config import BeamConfig
+
+
+@dataclass(frozen=True)
+class RankCoordinates:
+    """Where one global trainer rank sits in Megatron's two rank grids (order `tp-cp-ep-dp-pp`, no CP).
+
+    Dense grid: `tp` (TP rank), `dp`, `pp`. Expert grid: `etp` (expert-TP rank), `ep`, `expert_dp`, `pp`."""
+
+    rank: int
+    tp: int
+    dp: int
+    pp: int
+    etp: int
+    ep: int
+    expert_dp: int
+
+    @property
+    def tp_group(self) -> tuple[int, int]:
+        """The TP group's id: ranks with the same (pp, dp) share one."""
+        return self.pp, self.dp
+
+    @property
+    def expert_tp_group(self) -> tuple[int, int, int]:
+        """The expert-TP group's id: ranks with the same (pp, expert_dp, ep) share one."""
+        return self.pp, self.expert_dp, self.ep
 
 
 class ParallelConfig(Section):
@@ -83,6 +111,19 @@ class ParallelConfig(Section):
     def expert_dp_size(self, num_gpus: int) -> int:
         """Data-parallel size of the experts: num_gpus / (ep * etp * pp)."""
         return num_gpus // (self.ep * self.etp * self.pp)
+
+    def coordinates(self, rank: int, num_gpus: int) -> RankCoordinates:
+        """Megatron's coordinates of global `rank` among `num_gpus` ranks: the dense grid numbers ranks
+        tp + tp_size * (dp + dp_size * pp), the expert grid etp + etp_size * (ep + ep_size * (expert_dp +
+        expert_dp_size * pp))."""
+        dp, edp = self.dp_size(num_gpus), self.expert_dp_size(num_gpus)
+        if not 0 <= rank < num_gpus:
+            raise ValueError(f"rank {rank} is outside a trainer of {num_gpus} ranks")
+        per_stage = num_gpus // self.pp
+        within = rank % per_stage
+        return RankCoordinates(rank=rank, tp=within % self.tp, dp=(within // self.tp) % dp, pp=rank // per_stage,
+                               etp=within % self.etp, ep=(within // self.etp) % self.ep,
+                               expert_dp=(within // (self.etp * self.ep)) % edp)
 
     def stage_layers(self, num_layers: int) -> list[list[int]]:
         """Global layer ids per pipeline rank: with interleaving, rank p holds virtual chunks p, p + pp, ...

@@ -24,6 +24,14 @@ def test_cpu_recipe_renders_to_engine_kwargs_and_cli():
     (dict(device="tpu"), "device"),
     (dict(device="cpu", enable_memory_saver=True), "enable_memory_saver"),
     (dict(server_args={"tp_size": 2}), "server_args"),
+    (dict(server_args={"nnodes": 2}), "server_args"),
+    (dict(server_args={"api_key": "x"}), "server_args"),
+    (dict(nnodes=2), "dist_init_addr"),
+    (dict(nnodes=2, node_rank=2, dist_init_addr="10.0.0.1:5000", engine_tp=2), "node_rank"),
+    (dict(nnodes=2, dist_init_addr="10.0.0.1:5000", engine_tp=3), "engine_tp"),
+    (dict(host="10.0.0.1"), "api_key"),
+    (dict(host="0.0.0.0"), "api_key"),
+    (dict(api_key="-starts-like-a-flag"), "api_key"),
 ])
 def test_invalid_fields_are_named(kwargs, field):
     with pytest.raises(SGLangConfigError, match=field):
@@ -33,3 +41,49 @@ def test_invalid_fields_are_named(kwargs, field):
 def test_deterministic_with_explicit_backend_is_accepted():
     cfg = SGLangEngineConfig(model_path="/ckpt", deterministic=True, attention_backend="fa3")
     assert "--enable-deterministic-inference" in cfg.launch_argv()
+
+
+def test_multi_node_server_arguments(tmp_path):
+    """Every node of a TP16 engine on two nodes gets the same arguments except its node rank; the API key reaches
+    SGLang through a file only this user can read, never the command line."""
+    import stat
+
+    from beamrl.rollout.sglang.server import SGLangServer
+
+    common = dict(model_path="/ckpt", engine_tp=16, nnodes=2, dist_init_addr="10.0.0.1:5000", host="10.0.0.2",
+                  port=31000, api_key="s3cret", random_seed=7)
+    leader, follower = (SGLangEngineConfig(node_rank=r, **common) for r in (0, 1))
+    a, b = leader.launch_argv(), follower.launch_argv()
+    for argv, rank in ((a, "0"), (b, "1")):
+        assert argv[argv.index("--tp-size") + 1] == "16" and argv[argv.index("--nnodes") + 1] == "2"
+        assert argv[argv.index("--node-rank") + 1] == rank
+        assert argv[argv.index("--dist-init-addr") + 1] == "10.0.0.1:5000"
+        assert argv[argv.index("--random-seed") + 1] == "7" and argv[argv.index("--host") + 1] == "10.0.0.2"
+    a[a.index("--node-rank") + 1] = b[b.index("--node-rank") + 1] = "?"
+    assert a == b
+    server = SGLangServer(follower, log_path=tmp_path / "node1" / "server.log")
+    assert "s3cret" not in " ".join(server.command()) and "s3cret" not in repr(follower)
+    server.log_path.parent.mkdir()
+    server._write_secrets()
+    assert server.command()[-2:] == ["--config", str(server.secrets_path)]
+    assert stat.S_IMODE(server.secrets_path.stat().st_mode) == 0o600
+    assert "s3cret" in server.secrets_path.read_text()
+    server.stop()  # the key does not outlive the server
+    assert not server.secrets_path.exists()
+    single = SGLangEngineConfig(model_path="/ckpt", base_gpu_id=4)
+    argv = single.launch_argv()
+    assert "--nnodes" not in argv and argv[argv.index("--base-gpu-id") + 1] == "4"
+
+
+def test_server_gets_its_gpus_and_cpu_tp_settings(monkeypatch):
+    from beamrl.rollout.sglang.server import SGLangServer
+
+    gpu = SGLangServer(SGLangEngineConfig(model_path="/ckpt", engine_tp=8, visible_gpus=(3, 1, 2, 0, 7, 6, 5, 4)))
+    assert gpu._env()["CUDA_VISIBLE_DEVICES"] == "3,1,2,0,7,6,5,4"
+    assert SGLangServer(SGLangEngineConfig(model_path="/ckpt"))._env() is None  # the actor's own GPUs
+    cpu = SGLangServer(SGLangEngineConfig.on_cpu("/ckpt", engine_tp=2, nnodes=2, node_rank=1, base_gpu_id=1,
+                                                 dist_init_addr="127.0.0.1:5000"))
+    env = cpu._env()
+    assert env["SGLANG_USE_CPU_ENGINE"] == "1" and env["SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK"] == "0"
+    assert len(env["SGLANG_CPU_OMP_THREADS_BIND"].split("|")) == 2  # rank slots 0 and 1 (base_gpu_id 1)
+    assert "SGLANG_CPU_OMP_THREADS_BIND" not in SGLangServer(SGLangEngineConfig.on_cpu("/ckpt"))._env()

@@ -1,0 +1,63 @@
+"""Rehearsals of cluster layouts on one machine (`cluster.device: cpu` with several nodes: a local Ray cluster of
+one simulated node per recipe node), end to end through `beamrl train` with the real SGLang CPU engine and the
+real Megatron trainer (gloo), disaggregated, the weights synced over the distributed transport and verified
+after every step:
+- an engine of TP2 spanning two nodes (two server processes) next to a one-rank trainer;
+- a TP2 trainer on a node of its own, its TP2 engine on the other node, one step off policy."""
+
+import pytest
+
+from tests.loop.e2e_helpers import (assert_engine_routes_replayed, assert_importance_metrics_in_bounds, metrics,
+                                     run_train)
+
+pytestmark = pytest.mark.slow
+
+# Every step must change the weights (a learning signal from a random policy), or a sync that moved nothing would
+# verify as well as one that moved everything.
+COMMON = ["rollout.engine=sglang", "model.dtype=bfloat16", "trainer.distributed_optimizer=true",
+          "placement.mode=disaggregated", "sync.transport=distributed", "sync.verify=true", "run.num_steps=3",
+          "trainer.lr=1.0e-2", "rewards=[{name: digit, fn: 'tests.loop.shaped_rewards:first_digit'}]"]
+
+
+def _ok(p):
+    assert p.returncode == 0, f"beamrl train failed (rc={p.returncode}):\n{p.stdout[-4000:]}\n{p.stderr[-6000:]}"
+
+
+def _synced_and_verified_every_step(rows, versions):
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert [r["rollout/weight_version"] for r in rows] == versions
+    assert [r["sync/version"] for r in rows] == [1, 2, 3]  # each engine reported the new version after each step
+    # the probe check ran after every sync (bf16: the run fails above 0.5; a stale engine is far above it)
+    assert all(r["sync/verify_max_abs_logprob_diff"] < 0.5 for r in rows), [r["sync/verify_max_abs_logprob_diff"]
+                                                                            for r in rows]
+    assert all(r["train/grad_norm"] > 0 for r in rows)  # the weights changed every step
+    # R3: on the steps sampled with the weights being trained, the engine's logprobs are the trainer's
+    on_policy = [r["train_rollout_logprob_abs_diff"] for r in rows if r["rollout/weight_version"] == r["step"]]
+    assert on_policy and max(on_policy) < 0.1, on_policy
+    assert_engine_routes_replayed(rows)
+
+
+def test_engine_spanning_two_nodes(tmp_path):
+    p = run_train(tmp_path / "run", *COMMON, "cluster.num_nodes=3", "cluster.gpus_per_node=1",
+                  "rollout.engine_tp=2", timeout=1500)
+    _ok(p)
+    out = p.stdout
+    assert "rehearsal: local Ray cluster of 3 simulated node(s) x 1 worker slot(s)" in out
+    assert "node 0 slots 0: trainer ranks 0" in out
+    assert "node 1 slots 0: engine sglang-0 node rank 0/2 (leader: API) TP ranks 0, weight-sync ranks 1" in out
+    assert "node 2 slots 0: engine sglang-0 node rank 1/2 TP ranks 1, weight-sync ranks 2" in out
+    assert "1 sglang engine(s) (2 node process(es)) ready" in out
+    _synced_and_verified_every_step(metrics(tmp_path / "run"), [0, 1, 2])
+
+
+def test_tp2_trainer_on_its_own_node_one_step_off(tmp_path):
+    p = run_train(tmp_path / "run", *COMMON, "cluster.num_nodes=2", "cluster.gpus_per_node=2", "trainer.num_gpus=2",
+                  "trainer.tp=2", "trainer.sp=true", "rollout.engine_tp=2", "placement.off_policy_steps=1",
+                  "algorithm.importance.mode=tis", "algorithm.importance.cap=2.0", timeout=1500)
+    _ok(p)
+    assert "node 0 slots 0-1: trainer ranks 0-1 (tp 0-1, dp 0, pp 0; ep 0, expert-dp 0-1)" in p.stdout
+    assert "node 1 slots 0-1: engine sglang-0 TP ranks 0-1, weight-sync ranks 1-2" in p.stdout
+    rows = metrics(tmp_path / "run")
+    # one step off: step k+1 is generated with version k while step k trains
+    _synced_and_verified_every_step(rows, [0, 0, 1])
+    assert_importance_metrics_in_bounds(rows, cap=2.0)

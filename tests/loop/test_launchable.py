@@ -1,0 +1,38 @@
+"""What `beamrl train` refuses before starting any actor: the production layouts are launchable (multi-node
+engines, colocated engines with TP > 1); what still cannot work is named."""
+
+import pytest
+
+from beamrl.loop.setup import check_launchable
+from beamrl.recipe import RecipeError, load_recipe
+
+
+@pytest.mark.parametrize("name,overrides", [
+    ("grpo_dapo_math", []),  # two TP16 engines, each spanning two nodes
+    ("grpo_dapo_math_b200", []),
+    # colocated engines of TP8 on one node
+    ("grpo_dapo_math", ["cluster.num_nodes=1", "placement.mode=colocated", "placement.off_policy_steps=0",
+                        "sync.transport=colocated", "trainer.num_gpus=8", "trainer.ep=8", "rollout.num_engines=1",
+                        "rollout.engine_tp=8", "trainer.global_batch_size=256"]),
+])
+def test_production_layouts_are_launchable(name, overrides):
+    check_launchable(load_recipe(name, overrides))
+
+
+def test_colocated_cuda_ipc_across_nodes_is_refused_by_name():
+    r = load_recipe("grpo_dapo_math", ["placement.mode=colocated", "placement.off_policy_steps=0",
+                                       "sync.transport=colocated", "trainer.num_gpus=96", "trainer.ep=32",
+                                       "trainer.global_batch_size=96", "rollout.prompts_per_step=24",
+                                       "rollout.num_engines=12", "rollout.engine_tp=8"])
+    with pytest.raises(NotImplementedError, match="sync.transport=colocated on several nodes"):
+        check_launchable(r)
+    check_launchable(r.model_copy(update={"sync": r.sync.model_copy(update={"transport": "disk"})}))
+
+
+def test_cpu_engine_spanning_nodes_needs_a_transport_over_http():
+    r = load_recipe("quickstart", ["rollout.engine=sglang", "cluster.num_nodes=2", "trainer.num_gpus=2",
+                                   "rollout.engine_tp=2", "trainer.global_batch_size=64",
+                                   "trainer.micro_batch_size=32"])
+    with pytest.raises(RecipeError) as e:
+        check_launchable(r)
+    assert e.value.path == "sync.transport"
