@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from beamrl.models.beam.config import BeamConfig
+from beamrl.models.beam.lora_config import LoRAConfig
 from beamrl.trainer.megatron import train_step as schedule
 from beamrl.trainer.megatron.parallel import ParallelConfig, destroy_parallel, initialize_parallel
 from beamrl.trainer.protocol import (HFBucket, LogprobResult, LossFn, PackedBatch, TrainerWorker,
@@ -88,6 +89,8 @@ class TrainerConfig:
     logprob_micro_batch_sequences: int = 8
     #: Timeout of every collective (seconds).
     timeout_s: float = 600.0
+    #: LoRA adapters (docs/lora.md): only they train, the base is frozen. None = full-parameter training.
+    lora: LoRAConfig | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -112,7 +115,7 @@ def _beam_builder(cfg: TrainerConfig):
 
     tconfig = beam_transformer_config(cfg.model, cfg.parallel, dtype=cfg.params_dtype,
                                       use_fused_kernels=cfg.use_fused_kernels,
-                                      recompute="full" if cfg.recompute else "none")
+                                      recompute="full" if cfg.recompute else "none", lora=cfg.lora)
 
     def build(tc, pre_process: bool, post_process: bool, vp_stage: int | None):
         return build_beam_gpt_model(cfg.model, pre_process=pre_process, post_process=post_process,
@@ -421,6 +424,31 @@ class MegatronTrainer(TrainerWorker):
 
         for tensors in mapping.export_hf_tensors(self.models, bucket_bytes, dst_rank=dst_rank):
             yield HFBucket(dict(tensors))
+
+    # ------------------------------------------------------------------------------------------------ LoRA
+    def export_lora(self, bucket_bytes: int = 256 << 20, dst_rank: int = 0) -> Iterator[HFBucket]:
+        """Stream the full adapter tensors (PEFT names, `lora_mapping.export_adapter_tensors`). Collective."""
+        from beamrl.trainer.megatron import lora_mapping
+
+        for tensors in lora_mapping.export_adapter_tensors(self.models, bucket_bytes, dst_rank=dst_rank):
+            yield HFBucket(dict(tensors))
+
+    def load_lora_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Load full adapter tensors (every rank passes the same dict) into this rank's adapter shards."""
+        from beamrl.trainer.megatron import lora_mapping
+
+        lora_mapping.load_adapter_tensors(self.models, tensors, strict=True)
+        self._sync_main_params()
+
+    def lora_gradients(self) -> dict[str, torch.Tensor]:
+        """Adapter gradients left by `forward_backward` as full adapter tensors on global rank 0 ({} elsewhere).
+        Needs `use_distributed_optimizer=False` (as `hf_gradients`). Collective."""
+        from beamrl.trainer.megatron import lora_mapping
+
+        if self.config.optimizer.use_distributed_optimizer:
+            raise TrainerConfigError("lora_gradients needs OptimizerSettings.use_distributed_optimizer=False")
+        return {k: v for bucket in lora_mapping.export_adapter_tensors(self.models, 1 << 62, source="main_grad")
+                for k, v in bucket}
 
     def save_checkpoint(self, directory: str | Path) -> Path:
         from beamrl.trainer.megatron import checkpoint
