@@ -150,3 +150,17 @@ def init_lora_a(shape: tuple[int, int], seed: int, key: str) -> torch.Tensor:
     g = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
     bound = 1.0 / shape[-1] ** 0.5
     return (torch.rand(shape, generator=g, dtype=torch.float32) * 2 - 1) * bound
+
+
+def random_adapter(config: BeamConfig, lora: LoRAConfig, seed: int, dtype: torch.dtype = torch.float32,
+                   b_std: float = 0.02) -> dict[str, torch.Tensor]:
+    """A reproducible adapter with non-zero B (A as `init_lora_a`, B ~ N(0, b_std^2)): for tests and benchmarks,
+    where a freshly initialised adapter (B = 0) would merge to W0 and hide the merge."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, shape in adapter_tensor_shapes(config, lora).items():
+        if name.endswith("lora_A.weight"):
+            out[name] = init_lora_a(shape, seed, name).to(dtype)
+        else:
+            out[name] = (torch.randn(shape, generator=g) * b_std).to(dtype)
+    return out

@@ -13,6 +13,7 @@ id, a shared A without one.
 | mlp.linear_fc1.lora.<t> / mlp.linear_fc2.lora.<t> (dense) | as linear_qkv / linear_proj |        |
 | mlp.experts.lora.<t>                           | lora_A  | [E_local, r, in] (or shared [r, in]) |
 |                                                | lora_B  | [E_local, out, r], expert e = ep_rank * E_local + j |
+| mlp.experts.lora.<t> with share_expert_a       | lora_A  | columns block ep_rank of the shared A |
 
 Export (`export_adapter_tensors`) is a generator like `mapping.export_hf_tensors`: every rank must consume it to
 the end (TP/EP all-gathers and PP broadcasts run per layer in the same order everywhere); full tensors come out
@@ -148,6 +149,8 @@ def _local_shard(f: _Factor, tensors, lay: _Layout) -> torch.Tensor:
         return t.narrow(0, lay.tp_rank * (t.shape[0] // lay.tp), t.shape[0] // lay.tp)
     if f.mode == "tp_cols":
         return t.narrow(1, lay.tp_rank * (t.shape[1] // lay.tp), t.shape[1] // lay.tp)
+    if f.mode == "experts_shared":
+        return t.narrow(1, lay.ep_rank * (t.shape[1] // lay.ep), t.shape[1] // lay.ep)
     return t
 
 
@@ -230,8 +233,10 @@ def _gather_layer(factors: list[_Factor], lay: _Layout, source: str) -> dict[str
     out: dict[str, torch.Tensor] = {}
     for f in factors:
         t = _value(f, source)
-        if f.mode in ("replicated", "experts_shared"):
+        if f.mode == "replicated":
             out[f.name] = t.clone()
+        elif f.mode == "experts_shared":
+            out[f.name] = torch.cat(_all_gather(t, ep_group, lay.ep), dim=1)
         elif f.mode == "tp_rows":
             out[f.name] = torch.cat(_all_gather(t, tp_group, lay.tp), dim=0)
         elif f.mode == "tp_cols":

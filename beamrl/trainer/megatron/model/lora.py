@@ -11,8 +11,9 @@ DDP grad buffers nor the optimizer); W' is a temporary of each forward, like an 
 Sharding (each factor shards like the dimension of W0 it spans):
 - column-parallel bases (`linear_qkv`, `linear_fc1`): B [local rows, r] by output rows, A [r, in] replicated;
 - row-parallel bases (`linear_proj`, `linear_fc2`): A [r, local in] by input columns, B [out, r] replicated;
-- experts: per local expert (EP), A [E_local, r, in] / B [E_local, out, r]; `share_expert_a` keeps one A [r, in]
-  per projection, replicated over EP.
+- experts: per local expert (EP), A [E_local, r, in] / B [E_local, out, r]; with `share_expert_a` one A per
+  projection, stored as EP column shards [r, in/EP] and all-gathered for the merge (a replicated parameter would
+  be counted once per EP rank in Megatron's gradient norm; a sharded one is counted once).
 A replicated factor's gradient is a partial sum on each rank (its contraction runs over the sharded dimension):
 the factor enters the merge through `copy_to_tensor_model_parallel_region` over the sharding group (identity
 forward, all-reduce backward), so every replica gets the full gradient before DDP sees it.
@@ -31,7 +32,10 @@ from typing import Optional
 import torch
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+)
 
 from beamrl.models.beam.lora import init_lora_a, merge_lora_weight
 from beamrl.models.beam.lora_config import LoRAConfig
@@ -164,7 +168,11 @@ class LoRABeamExperts(BeamExperts):
         for target in lora.expert_targets:
             out_f, in_f = shapes[target]
             if lora.share_expert_a:
-                a = init_lora_a((lora.rank, in_f), lora.seed, f"{layer}:{target}")
+                if in_f % self.ep_group.size():
+                    raise ValueError(f"LoRAConfig.share_expert_a: {target} has {in_f} input features, not divisible "
+                                     f"by the expert-parallel size {self.ep_group.size()} (the shared A is EP-sharded)")
+                a = _shard(init_lora_a((lora.rank, in_f), lora.seed, f"{layer}:{target}"), 1,
+                           self.ep_group.rank(), self.ep_group.size())
             else:
                 a = torch.stack([init_lora_a((lora.rank, in_f), lora.seed, f"{layer}:{target}:{first_expert + j}")
                                  for j in range(num_local_experts)])
@@ -176,7 +184,7 @@ class LoRABeamExperts(BeamExperts):
         if key not in self.lora:
             return w0
         f = self.lora[key]
-        a = copy_to_tensor_model_parallel_region(f.lora_A, group=self.ep_group) if self.share_a else f.lora_A
+        a = _gather_columns(f.lora_A, self.ep_group) if self.share_a else f.lora_A
         return LoRAMerge.apply(w0, a, f.lora_B, self.lora_scale)
 
     def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -184,6 +192,14 @@ class LoRABeamExperts(BeamExperts):
         gate = self._merge(self.gate_up_weight[:, :I], "mlp.experts.gate_proj")
         up = self._merge(self.gate_up_weight[:, I:], "mlp.experts.up_proj")
         return torch.cat([gate, up], dim=1), self._merge(self.down_weight, "mlp.experts.down_proj")
+
+
+def _gather_columns(a_local: torch.Tensor, group) -> torch.Tensor:
+    """[r, in/n] shards of the n ranks of `group` -> [r, in] (backward: reduce-scatter, so each rank gets the sum
+    over the group of the gradient of its own columns)."""
+    if group.size() == 1:
+        return a_local
+    return gather_from_sequence_parallel_region(a_local.t(), True, group=group).t()
 
 
 def _key(target: str) -> str:

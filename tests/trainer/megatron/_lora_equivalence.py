@@ -1,0 +1,69 @@
+"""Rank functions of the LoRA layout tests (run through `beamrl.trainer.megatron.launch`).
+
+The `_equivalence.py` model and micro-batches, with LoRA rank 4 on every target kind (attention q/k/v/gate/o,
+the dense MLP, the routed experts). Gradient clipping is set low enough to be active, so the gradient norm (and
+with it each factor's sharding attributes) is part of what the losses check.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from beamrl.models.beam.lora_config import ALL_TARGETS, LoRAConfig
+
+from . import _equivalence as E
+
+CLIP = 0.05
+ADAPTER_SEED = 5
+
+
+def lora_config(share_expert_a: bool = False) -> LoRAConfig:
+    return LoRAConfig(rank=4, alpha=8.0, targets=ALL_TARGETS, share_expert_a=share_expert_a, seed=3)
+
+
+def run_layout(parallel: dict, share_expert_a: bool = False) -> dict:
+    """Load a random non-zero adapter and train E.STEPS steps; rank 0 returns losses, grad norms, adapter gradients
+    of every step, the loaded and trained adapters, and whether the base weights are still the loaded ones bit
+    for bit."""
+    import torch.distributed as dist
+
+    from beamrl.models.beam.lora import random_adapter
+    from beamrl.models.beam.weights import random_state_dict
+    from beamrl.trainer.megatron.worker import MegatronTrainer, OptimizerSettings
+
+    cfg = E.trainer_config(parallel)
+    cfg = dataclasses.replace(cfg, lora=lora_config(share_expert_a),
+                              optimizer=dataclasses.replace(cfg.optimizer, clip_grad=CLIP))
+    trainer = MegatronTrainer(cfg)
+    weights = random_state_dict(cfg.model, E.WEIGHT_SEED, torch.float32)
+    trainer.load_hf_state_dict(weights)
+    fresh = {k: v for b in trainer.export_lora() for k, v in b.tensors.items()}
+    # A non-zero B from the start, so that A gets gradients at step 0 too (a fresh adapter has B = 0).
+    trainer.load_lora_state_dict(random_adapter(cfg.model, cfg.lora, ADAPTER_SEED))
+    trainable = [n for m in trainer.models for n, p in m.named_parameters() if p.requires_grad]
+    mbs = E.micro_batches()
+    loss_fn = E.make_loss(sum(b.num_loss_tokens for b in mbs))
+    dp = cfg.parallel.dp(dist.get_world_size())
+    dp_rank = trainer._ps.get_data_parallel_rank()
+    mine = mbs[dp_rank * len(mbs) // dp:(dp_rank + 1) * len(mbs) // dp]
+    initial = {k: v for b in trainer.export_lora() for k, v in b.tensors.items()}
+    losses, norms, grads = [], [], []
+    for _ in range(E.STEPS):
+        sums = trainer.forward_backward(mine, loss_fn)
+        grads.append(trainer.lora_gradients())
+        _, norm, _ = trainer.optimizer_step()
+        losses.append(sums["loss"])
+        norms.append(norm)
+    base = {k: v for b in trainer.export_hf(bucket_bytes=1 << 16) for k, v in b.tensors.items()}
+    adapter = {k: v for b in trainer.export_lora() for k, v in b.tensors.items()}
+    base_ok = dist.get_rank() != 0 or (base.keys() == weights.keys()
+                                       and all(torch.equal(base[k], weights[k]) for k in weights))
+    trainer.shutdown()
+    return {"losses": losses, "norms": norms, "grads": grads, "initial": initial, "adapter": adapter,
+            "base_unchanged": base_ok, "trainable": trainable, "fresh": fresh}
+
+
+def run_layouts(layouts: list[tuple]) -> list[dict]:
+    return [run_layout(*layout) for layout in layouts]
