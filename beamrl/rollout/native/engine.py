@@ -17,11 +17,13 @@ from typing import Iterator
 
 import torch
 
+from beamrl.models.beam.lora_payload import is_adapter_tensor_name
+from beamrl.models.beam.lora_receiver import AdapterReceiver, AdapterRejected
 from beamrl.models.beam.model import BeamForCausalLM
 from beamrl.rollout.native.config import NativeEngineConfig
 from beamrl.rollout.native.generation import generate_batch, routes_array
 from beamrl.rollout.protocol import EngineError, GenerateRequest, GenerateResult, RolloutEngine
-from beamrl.sync.flat_bucket import FlatBucket
+from beamrl.sync.flat_bucket import FlatBucket, aligned_order
 from beamrl.sync.local_receiver import LocalWeightReceiver
 from beamrl.sync.protocol import WeightReceiver, WeightSyncError
 
@@ -52,6 +54,10 @@ class NativeEngine(RolloutEngine, WeightReceiver):
         self._groups: list[str] = []
         self._receiver = LocalWeightReceiver(self._load_tensors, name=config.name, device=self.model.device,
                                              initial_version=config.weight_version)
+        # LoRA (docs/lora.md): adapter payloads merge into the targeted weights from W0 copies kept here.
+        self._lora_w0: dict[str, torch.Tensor] = {}
+        self._lora = AdapterReceiver(self.model.config, self._lora_base, self.model.load_hf_tensors)
+        self._session_loaded_base = False
 
     @classmethod
     def from_model(cls, model: BeamForCausalLM, name: str = "native-0", max_batch_size: int = 64, seed: int = 0,
@@ -194,7 +200,42 @@ class NativeEngine(RolloutEngine, WeightReceiver):
         return 1
 
     def _load_tensors(self, named: list[tuple[str, torch.Tensor]]) -> None:
-        self.model.load_hf_tensors(named)
+        base = [(n, t) for n, t in named if not is_adapter_tensor_name(n)]
+        if base:
+            self._session_loaded_base = True
+            updated = self.model.load_hf_tensors(base)
+            params = dict(self.model.named_parameters())
+            for n in set(updated) & set(self._lora_w0):  # a new W0: keep it, then re-merge the applied adapter
+                self._lora_w0[n] = params[n].detach().clone()
+            self._lora.reapply(updated)
+        adapter = [(n, t) for n, t in named if is_adapter_tensor_name(n)]
+        if adapter:
+            self._lora.receive(adapter)
+
+    def _lora_base(self, name: str) -> torch.Tensor:
+        """W0 of a targeted weight: copied from the parameter before its first merge."""
+        if name not in self._lora_w0:
+            self._lora_w0[name] = dict(self.model.named_parameters())[name].detach().clone()
+        return self._lora_w0[name]
+
+    def apply_lora_adapter(self, payload: list[tuple[str, torch.Tensor]], new_version: int, timeout: float) -> None:
+        """Adapter-only update in one session: `payload` from `lora_payload.build_adapter_payload` (manifest +
+        full adapter tensors). A refused payload (failed checksum, wrong tensor set) raises `WeightSyncError`,
+        leaves the weights and the version unchanged and the engine serving."""
+        self.begin_weight_update(timeout)
+        try:
+            self.update_weights_from_tensor(FlatBucket.from_named_tensors(aligned_order(payload)), timeout)
+        except BaseException:
+            with self._locked("end_weight_update", timeout, WeightSyncError):
+                self._receiver.end_weight_update(self.weight_version, timeout)
+                self._in_session = False
+            raise
+        self.end_weight_update(new_version, timeout)
+
+    @property
+    def lora_adapter_id(self) -> str | None:
+        """Id of the adapter now merged into the weights (None: base weights only)."""
+        return None if self._lora.applied is None else self._lora.applied.adapter_id
 
     def _require_weights(self, what: str) -> None:
         if self._host_weights is not None:
@@ -212,13 +253,18 @@ class NativeEngine(RolloutEngine, WeightReceiver):
             try:
                 call()
             except Exception as exc:
-                self._failure = f"{what} failed: {exc}"
+                # A refused adapter was checked before anything was written: the engine keeps serving, unless this
+                # session had already loaded base weights.
+                rejected = isinstance(exc, AdapterRejected) or isinstance(exc.__cause__, AdapterRejected)
+                if not rejected or self._session_loaded_base:
+                    self._failure = f"{what} failed: {exc}"
                 raise exc if isinstance(exc, WeightSyncError) else WeightSyncError(f"{self.name}: {exc}") from exc
 
     def begin_weight_update(self, timeout: float) -> None:
         with self._locked("begin_weight_update", timeout, WeightSyncError):
             self._receiver.begin_weight_update(timeout)
             self._in_session = True
+            self._session_loaded_base = False
 
     def update_weights_from_tensor(self, bucket: FlatBucket, timeout: float) -> None:
         self._session_update("update_weights_from_tensor", timeout,

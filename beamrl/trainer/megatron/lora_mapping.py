@@ -22,6 +22,7 @@ on `dst_rank` only. Import (`load_adapter_tensors`) copies each rank's shards wi
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator, Mapping, Sequence
 
@@ -251,3 +252,29 @@ def _gather_layer(factors: list[_Factor], lay: _Layout, source: str) -> dict[str
                     e = r * e_local + j
                     out[template.replace(f".mlp.experts.{first}.", f".mlp.experts.{e}.", 1)] = stack[j].clone()
     return out
+
+
+@contextmanager
+def merged_base_weights(model_chunks: Sequence) -> Iterator[None]:
+    """Inside the block, every adapted base parameter holds the merged W' its forward uses (so
+    `mapping.export_hf_tensors` exports what the trainer computes with); W0 is put back on exit. For tests and
+    parity checks (it costs one merged copy of every adapted weight)."""
+    swapped: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+    try:
+        with torch.no_grad():
+            for chunk in _chunks(model_chunks):
+                for m in chunk.modules():
+                    if isinstance(m, (LoRAColumnParallelLinear, LoRARowParallelLinear)):
+                        merged = [(m.weight, m.merged_weight(m.weight.data).detach())]
+                    elif isinstance(m, LoRABeamExperts):
+                        gate_up, down = m.expert_weights()
+                        merged = [(m.gate_up_weight, gate_up.detach()), (m.down_weight, down.detach())]
+                    else:
+                        continue
+                    for p, w in merged:
+                        swapped.append((p, p.data))
+                        p.data = w
+        yield
+    finally:
+        for p, data in reversed(swapped):
+            p.data = data

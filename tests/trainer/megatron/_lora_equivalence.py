@@ -67,3 +67,38 @@ def run_layout(parallel: dict, share_expert_a: bool = False) -> dict:
 
 def run_layouts(layouts: list[tuple]) -> list[dict]:
     return [run_layout(*layout) for layout in layouts]
+
+
+PROBES = [[1, 5, 9, 200, 17, 3, 88, 41, 2, 9], [7, 7, 7, 300, 2, 511, 64], [400, 12, 12, 99, 5]]
+
+
+def trained_adapter(steps: int = 1) -> dict:
+    """World 1, float32, BF16-representable base weights (SGLang keeps lm_head in BF16): load a random adapter,
+    train `steps` steps, and return the base (HF), the trainer's adapter, its merged weights (what its forward
+    uses, exported as HF tensors) and its logprobs of `PROBES` (T = 1, per sequence, tokens 1..n-1)."""
+    from beamrl.models.beam.lora import random_adapter
+    from beamrl.models.beam.weights import random_state_dict
+    from beamrl.trainer.megatron import lora_mapping
+    from beamrl.trainer.megatron.worker import MegatronTrainer
+    from beamrl.trainer.protocol import PackedBatch
+
+    cfg = dataclasses.replace(E.trainer_config({}), lora=lora_config())
+    trainer = MegatronTrainer(cfg)
+    base = {k: v.float() for k, v in random_state_dict(cfg.model, E.WEIGHT_SEED, torch.bfloat16).items()}
+    trainer.load_hf_state_dict(base)
+    trainer.load_lora_state_dict(random_adapter(cfg.model, cfg.lora, ADAPTER_SEED))
+    mbs = E.micro_batches()
+    loss_fn = E.make_loss(sum(b.num_loss_tokens for b in mbs))
+    for _ in range(steps):
+        trainer.train_step(mbs, loss_fn)
+    adapter = {k: v for b in trainer.export_lora() for k, v in b.tensors.items()}
+    with lora_mapping.merged_base_weights(trainer.models):
+        merged = {k: v for b in trainer.export_hf() for k, v in b.tensors.items()}
+    seqs = [torch.tensor(p) for p in PROBES]
+    batch = PackedBatch.from_sequences(seqs, [torch.ones(len(p)) for p in PROBES], {})
+    lp = trainer.compute_logprobs(batch, temperature=1.0, return_entropy=False).logprobs
+    cu = batch.cu_seqlens.tolist()
+    logprobs = [lp[a + 1:b].tolist() for a, b in zip(cu[:-1], cu[1:])]
+    trainer.shutdown()
+    return {"config": cfg.model, "lora": cfg.lora, "base": base, "adapter": adapter, "merged": merged,
+            "logprobs": logprobs}
