@@ -6,6 +6,7 @@ command line, so the two adapters can never be launched differently. See docs/sg
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,10 @@ from typing import Any
 # SGLang 0.5.23 refuses deterministic inference with any other backend (srt/arg_groups/choices.py:113-120).
 DETERMINISTIC_ATTENTION_BACKENDS = ("ascend", "fa3", "fa4", "flashinfer", "intel_xpu", "triton")
 DEVICES = ("cuda", "cpu")
+#: The package of beamrl's out-of-tree SGLang model classes (`beamrl/rollout/sglang/models/`).
+EXTERNAL_MODEL_PACKAGE = "beamrl.rollout.sglang.models"
+#: The HF config field that tells that class its LoRA targets (set through `json_model_override_args`).
+LORA_TARGETS_FIELD = "beamrl_lora_targets"
 DTYPES = ("auto", "bfloat16", "float32", "float16")
 
 
@@ -48,6 +53,9 @@ class SGLangEngineConfig:
     chunked_prefill_size: int | None = None
     disable_overlap_schedule: bool = False
     weight_version: int = 0
+    #: LoRA targets (`LoRAConfig.targets`) this engine accepts adapter payloads for (docs/lora.md): launches
+    #: beamrl's out-of-tree Beam class, which keeps W0 of these weights. None = SGLang's own Beam class.
+    lora_targets: tuple[str, ...] | None = None
     log_level: str = "warning"
     host: str = "127.0.0.1"
     port: int = 30000
@@ -87,6 +95,13 @@ class SGLangEngineConfig:
         if self.enable_memory_saver and self.device == "cpu":
             raise SGLangConfigError(
                 "SGLangEngineConfig.enable_memory_saver=True needs CUDA (torch_memory_saver); device is 'cpu'")
+        if self.lora_targets is not None:
+            from beamrl.models.beam.lora_config import LoRAConfig, LoRAConfigError
+
+            try:
+                LoRAConfig(targets=tuple(self.lora_targets))
+            except LoRAConfigError as e:
+                raise SGLangConfigError(f"SGLangEngineConfig.lora_targets: {e}") from None
         clash = set(self.extra_args) & set(self._modelled_kwargs())
         if clash:
             raise SGLangConfigError(f"SGLangEngineConfig.extra_args must not override modelled fields: {sorted(clash)}")
@@ -117,7 +132,16 @@ class SGLangEngineConfig:
                         max_total_tokens=self.max_total_tokens, max_running_requests=self.max_running_requests,
                         chunked_prefill_size=self.chunked_prefill_size)
         kw.update({k: v for k, v in optional.items() if v is not None})
+        if self.lora_targets is not None:
+            kw["json_model_override_args"] = json.dumps({LORA_TARGETS_FIELD: list(self.lora_targets)})
         return kw
+
+    def launch_env(self) -> dict[str, str]:
+        """Environment variables the engine's own processes need (SGLang's hook for out-of-tree model classes,
+        set only when this engine serves LoRA adapters)."""
+        if self.lora_targets is None:
+            return {}
+        return {"SGLANG_EXTERNAL_MODEL_PACKAGE": EXTERNAL_MODEL_PACKAGE}
 
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of the in-process `sglang.Engine` (always token ids in/out: skip_tokenizer_init)."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import json
 import os
 import signal
 import tempfile
@@ -34,6 +35,7 @@ from beamrl.models.beam.config import BeamConfig
 from beamrl.rollout.protocol import EngineError, GenerateRequest, GenerateResult, RolloutEngine
 from beamrl.rollout.sglang import payloads
 from beamrl.rollout.sglang.config import SGLangEngineConfig
+from beamrl.rollout.sglang.models import STATUS_NAME
 from beamrl.sync.protocol import WeightReceiver, WeightSyncError
 
 _LIVE_ENGINES: "weakref.WeakSet[SGLangEngine]" = weakref.WeakSet()
@@ -103,7 +105,7 @@ class SGLangEngine(RolloutEngine, WeightReceiver):
 
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         t0 = time.monotonic()
-        with _stderr_to(self.log_path), _spawn_env(self.config.device):
+        with _stderr_to(self.log_path), _spawn_env(self.config.device), _environ(self.config.launch_env()):
             thread = threading.Thread(target=launch, name="sglang-engine-owner", daemon=True)
             thread.start()
             started.wait(self.start_timeout)
@@ -138,6 +140,8 @@ class SGLangEngine(RolloutEngine, WeightReceiver):
         atexit.register(self.shutdown)
         _LIVE_ENGINES.add(self)
         self.startup_seconds = time.monotonic() - t0
+        if self.config.lora_targets is not None:
+            self._check_lora_class()
 
     @property
     def name(self) -> str:
@@ -382,6 +386,76 @@ class SGLangEngine(RolloutEngine, WeightReceiver):
                 self._in_session = False
             raise
         self.end_weight_update(new_version, timeout)
+
+
+    # ------------------------------------------------------------------ LoRA adapters (docs/lora.md)
+    def _check_lora_class(self) -> None:
+        """SGLang skips an out-of-tree model module that fails to import (a warning in its log) and serves its
+        own class: refuse to run a LoRA engine that way."""
+        try:
+            self.lora_status(60.0)
+        except WeightSyncError as e:
+            self.shutdown()
+            raise EngineError(f"SGLang engine started without beamrl's LoRA model class ({e}); see the engine log "
+                              f"{self.log_path}\n{log_tail(self.log_path)}") from None
+
+    def lora_status(self, timeout: float) -> dict:
+        """The LoRA state of beamrl's model class: {"adapter_id", "adapter_digest", "error", "targets", ...}."""
+        out = self._get_weights_by_name(STATUS_NAME, timeout)
+        if not out:
+            raise WeightSyncError("SGLang engine has no LoRA status: it is not serving beamrl's Beam class")
+        return json.loads(bytes(int(x) for x in out).decode())
+
+    def lora_effective_weight(self, name: str, timeout: float):
+        """The HF weight `name` as the engine now computes with it (rank 0's TP shard), as an FP32 tensor."""
+        import torch
+
+        out = self._get_weights_by_name(name, timeout)
+        if out is None:
+            raise WeightSyncError(f"SGLang engine: no weight {name!r}")
+        return torch.tensor(out, dtype=torch.float64).float()
+
+    def _get_weights_by_name(self, name: str, timeout: float):
+        from sglang.srt.managers.io_struct import GetWeightsByNameReqInput
+
+        tm = self._engine.tokenizer_manager if self._engine is not None else None
+        return self._run(lambda: tm.get_weights_by_name(GetWeightsByNameReqInput(name=name, truncate_size=1 << 62),
+                                                        None), timeout, "get_weights_by_name", WeightSyncError)
+
+    def apply_lora_adapter(self, payload, new_version: int, timeout: float) -> None:
+        """Adapter-only update in one session (payload: `lora_payload.build_adapter_payload`). The model class
+        checks every tensor; a refused payload raises `WeightSyncError` with its reason and leaves the weights
+        and the version unchanged."""
+        from beamrl.sync.flat_bucket import FlatBucket, aligned_order
+
+        with self.weight_update_session(new_version, timeout):
+            self.update_weights_from_tensor(FlatBucket.from_named_tensors(aligned_order(payload)), timeout)
+            status = self.lora_status(timeout)
+            manifest_id = _payload_adapter_id(payload)
+            if status["error"] or status["adapter_id"] != manifest_id:
+                raise WeightSyncError(f"SGLang engine refused adapter {manifest_id!r}: "
+                                      f"{status['error'] or 'not applied (incomplete payload)'}")
+
+
+def _payload_adapter_id(payload) -> str:
+    from beamrl.models.beam.lora_payload import MANIFEST_NAME, decode_manifest
+
+    return next(decode_manifest(t).adapter_id for n, t in payload if n == MANIFEST_NAME)
+
+
+@contextmanager
+def _environ(values: dict[str, str]) -> Iterator[None]:
+    """Set environment variables for the engine's spawned processes while it starts."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 @contextmanager

@@ -7,6 +7,7 @@ whose tail is quoted in every start-up error. On a machine without CUDA the chil
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import tempfile
@@ -37,7 +38,8 @@ class SGLangServer:
 
     def _env(self) -> dict[str, str] | None:
         if self.config.device != "cpu":
-            return None
+            extra = self.config.launch_env()
+            return {**os.environ, **extra} if extra else None
         from beamrl.compat.sglang_cpu import child_env
 
         import torch
@@ -45,7 +47,7 @@ class SGLangServer:
         if torch.cuda.is_available():
             raise EngineError("SGLangEngineConfig.device='cpu' on a machine with CUDA: use device='cuda'")
         # The shims are installed in the child by the boot dir's sitecustomize (not in this process).
-        return child_env()
+        return {**child_env(), **self.config.launch_env()}
 
     def start(self, timeout: float = 600.0, poll: float = 1.0) -> "SGLangServer":
         """Launch and wait for `GET /health` to answer 200, at most `timeout` s; `EngineError` with the log tail."""
