@@ -440,6 +440,24 @@ class MegatronTrainer(TrainerWorker):
         lora_mapping.load_adapter_tensors(self.models, tensors, strict=True)
         self._sync_main_params()
 
+    def save_lora_adapter(self, directory: str | Path) -> None:
+        """Write the adapter in PEFT format (`beamrl.models.beam.peft_io`) on global rank 0. Collective."""
+        from beamrl.models.beam.peft_io import save_peft_adapter
+
+        tensors = {k: v for bucket in self.export_lora() for k, v in bucket.tensors.items()}
+        if dist.get_rank() == 0:
+            save_peft_adapter(directory, tensors, self.config.lora, self.config.model)
+
+    def load_lora_adapter(self, directory: str | Path) -> None:
+        """Load a PEFT-format adapter (resume, evaluation); its LoRAConfig must equal the trainer's."""
+        from beamrl.models.beam.peft_io import load_peft_adapter
+
+        lora, tensors = load_peft_adapter(directory, self.config.model)
+        if lora.to_dict() != self.config.lora.to_dict():
+            raise TrainerConfigError(f"{directory}: adapter LoRAConfig {lora.to_dict()} differs from TrainerConfig.lora "
+                                     f"{self.config.lora.to_dict()}")
+        self.load_lora_state_dict(tensors)
+
     def lora_gradients(self) -> dict[str, torch.Tensor]:
         """Adapter gradients left by `forward_backward` as full adapter tensors on global rank 0 ({} elsewhere).
         Needs `use_distributed_optimizer=False` (as `hf_gradients`). Collective."""

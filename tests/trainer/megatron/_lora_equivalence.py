@@ -102,3 +102,30 @@ def trained_adapter(steps: int = 1) -> dict:
     trainer.shutdown()
     return {"config": cfg.model, "lora": cfg.lora, "base": base, "adapter": adapter, "merged": merged,
             "logprobs": logprobs}
+
+
+def peft_round_trip(directory: str) -> dict:
+    """World 1: `trained_adapter()`, then a fresh trainer with that adapter writes it with `save_lora_adapter`,
+    forgets it (zeros) and reads it back with `load_lora_adapter`; adds whether the reloaded adapter is
+    bit-identical and the reloaded trainer's logprobs."""
+    from beamrl.trainer.megatron.worker import MegatronTrainer
+    from beamrl.trainer.protocol import PackedBatch
+
+    out = trained_adapter()
+    cfg = dataclasses.replace(E.trainer_config({}), lora=lora_config())
+    trainer = MegatronTrainer(cfg)
+    trainer.load_hf_state_dict(out["base"])
+    trainer.load_lora_state_dict(out["adapter"])
+    trainer.save_lora_adapter(directory)
+    trainer.load_lora_state_dict({k: torch.zeros_like(v) for k, v in out["adapter"].items()})
+    trainer.load_lora_adapter(directory)
+    reloaded = {k: v for b in trainer.export_lora() for k, v in b.tensors.items()}
+    seqs = [torch.tensor(p) for p in PROBES]
+    batch = PackedBatch.from_sequences(seqs, [torch.ones(len(p)) for p in PROBES], {})
+    lp = trainer.compute_logprobs(batch, temperature=1.0, return_entropy=False).logprobs
+    cu = batch.cu_seqlens.tolist()
+    out["reloaded_logprobs"] = [lp[a + 1:b].tolist() for a, b in zip(cu[:-1], cu[1:])]
+    out["reloaded_equal"] = reloaded.keys() == out["adapter"].keys() and all(
+        torch.equal(reloaded[k], v) for k, v in out["adapter"].items())
+    trainer.shutdown()
+    return out
