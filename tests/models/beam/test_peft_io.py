@@ -4,6 +4,7 @@ loaded with `peft` reproduces the trainer's logprobs."""
 
 import json
 
+import peft
 import pytest
 import torch
 
@@ -13,7 +14,6 @@ from beamrl.models.beam.lora_config import ALL_TARGETS, ATTENTION_TARGETS, LoRAC
 from beamrl.models.beam.model import BeamForCausalLM
 from beamrl.models.beam.peft_io import PeftAdapterError, load_peft_adapter, save_peft_adapter
 
-peft = pytest.importorskip("peft")
 LOGPROB_TOL = 1e-5
 
 

@@ -1,0 +1,142 @@
+"""The LoRA merge rule (fixed-order FP32, one rounding to W0's dtype), its sharding invariance, the adapter
+config, the adapter payload's checks and the engine-side receiver."""
+
+import numpy as np
+import pytest
+import torch
+
+from beamrl.models.beam import lora as L
+from beamrl.models.beam import preset
+from beamrl.models.beam.lora_config import ALL_TARGETS, ATTENTION_TARGETS, LoRAConfig, LoRAConfigError
+from beamrl.models.beam.lora_payload import MANIFEST_NAME, build_adapter_payload, decode_manifest
+from beamrl.models.beam.lora_receiver import AdapterReceiver, AdapterRejected
+
+
+def _rule_in_numpy(w0: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """The contract written out with NumPy FP32 ufuncs, one operation at a time."""
+    af, bf = a.float().numpy(), b.float().numpy()
+    acc = bf[:, 0:1] * af[0:1, :]
+    for r in range(1, af.shape[0]):
+        acc = acc + bf[:, r:r + 1] * af[r:r + 1, :]
+    acc = acc * np.float32(scale)
+    acc = acc + w0.float().numpy()
+    return torch.from_numpy(acc).to(w0.dtype)
+
+
+def _factors(out=48, inp=40, r=8, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w0 = torch.randn(out, inp, generator=g).to(dtype)
+    a = (torch.randn(r, inp, generator=g) * 0.3).to(dtype)
+    b = (torch.randn(out, r, generator=g) * 0.3).to(dtype)
+    return w0, a, b
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_merge_is_the_fixed_order_rule_bit_for_bit(dtype):
+    w0, a, b = _factors(dtype=dtype)
+    s = LoRAConfig(rank=8, alpha=3.0).scale
+    got = L.merge_lora_weight(w0, a, b, s)
+    assert got.dtype == dtype and torch.equal(got, _rule_in_numpy(w0, a, b, s))
+    # Not what a GEMM computes (the rule is pinned, not "some merge"): in FP32 at least one element differs.
+    gemm = (w0.float() + s * (b.float() @ a.float())).to(dtype)
+    if dtype == torch.float32:
+        assert not torch.equal(got, gemm)
+
+
+def test_sharded_merges_equal_the_full_merge_bit_for_bit(monkeypatch):
+    w0, a, b = _factors(out=64, inp=48, r=6)
+    s = 0.75
+    full = L.merge_lora_weight(w0, a, b, s)
+    rows = torch.cat([L.merge_lora_weight(w0[i:i + 16], a, b[i:i + 16], s) for i in range(0, 64, 16)])
+    cols = torch.cat([L.merge_lora_weight(w0[:, j:j + 12], a[:, j:j + 12], b, s) for j in range(0, 48, 12)], dim=1)
+    assert torch.equal(rows, full) and torch.equal(cols, full)
+    monkeypatch.setattr(L, "_MERGE_CHUNK_ELEMENTS", 100)  # internal chunking is elementwise too
+    assert torch.equal(L.merge_lora_weight(w0, a, b, s), full)
+    # Experts: a batch of [E, out, in] equals each expert on its own; a shared A broadcasts.
+    ws, as_, bs = zip(*(_factors(out=16, inp=12, r=4, seed=e) for e in range(3)))
+    batched = L.merge_lora_weight(torch.stack(ws), torch.stack(as_), torch.stack(bs), s)
+    assert all(torch.equal(batched[e], L.merge_lora_weight(ws[e], as_[e], bs[e], s)) for e in range(3))
+    shared = L.merge_lora_weight(torch.stack(ws), as_[0], torch.stack(bs), s)
+    assert all(torch.equal(shared[e], L.merge_lora_weight(ws[e], as_[0], bs[e], s)) for e in range(3))
+
+
+def test_merge_refuses_bad_shapes_and_non_fp32_scales():
+    w0, a, b = _factors()
+    with pytest.raises(ValueError, match="do not fit"):
+        L.merge_lora_weight(w0, a[:, :-1], b, 1.0)
+    with pytest.raises(ValueError, match="FP32"):
+        L.merge_lora_weight(w0, a, b, 0.1)
+
+
+def test_lora_config_names_the_bad_field():
+    for kwargs, field in [({"rank": 0}, "rank"), ({"alpha": -1.0}, "alpha"), ({"targets": ("mlp.gate",)}, "targets[0]"),
+                          ({"targets": ()}, "targets"), ({"dropout": 0.1}, "dropout"),
+                          ({"share_expert_a": True}, "share_expert_a"), ({"seed": -2}, "seed")]:
+        with pytest.raises(LoRAConfigError) as err:
+            LoRAConfig(**kwargs)
+        assert f"LoRAConfig.{field}" in str(err.value)
+    with pytest.raises(LoRAConfigError, match="no field 'rnak'"):
+        LoRAConfig.from_dict({"rnak": 4})
+    assert LoRAConfig(rank=3, alpha=1.0).scale == np.float32(1 / 3)
+
+
+def test_adapter_table_counts_the_501b_sizes():
+    c = preset("beam-501b")
+    attn = LoRAConfig(rank=32, targets=ATTENTION_TARGETS)
+    assert L.adapter_num_parameters(c, attn) == 76_677_120
+    experts = LoRAConfig(rank=32, targets=("mlp.experts.gate_proj", "mlp.experts.up_proj", "mlp.experts.down_proj"))
+    assert L.adapter_num_parameters(c, experts) == 32 * (5120 + 2560) * 3 * 256 * 49
+
+
+def _receiver(cfg, lora):
+    base = L.random_adapter(cfg, lora, 0)  # any tensors of the right shapes stand in for W0 here
+    store = {w.weight: torch.randn(w.out_features, w.in_features) for w in L.adapted_weights(cfg, lora)}
+    written = {}
+    rec = AdapterReceiver(cfg, lambda n: store[n], lambda named: written.update(dict(named)))
+    return rec, store, written, base
+
+
+def test_receiver_applies_only_complete_checked_adapters_and_restores_dropped_targets():
+    cfg = preset("tiny").replace(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"],
+                                 mlp_layer_types=["dense", "sparse"])
+    lora = LoRAConfig(rank=2, alpha=4.0, targets=ALL_TARGETS)
+    rec, store, written, _ = _receiver(cfg, lora)
+    adapter = L.random_adapter(cfg, lora, 1)
+    payload = build_adapter_payload(adapter, lora, "a1")
+    assert not rec.receive(payload[:5]) and not written  # staged, nothing written yet
+    assert rec.receive(payload[5:]) and rec.applied.adapter_id == "a1"
+    for w in L.adapted_weights(cfg, lora):
+        assert torch.equal(written[w.weight], L.merge_lora_weight(store[w.weight], adapter[w.a], adapter[w.b],
+                                                                  lora.scale))
+    # A corrupted tensor: refused with its name, nothing written, the applied adapter stays.
+    written.clear()
+    bad = build_adapter_payload({k: v + 1 for k, v in adapter.items()}, lora, "a2")
+    name, t = bad[3]
+    bad[3] = (name, t.clone().index_fill_(0, torch.tensor([0]), 9.0))
+    with pytest.raises(AdapterRejected, match=rf"{name}.*SHA-256"):
+        rec.receive(bad)
+    assert not written and rec.applied.adapter_id == "a1"
+    with pytest.raises(AdapterRejected, match="before"):  # the staged adapter was forgotten
+        rec.receive(bad[4:])
+    # Fewer targets: the dropped ones are written back as W0.
+    small = LoRAConfig(rank=2, alpha=4.0, targets=("self_attn.q_proj",))
+    rec.receive(build_adapter_payload(L.random_adapter(cfg, small, 2), small, "a3"))
+    dropped = [w.weight for w in L.adapted_weights(cfg, lora) if "q_proj" not in w.weight]
+    assert all(torch.equal(written[n], store[n]) for n in dropped)
+    assert rec.merged_weights == {w.weight for w in L.adapted_weights(cfg, small)}
+
+
+def test_manifest_checks():
+    cfg = preset("tiny")
+    lora = LoRAConfig(rank=2, targets=ATTENTION_TARGETS)
+    payload = build_adapter_payload(L.random_adapter(cfg, lora, 0), lora, "x")
+    m = decode_manifest(payload[0][1])
+    assert payload[0][0] == MANIFEST_NAME and m.lora == lora and m.scale == lora.scale
+    rec, *_ = _receiver(cfg.replace(num_hidden_layers=5, layer_types=cfg.layer_types[:5],
+                                    mlp_layer_types=cfg.mlp_layer_types[:5]), lora)
+    with pytest.raises(AdapterRejected, match="does not fit this model"):
+        rec.receive(payload[:1])
+    raw = payload[0][1].clone()
+    raw[10] ^= 1
+    with pytest.raises(AdapterRejected, match="manifest failed its SHA-256"):
+        rec.receive([(MANIFEST_NAME, raw)])
