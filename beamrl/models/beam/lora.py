@@ -43,9 +43,9 @@ def merge_lora_weight(w0: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale:
     inputs are not modified. `scale` must be an FP32-representable number (`LoRAConfig.scale`)."""
     if a.shape[-2] != b.shape[-1] or a.shape[-1] != w0.shape[-1] or b.shape[-2] != w0.shape[-2]:
         raise ValueError(f"LoRA shapes do not fit: W0 {tuple(w0.shape)}, A {tuple(a.shape)}, B {tuple(b.shape)}")
-    s = torch.tensor(scale, dtype=torch.float32, device=w0.device)
-    if float(s) != float(scale):
+    if torch.tensor(scale, dtype=torch.float32).item() != float(scale):
         raise ValueError(f"LoRA scale {scale!r} is not representable in FP32 (use LoRAConfig.scale)")
+    s = torch.tensor(scale, dtype=torch.float32, device=w0.device)
     out = torch.empty_like(w0)
     rows = w0.shape[-2]
     per_row = max(1, w0.numel() // max(rows, 1))

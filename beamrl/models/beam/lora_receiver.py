@@ -33,9 +33,13 @@ class AdapterReceiver:
     """Checks, stages and applies adapter payloads for one model (module docstring)."""
 
     def __init__(self, config: BeamConfig, base: Callable[[str], torch.Tensor],
-                 write: Callable[[list[tuple[str, torch.Tensor]]], None]):
+                 write: Callable[[list[tuple[str, torch.Tensor]]], None],
+                 owns: Callable[[str], bool] | None = None):
+        """owns(name): whether this engine holds the HF weight `name` (e.g. its pipeline stage's layers); weights
+        it does not hold are neither merged nor written. Default: all."""
         self.config = config
         self._base, self._write = base, write
+        self._owns = owns or (lambda name: True)
         self._manifest: AdapterManifest | None = None
         self._staged: dict[str, torch.Tensor] = {}
         self._merged: set[str] = set()
@@ -89,6 +93,8 @@ class AdapterReceiver:
         merged: list[tuple[str, torch.Tensor]] = []
         names: set[str] = set()
         for w in adapted_weights(self.config, manifest.lora):
+            if not self._owns(w.weight):
+                continue
             w0 = self._base(w.weight)
             merged.append((w.weight, merge_lora_weight(w0, staged[w.a], staged[w.b], manifest.scale)))
             names.add(w.weight)
@@ -105,6 +111,6 @@ class AdapterReceiver:
         wanted = set(weight_names) & self._merged
         t = self._applied_tensors
         out = [(w.weight, merge_lora_weight(self._base(w.weight), t[w.a], t[w.b], self.applied.scale))
-               for w in adapted_weights(self.config, self.applied.lora) if w.weight in wanted]
+               for w in adapted_weights(self.config, self.applied.lora) if w.weight in wanted and self._owns(w.weight)]
         if out:
             self._write(out)

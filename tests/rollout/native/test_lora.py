@@ -8,7 +8,6 @@ from beamrl.models.beam.lora_payload import build_adapter_payload
 from beamrl.models.beam.model import BeamForCausalLM
 from beamrl.rollout.native.engine import NativeEngine
 from beamrl.sync.protocol import WeightSyncError
-from beamrl.trainer.megatron.launch import launch
 
 from ...trainer.megatron import _lora_equivalence as L
 
@@ -18,7 +17,7 @@ LOGPROB_TOL = 1e-5
 
 @pytest.fixture(scope="module")
 def trained():
-    return launch(L.trained_adapter, 1, (), timeout_s=300)[0]
+    return L.trained_adapter_once()
 
 
 def make_engine(trained) -> NativeEngine:

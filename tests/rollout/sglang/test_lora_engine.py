@@ -9,7 +9,6 @@ from beamrl.models.beam.lora import adapted_weights
 from beamrl.models.beam.lora_payload import build_adapter_payload
 from beamrl.models.beam.model import BeamForCausalLM
 from beamrl.sync.protocol import WeightSyncError
-from beamrl.trainer.megatron.launch import launch
 
 from ...trainer.megatron import _lora_equivalence as L
 
@@ -23,7 +22,7 @@ def setup(tmp_path_factory):
     from beamrl.rollout.sglang.config import SGLangEngineConfig
     from beamrl.rollout.sglang.engine import SGLangEngine
 
-    trained = launch(L.trained_adapter, 1, (), timeout_s=300)[0]
+    trained = L.trained_adapter_once()
     torch.set_num_threads(1)
     model = BeamForCausalLM(trained["config"], dtype=torch.float32, seed=None)
     model.load_hf_tensors(trained["base"], strict=True)

@@ -8,6 +8,7 @@ with it each factor's sharding attributes) is part of what the losses check.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -70,6 +71,14 @@ def run_layouts(layouts: list[tuple]) -> list[dict]:
 
 
 PROBES = [[1, 5, 9, 200, 17, 3, 88, 41, 2, 9], [7, 7, 7, 300, 2, 511, 64], [400, 12, 12, 99, 5]]
+
+
+@functools.lru_cache(maxsize=1)
+def trained_adapter_once() -> dict:
+    """`trained_adapter()` run once per test session in a 1-rank launch (the engine tests share it)."""
+    from beamrl.trainer.megatron.launch import launch
+
+    return launch(trained_adapter, 1, (), timeout_s=300)[0]
 
 
 def trained_adapter(steps: int = 1) -> dict:

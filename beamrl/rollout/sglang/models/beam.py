@@ -61,7 +61,7 @@ class BeamForCausalLM(_SGLangBeamForCausalLM):
             self._targeted = {w.weight for w in adapted_weights(self._beam, lora)
                               if self.start_layer <= w.layer < self.end_layer}
         self._w0: dict[str, torch.Tensor] = {}
-        self._lora = AdapterReceiver(self._beam, self._base_weight, self._write_merged)
+        self._lora = AdapterReceiver(self._beam, self._base_weight, self._write_merged, owns=self._on_this_stage)
         self._lora_error: str | None = None
 
     # ------------------------------------------------------------------ loading
@@ -103,6 +103,9 @@ class BeamForCausalLM(_SGLangBeamForCausalLM):
             p = name[: -len("down_proj")]
             return [(f"{p}{e}.down_proj.weight", ew) for e, ew in enumerate(w)]
         return [(name, w)]
+
+    def _on_this_stage(self, name: str) -> bool:
+        return self.start_layer <= int(name.split(".")[2]) < self.end_layer
 
     def _base_weight(self, name: str) -> torch.Tensor:
         if name not in self._w0:

@@ -108,7 +108,6 @@ class LoRAColumnParallelLinear(_LoRALinearMixin, ColumnParallelLinear):
         super().__init__(*args, **kwargs)
         self.lora_scale = lora.scale
         self.segments, self.groups = segments, groups
-        tp, rank = self.tp_group.size(), self.tp_group.rank()
         dtype = self.weight.dtype
         self.lora = torch.nn.ModuleDict()
         for target, rows in segments:
@@ -117,7 +116,6 @@ class LoRAColumnParallelLinear(_LoRALinearMixin, ColumnParallelLinear):
             a = init_lora_a((lora.rank, self.input_size), lora.seed, f"{layer}:{target}")
             b = torch.zeros(groups * rows, lora.rank)
             self.lora[_key(target)] = LoRAFactors(a.to(dtype), b.to(dtype), b_sharded_dim=0)
-        self._tp = (tp, rank)
 
     def merged_weight(self, w0: torch.Tensor) -> torch.Tensor:
         widths = [rows for _, rows in self.segments]
