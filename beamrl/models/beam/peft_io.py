@@ -86,7 +86,9 @@ def load_peft_adapter(directory: str | Path, config: BeamConfig) -> tuple[LoRACo
     peft_config = json.loads((directory / ADAPTER_CONFIG).read_text())
     if peft_config.get("peft_type") != "LORA":
         raise PeftAdapterError(f"{directory / ADAPTER_CONFIG}: peft_type {peft_config.get('peft_type')!r}, not LORA")
-    if peft_config.get("use_rslora") or peft_config.get("lora_dropout", 0.0) or peft_config.get("bias", "none") != "none":
+    plain = (not peft_config.get("use_rslora") and not peft_config.get("lora_dropout", 0.0)
+             and peft_config.get("bias", "none") == "none")
+    if not plain:
         raise PeftAdapterError(f"{directory / ADAPTER_CONFIG}: only plain LoRA (no rsLoRA, no dropout, no bias) "
                                f"is supported")
     raw = load_file(str(directory / ADAPTER_WEIGHTS))

@@ -454,8 +454,8 @@ class MegatronTrainer(TrainerWorker):
 
         lora, tensors = load_peft_adapter(directory, self.config.model)
         if lora.to_dict() != self.config.lora.to_dict():
-            raise TrainerConfigError(f"{directory}: adapter LoRAConfig {lora.to_dict()} differs from TrainerConfig.lora "
-                                     f"{self.config.lora.to_dict()}")
+            raise TrainerConfigError(f"{directory}: adapter LoRAConfig {lora.to_dict()} differs from "
+                                     f"TrainerConfig.lora {self.config.lora.to_dict()}")
         self.load_lora_state_dict(tensors)
 
     def lora_gradients(self) -> dict[str, torch.Tensor]:
