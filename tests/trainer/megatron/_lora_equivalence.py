@@ -24,7 +24,7 @@ def lora_config(share_expert_a: bool = False) -> LoRAConfig:
     return LoRAConfig(rank=4, alpha=8.0, targets=ALL_TARGETS, share_expert_a=share_expert_a, seed=3)
 
 
-def run_layout(parallel: dict, share_expert_a: bool = False) -> dict:
+def run_layout(parallel: dict, share_expert_a: bool = False, distributed_optimizer: bool = False) -> dict:
     """Load a random non-zero adapter and train E.STEPS steps; rank 0 returns losses, grad norms, adapter gradients
     of every step, the loaded and trained adapters, and whether the base weights are still the loaded ones bit
     for bit."""
@@ -34,7 +34,7 @@ def run_layout(parallel: dict, share_expert_a: bool = False) -> dict:
     from beamrl.models.beam.weights import random_state_dict
     from beamrl.trainer.megatron.worker import MegatronTrainer, OptimizerSettings
 
-    cfg = E.trainer_config(parallel)
+    cfg = E.trainer_config(parallel, distributed_optimizer)
     cfg = dataclasses.replace(cfg, lora=lora_config(share_expert_a),
                               optimizer=dataclasses.replace(cfg.optimizer, clip_grad=CLIP))
     trainer = MegatronTrainer(cfg)
@@ -44,6 +44,10 @@ def run_layout(parallel: dict, share_expert_a: bool = False) -> dict:
     # A non-zero B from the start, so that A gets gradients at step 0 too (a fresh adapter has B = 0).
     trainer.load_lora_state_dict(random_adapter(cfg.model, cfg.lora, ADAPTER_SEED))
     trainable = [n for m in trainer.models for n, p in m.named_parameters() if p.requires_grad]
+    adapters = {p for m in trainer.models for p in m.parameters() if getattr(p, "is_lora_adapter", False)}
+    in_ddp = {p for c in trainer.chunks for p in c.param_to_bucket_group}
+    # (A distributed optimizer updates only this rank's shard of the expert-DP-sharded parameters: a subset.)
+    only_adapters = in_ddp == adapters and set(_optimized_params(trainer.optimizer)) <= adapters
     mbs = E.micro_batches()
     loss_fn = E.make_loss(sum(b.num_loss_tokens for b in mbs))
     dp = cfg.parallel.dp(dist.get_world_size())
@@ -53,7 +57,7 @@ def run_layout(parallel: dict, share_expert_a: bool = False) -> dict:
     losses, norms, grads = [], [], []
     for _ in range(E.STEPS):
         sums = trainer.forward_backward(mine, loss_fn)
-        grads.append(trainer.lora_gradients())
+        grads.append({} if distributed_optimizer else trainer.lora_gradients())
         _, norm, _ = trainer.optimizer_step()
         losses.append(sums["loss"])
         norms.append(norm)
@@ -63,7 +67,17 @@ def run_layout(parallel: dict, share_expert_a: bool = False) -> dict:
                                        and all(torch.equal(base[k], weights[k]) for k in weights))
     trainer.shutdown()
     return {"losses": losses, "norms": norms, "grads": grads, "initial": initial, "adapter": adapter,
-            "base_unchanged": base_ok, "trainable": trainable, "fresh": fresh}
+            "base_unchanged": base_ok, "trainable": trainable, "fresh": fresh,
+            "optimizer_holds_only_adapters": only_adapters}
+
+
+def _optimized_params(optimizer) -> list:
+    """The model parameters Megatron's (chained, possibly distributed) optimizer updates."""
+    out = []
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        index = getattr(opt, "model_param_group_index_map", None)  # distributed optimizer: keyed by model param
+        out += list(index) if index is not None else [p for g in opt.param_groups for p in g["params"]]
+    return out
 
 
 def run_layouts(layouts: list[tuple]) -> list[dict]:

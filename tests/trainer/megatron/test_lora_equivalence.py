@@ -20,6 +20,7 @@ LAYOUTS = [
     ({"tp": 2, "sp": True, "ep": 2}, False),
     ({"pp": 2}, False),
     ({"ep": 2}, True),  # one A per expert projection shared over the EP ranks' experts
+    ({"tp": 2, "sp": True}, False, True),  # distributed optimizer (DP-sharded adapter state): losses and norms
 ]
 
 
@@ -37,15 +38,19 @@ def _rel(ref: torch.Tensor, got: torch.Tensor) -> float:
     return ((got - ref).norm() / ref.norm().clamp_min(1e-30)).item() if ref.norm() > 0 else got.norm().item()
 
 
-@pytest.mark.parametrize("index", range(len(LAYOUTS)), ids=[f"{l[0]}{'-shared-A' if l[1] else ''}" for l in LAYOUTS])
+@pytest.mark.parametrize("index", range(len(LAYOUTS)), ids=[
+    f"{l[0]}{'-shared-A' if l[1] else ''}{'-distopt' if l[2:] else ''}" for l in LAYOUTS])
 def test_lora_layout_matches_world1(world1, layouts, index):
-    layout, shared = LAYOUTS[index]
+    layout, shared, distopt = (*LAYOUTS[index], False)[:3]
     ref, got = world1[int(shared)], layouts[index]
     assert got["base_unchanged"], f"{layout}: the frozen base changed during LoRA training"
     assert all(".lora." in n for n in got["trainable"]), f"{layout}: non-adapter parameters train"
+    assert got["optimizer_holds_only_adapters"], f"{layout}: DDP buffers / optimizer hold non-adapter parameters"
     deltas = [abs(a - b) for a, b in zip(got["losses"], ref["losses"])]
     assert max(deltas) <= LOSS_TOL, f"{layout}: losses {got['losses']} vs world-1 {ref['losses']}"
     assert torch.allclose(torch.tensor(got["norms"]), torch.tensor(ref["norms"]), rtol=1e-5)
+    if distopt:
+        return  # each rank holds only its shard's reduced gradient: losses and norms cover the steps
     # Step 0: every adapter tensor's gradient (A and B both non-zero: the adapter is loaded, not fresh).
     g_ref, g_got = ref["grads"][0], got["grads"][0]
     assert g_got.keys() == g_ref.keys()
