@@ -60,11 +60,14 @@ def merge_lora_weight(w0: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale:
 
 def _merge_rows(w0: torch.Tensor, af: torch.Tensor, bf: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     acc = bf[..., :, 0:1] * af[..., 0:1, :]
+    prod = torch.empty_like(acc)
     for r in range(1, af.shape[-2]):
-        # A fresh rounded product, then a rounded add (alpha = 1: exact even where add is an FMA with alpha).
-        acc = acc + bf[..., :, r:r + 1] * af[..., r:r + 1, :]
-    acc = acc * s
-    acc = acc + w0.float()
+        # A rounded product into its own buffer, then a rounded add (alpha = 1: exact even where the kernel is
+        # `a + alpha * b` as an FMA). Two kernels, so the product is never contracted into the add.
+        torch.mul(bf[..., :, r:r + 1], af[..., r:r + 1, :], out=prod)
+        acc.add_(prod)
+    acc.mul_(s)
+    acc.add_(w0)  # fp32(W0): an exact upcast inside the add (type promotion), then one rounded FP32 add
     return acc.to(w0.dtype)
 
 
