@@ -6,13 +6,15 @@ import argparse
 import importlib
 import sys
 
-from beamrl.commands import COMMANDS
+from beamrl.commands import COMMANDS, command_module
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every command, or of the command `only` alone (its module is the only one imported, so
+    `beamrl train` prints its first line before torch is loaded)."""
     parser = argparse.ArgumentParser(prog="beamrl", description="RL post-training for the Beam MoE.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module_name in COMMANDS:
+    for module_name in COMMANDS if only is None else [only]:
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as e:
@@ -26,7 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(command_module(argv[0]) if argv else None)
     args, extra = parser.parse_known_args(argv)
     # argparse cannot put positionals after an option ("train R --dry-run a=b"): trailing key=value
     # words go to a command's `overrides` positional; anything else is still an error.

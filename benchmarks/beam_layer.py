@@ -16,11 +16,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 import traceback
 
 import torch
+
+if "--smoke-cpu" in sys.argv:  # the fused variants' kernels on Triton's interpreter (read at their import)
+    os.environ["TRITON_INTERPRET"] = "1"
 
 from benchmarks._bench_utils import cuda_median_ms, markdown_table, matmul_tflops
 from beamrl.kernels import ops
@@ -91,6 +95,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--experts", type=int, default=64)
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps after the first call (default 2)")
     ap.add_argument("--variants", type=str,
                     default="eager,compile,compile-exact-casts,fused,fused+compile,gemm-floor")
     ap.add_argument("--json", type=str, default=None)
@@ -196,7 +201,8 @@ def main(argv=None) -> int:
             first = time.time() - t0
             if variants[name] is not None:
                 outputs[name] = [o.detach() for o in outs]
-            ms = cuda_median_ms(step, iters=args.iters, warmup=2, prime_cycles=0)  # whole steps: host time included
+            # whole steps: host time included
+            ms = cuda_median_ms(step, iters=args.iters, warmup=args.warmup, prime_cycles=0)
             tflops = flops / (ms * 1e-3) / 1e12
             results.append(dict(variant=name, ms=ms, tokens_per_s=t / (ms * 1e-3), tflops=tflops, mfu=tflops / peak,
                                 first_call_s=first,
@@ -222,7 +228,8 @@ def main(argv=None) -> int:
         err = ""
         if ref is not None and r["variant"] in outputs:
             o = outputs[r["variant"]]
-            err = f"{float((o[0].float() - ref[0].float()).norm() / ref[0].float().norm()):.2e}"
+            r["h_rel_diff_vs_eager"] = float((o[0].float() - ref[0].float()).norm() / ref[0].float().norm())
+            err = f"{r['h_rel_diff_vs_eager']:.2e}"
         rows.append([r["variant"], r["ms"], f"{r['tokens_per_s']:,.0f}", r["tflops"], f"{r['mfu']:.3f}",
                      f"{base['compile'] / r['ms']:.2f}x" if base.get("compile") else "", err,
                      f"{r['first_call_s']:.1f}"])

@@ -26,8 +26,9 @@ from beamrl.kernels import ops
 from beamrl.models.beam import numerics
 
 
-def _bench_op(name, make_inputs, run, fwd_bytes, bwd_bytes, copy_bw, n_grad_inputs, canon=lambda o: o):
+def _bench_op(name, make_inputs, run, fwd_bytes, bwd_bytes, copy_bw, n_grad_inputs, canon=lambda o: o, iters=20):
     """Time eager and triton forward and forward+backward of `run(inputs, backend) -> tuple of outputs`."""
+    timed = dict(iters=iters, warmup=min(3, iters))
     rows, mism = [], {}
     outs = {}
     for backend in ("eager", "triton"):
@@ -35,8 +36,8 @@ def _bench_op(name, make_inputs, run, fwd_bytes, bwd_bytes, copy_bw, n_grad_inpu
         inputs = make_inputs()
         with torch.no_grad():
             outs[backend] = run(inputs, backend)
-        fwd = cuda_median_ms(lambda: run(inputs, backend))
-        fwd_host = cuda_median_ms(lambda: run(inputs, backend), prime_cycles=0)
+        fwd = cuda_median_ms(lambda: run(inputs, backend), **timed)
+        fwd_host = cuda_median_ms(lambda: run(inputs, backend), prime_cycles=0, **timed)
         leaves = [x.detach().clone().requires_grad_() if i < n_grad_inputs else x for i, x in enumerate(inputs)]
         probe = run(leaves, backend)
         grads = [torch.randn_like(o) for o in probe if o is not None and o.is_floating_point()]
@@ -47,7 +48,7 @@ def _bench_op(name, make_inputs, run, fwd_bytes, bwd_bytes, copy_bw, n_grad_inpu
             o = [t for t in run(leaves, backend) if t is not None and t.is_floating_point()]
             torch.autograd.backward(o, grads)
 
-        fwdbwd = cuda_median_ms(step)
+        fwdbwd = cuda_median_ms(step, **timed)
         rows.append(dict(op=name, backend=backend, fwd_ms=fwd, fwd_host_ms=fwd_host, fwd_gbs=fwd_bytes / fwd / 1e6,
                          fwdbwd_ms=fwdbwd, fwdbwd_gbs=(fwd_bytes + bwd_bytes) / fwdbwd / 1e6))
     for i, (a, b) in enumerate(zip(canon(outs["triton"]), canon(outs["eager"]))):
@@ -71,7 +72,11 @@ def main(argv=None) -> int:
     ap.add_argument("--experts", type=int, default=256)
     ap.add_argument("--json", type=str, default=None)
     ap.add_argument("--smoke-cpu", action="store_true", help="tiny CPU run under TRITON_INTERPRET=1 (no timings)")
+    ap.add_argument("--iters", type=int, default=20, help="timed calls per median (default 20; 1 for a smoke run)")
     args = ap.parse_args(argv)
+    if args.iters < 1:
+        print("benchmarks/kernels.py: --iters must be >= 1", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available() and not args.smoke_cpu:
         print("benchmarks/kernels.py needs a CUDA device (or --smoke-cpu)", file=sys.stderr)
         return 2
@@ -80,6 +85,7 @@ def main(argv=None) -> int:
     t, h, hq, hkv, d, e = args.tokens, args.hidden, args.heads, args.kv_heads, args.head_dim, args.experts
     bf = torch.bfloat16
     copy_bw = copy_bandwidth_gbs(gib=2.0 if dev == "cuda" else 0.01, device=dev)
+    timed = dict(iters=args.iters, warmup=min(3, args.iters))
     name = torch.cuda.get_device_name() if dev == "cuda" else "cpu"
     print(f"device: {name}  torch {torch.__version__}  copy bandwidth {copy_bw:,.0f} GB/s",
           flush=True)
@@ -94,7 +100,7 @@ def main(argv=None) -> int:
     rows += _bench_op("post_norm_residual_pre_norm",
                       lambda: [rnd(t, h, scale=3), rnd(t, h), rnd(h), rnd(h)],
                       lambda x, b: ops.post_norm_residual_pre_norm(x[0], x[1], x[2], x[3], scales, 1e-6, backend=b),
-                      4 * act, 6 * act, copy_bw, 4)
+                      4 * act, 6 * act, copy_bw, 4, iters=args.iters)
     print("done: post_norm_residual_pre_norm", flush=True)
     # (b) QK norm + RoPE / SSMax, q and k as views of one fused projection output
     pos = torch.arange(t, device=dev)
@@ -108,16 +114,18 @@ def main(argv=None) -> int:
 
     rows += _bench_op("qk_norm_rope", qk_inputs,
                       lambda x, b: ops.qk_norm_rope(x[0], x[1], x[2], x[3], cos, sin, 1e-6, backend=b),
-                      2 * qk_bytes + 2 * t * d // 2 * 4, 3 * qk_bytes + 2 * t * d // 2 * 4, copy_bw, 4)
+                      2 * qk_bytes + 2 * t * d // 2 * 4, 3 * qk_bytes + 2 * t * d // 2 * 4, copy_bw, 4,
+                      iters=args.iters)
     print("done: qk_norm_rope", flush=True)
     rows += _bench_op("qk_norm_ssmax", qk_inputs,
                       lambda x, b: ops.qk_norm_ssmax(x[0], x[1], x[2], x[3], scale, 1e-6, backend=b),
-                      2 * qk_bytes + t * 4, 3 * qk_bytes + t * 4, copy_bw, 4)
+                      2 * qk_bytes + t * 4, 3 * qk_bytes + t * 4, copy_bw, 4, iters=args.iters)
     print("done: qk_norm_ssmax", flush=True)
     # (c) output gate
     og = t * hq * d * 2
     rows += _bench_op("output_gate", lambda: [rnd(t, hq, d), rnd(t, hq, d, scale=3), rnd(hq)],
-                      lambda x, b: (ops.output_gate(x[0], x[1], x[2], backend=b),), 3 * og, 5 * og, copy_bw, 3)
+                      lambda x, b: (ops.output_gate(x[0], x[1], x[2], backend=b),), 3 * og, 5 * og, copy_bw, 3,
+                      iters=args.iters)
     print("done: output_gate", flush=True)
     # (d) router: FP32 logits GEMM (same in both) + selection; bytes of the selection only (logits in, w/ids out)
     corr = torch.randn(e, device=dev) * 0.01
@@ -126,12 +134,12 @@ def main(argv=None) -> int:
                       lambda: [rnd(t, h), torch.randn(e, h, device=dev) * 0.02],
                       lambda x, b: ops.route(x[0], x[1], corr, 8, 8, 4, backend=b),
                       sel_bytes, t * e * 4 * 2, copy_bw, 2,
-                      canon=lambda o: (o[0].gather(1, o[1].argsort(1)), o[1].sort(1).values))
+                      canon=lambda o: (o[0].gather(1, o[1].argsort(1)), o[1].sort(1).values), iters=args.iters)
     from beamrl.kernels.router_topk import fused_grouped_topk
     logits = torch.randn(t, e, device=dev)
     sel = {}
-    sel["eager"] = cuda_median_ms(lambda: numerics.grouped_topk(logits, corr, 8, 8, 4))
-    sel["triton"] = cuda_median_ms(lambda: fused_grouped_topk(logits, corr, 8, 8, 4))
+    sel["eager"] = cuda_median_ms(lambda: numerics.grouped_topk(logits, corr, 8, 8, 4), **timed)
+    sel["triton"] = cuda_median_ms(lambda: fused_grouped_topk(logits, corr, 8, 8, 4), **timed)
     for b in ("eager", "triton"):
         rows.append(dict(op="grouped top-k only (logits given)", backend=b, fwd_ms=sel[b],
                          fwd_gbs=sel_bytes / sel[b] / 1e6, fwdbwd_ms=float("nan"), fwdbwd_gbs=float("nan"),
@@ -146,7 +154,7 @@ def main(argv=None) -> int:
     rows += _bench_op("swiglu [T*8, 2*2560]", lambda: [rnd(n, 2 * inter, scale=3)],
                       lambda x, b: (fused_swiglu(x[0]) if b == "triton"
                                     else numerics.swiglu(x[0][:, :inter], x[0][:, inter:]),),
-                      n * 3 * inter * 2, n * 5 * inter * 2, copy_bw, 1)
+                      n * 3 * inter * 2, n * 5 * inter * 2, copy_bw, 1, iters=args.iters)
     ids = torch.stack([torch.randperm(e, device=dev)[:k] for _ in range(t)])
     order, _, _, inverse = sort_by_expert(ids, e)
 
@@ -157,7 +165,7 @@ def main(argv=None) -> int:
         return (numerics.moe_combine(ys[inverse].view(t, k, h), 2.5),)
 
     rows += _bench_op("moe combine [T*8, H] -> [T, H]", lambda: [rnd(n, h), torch.rand(t, k, device=dev)], combine,
-                      n * h * 2 + t * h * 2, 2 * n * h * 2 + t * h * 2, copy_bw, 2)
+                      n * h * 2 + t * h * 2, 2 * n * h * 2 + t * h * 2, copy_bw, 2, iters=args.iters)
     print("done: moe glue", flush=True)
 
     table = []

@@ -7,9 +7,10 @@ Sections (each in its own try/except, so one failure keeps the others' results):
   lora_train_small  bf16 LoRA train step of the `small` preset (real widths, 4 layers, 16 experts), rank 32 on
                     attention + dense MLP + experts: forward+backward and full step time, tokens/s, peak memory,
                     trainable parameters; then the trainer's adapter is exported (kept for the next section)
-  adapter_apply     the embedded engine (same GPU, bf16 `small`) applies that adapter: sender checksums
-                    (SHA-256, host), engine apply (checks + merge from W0 + copy), first apply (W0 copies taken)
-                    and a second one; seconds, bytes, GB/s, and the bytes a merged-weight sync would move
+  adapter_apply     adapter-only syncs of that adapter through the orchestrator (`WeightSync`, colocated, staged
+                    buckets) into the embedded engine (same GPU, bf16 `small`): bytes, seconds (checksums, merge
+                    from W0 at commit, copy), the first sync (W0 copies taken) and a later one, GB/s, and the
+                    bytes a merged-weight sync would move
 
   python benchmarks/lora_h200.py                        # one H200 (writes $OUT/lora_h200.json)
   python benchmarks/lora_h200.py --device cpu --tiny    # CPU smoke run of every section at tiny sizes
@@ -73,11 +74,12 @@ def sizes_501b(rank: int = 32) -> dict:
 def lora_train(config, lora: LoRAConfig, device: str, seq_len: int, seqs_per_micro_batch: int, micro_batches: int,
                warmup: int, steps: int, state: dict, seed: int = 0) -> dict:
     from beamrl.models.beam.weights import random_tensors
-    from beamrl.trainer.megatron.worker import MegatronTrainer, OptimizerSettings, TrainerConfig
+    from beamrl.trainer.megatron.config import TrainerConfig
+    from beamrl.trainer.megatron.worker import MegatronTrainer, TrainerSetup
     from beamrl.trainer.protocol import PackedBatch
 
-    trainer = MegatronTrainer(TrainerConfig(model=config, dtype="bfloat16", lora=lora,
-                                            optimizer=OptimizerSettings(lr=1e-4, use_distributed_optimizer=True)))
+    trainer_config = TrainerConfig(num_gpus=1, global_batch_size=1, lr=1e-4, distributed_optimizer=True, lora=lora)
+    trainer = MegatronTrainer(TrainerSetup(model=config, trainer=trainer_config, dtype="bfloat16"))
     base = dict(random_tensors(config, seed, torch.bfloat16))
     trainer.load_hf_state_dict(base)
     trainable = sum(p.numel() for m in trainer.models for p in m.parameters() if p.requires_grad)
@@ -110,7 +112,7 @@ def lora_train(config, lora: LoRAConfig, device: str, seq_len: int, seqs_per_mic
     peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
     _sync()
     t0 = time.perf_counter()
-    adapter = {k: v for b in trainer.export_lora() for k, v in b.tensors.items()}
+    adapter = {k: v for unit in trainer.export_lora() for k, v in unit}
     _sync()
     export_s = time.perf_counter() - t0
     trainer.shutdown()
@@ -125,36 +127,37 @@ def lora_train(config, lora: LoRAConfig, device: str, seq_len: int, seqs_per_mic
 
 
 def adapter_apply(device: str, state: dict) -> dict:
-    from beamrl.models.beam.lora_payload import build_adapter_payload
+    """Adapter-only syncs of the trainer's adapter through the one orchestrator (`WeightSync`, colocated transport,
+    staged buckets) into the embedded engine on the same device: bytes, seconds of the first and a later sync."""
+    from beamrl.models.beam.lora_payload import ADAPTER, adapter_payload
     from beamrl.models.beam.model import BeamForCausalLM
     from beamrl.rollout.native.engine import NativeEngine
+    from beamrl.sync.export import StateDictSource
+    from beamrl.sync.orchestrator import SyncTimeouts, WeightSync
+    from beamrl.sync.transports import TRANSPORTS
 
     if "adapter" not in state:
         raise RuntimeError("lora_train_small did not produce an adapter")
     config, lora, adapter = state["config"], state["lora"], state["adapter"]
     model = BeamForCausalLM(config, dtype=torch.bfloat16, device=device, seed=None)
     model.load_hf_tensors(state.pop("base"), strict=True)
-    engine = NativeEngine.from_model(model)
+    engine = NativeEngine.from_model(model, lora=lora)
     adapter = {k: v.to(device) for k, v in adapter.items()}
     nbytes = sum(t.numel() * t.element_size() for t in adapter.values())
-    _sync()
-    t0 = time.perf_counter()
-    payload = build_adapter_payload(adapter, lora, "bench-1")
-    checksum_s = time.perf_counter() - t0
-    times = []
-    for version in (1, 2):
-        _sync()
-        t0 = time.perf_counter()
-        engine.apply_lora_adapter(payload, version, 3600)
-        _sync()
-        times.append(time.perf_counter() - t0)
+    source = StateDictSource(adapter_payload(adapter, lora), mode=ADAPTER)
+    sync = WeightSync(lambda r: TRANSPORTS.get("colocated")(r, device=device), [engine], bucket_bytes=512 << 20,
+                      timeouts=SyncTimeouts.uniform(3600), progress=None)
+    reports = [sync.sync(source) for _ in range(2)]
+    sync.close()
     merged = adapted_num_parameters(config, lora) * BF16
     engine.shutdown()
     del engine, model
     _free()
-    return {"adapter_bytes": nbytes, "merged_bytes": merged, "sender_checksum_s": checksum_s,
-            "first_apply_s": times[0], "apply_s": times[1], "apply_gb_per_s": nbytes / times[1] / 1e9,
-            "merged_gb_per_s_equivalent": merged / times[1] / 1e9, "tensors": len(adapter)}
+    r = reports[1]
+    return {"adapter_bytes": nbytes, "sync_bytes": r.bytes, "merged_bytes": merged, "buckets": r.buckets,
+            "first_sync_s": reports[0].seconds, "sync_s": r.seconds, "sync_gb_per_s": r.bytes / r.seconds / 1e9,
+            "merged_gb_per_s_equivalent": merged / r.seconds / 1e9, "tensors": len(adapter),
+            "code_path": r.code_path}
 
 
 def sections(args, state: dict) -> list:
@@ -190,10 +193,9 @@ def format_table(results: dict) -> str:
                          f"{r['step_ms']:.1f} ms  peak {r['peak_mem_gib']:.1f} GiB  trainable "
                          f"{r['trainable_params'] / 1e6:.1f} M")
         else:
-            lines.append(f"{name:<18} {r['adapter_bytes'] / 1e6:.1f} MB in {r['apply_s']:.3f} s "
-                         f"({r['apply_gb_per_s']:.2f} GB/s; first {r['first_apply_s']:.3f} s; sender sha256 "
-                         f"{r['sender_checksum_s']:.3f} s); merged-weight sync would move "
-                         f"{r['merged_bytes'] / 1e9:.2f} GB")
+            lines.append(f"{name:<18} {r['sync_bytes'] / 1e6:.1f} MB in {r['sync_s']:.3f} s "
+                         f"({r['sync_gb_per_s']:.2f} GB/s; first {r['first_sync_s']:.3f} s; {r['buckets']} buckets, "
+                         f"merge at commit); merged-weight sync would move {r['merged_bytes'] / 1e9:.2f} GB")
     return "\n".join(lines)
 
 

@@ -15,7 +15,7 @@ import torch
 
 from beamrl.models.beam import BeamForCausalLM, preset
 from beamrl.rollout.native import NativeEngine
-from beamrl.rollout.protocol import GenerateRequest, SamplingParams
+from beamrl.protocols.rollout import GenerateRequest, SamplingParams
 
 
 def main() -> None:

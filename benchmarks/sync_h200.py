@@ -1,24 +1,28 @@
 #!/usr/bin/env python
-"""Weight-sync throughput on H200s: beamrl's transports vs the raw hardware paths, measured in the same run.
+"""Weight-sync throughput on H200s through the code path training uses, against the raw hardware path in the same run.
 
-Modes (the receiver is the native engine in its own process, as an engine would be):
-  --mode colocated    one GPU. The trainer process packs GPU `FlatBucket`s and hands them to the receiver over a
-                      torch.multiprocessing pipe, i.e. as CUDA-IPC handles (what SGLang's flattened_bucket
-                      colocated path does). Reference: a device-to-device copy of the same bytes on that GPU.
+Every sync runs the training orchestrator (`beamrl.sync.orchestrator.WeightSync`: plan, `pack_bucket`, manifest,
+per-bucket checksums, commit) and a registered transport into the native engine hosted in its own process (as in
+training, where it lives in a Ray actor; here the proxy is a pipe, the rest is the same code):
+  --mode colocated    one GPU. Staged buckets: two staging slots shared with the engine once (CUDA-IPC), one CUDA
+                      event and a small message per bucket, sender checksum in the slot trailer, receiver checksum
+                      compared on the device and settled at commit. Reference: a device-to-device copy of the same
+                      bytes on that GPU.
   --mode distributed  two GPUs. The trainer (GPU0, update-group rank 0) NCCL-broadcasts one uint8 buffer per bucket
-                      to the receiver (GPU1, rank 1). References: a raw NCCL broadcast of the same bytes over the
-                      same group, and a GPU0 -> GPU1 peer copy. NCCL_NVLS_ENABLE=0 (NVLink SHARP multicast off).
+                      to the engine (GPU1, rank 1). References: a raw NCCL broadcast of the same bytes over the same
+                      group, and a GPU0 -> GPU1 peer copy. NCCL_NVLS_ENABLE=0 (NVLink SHARP multicast off).
 
 Both sweep bucket sizes (default 64 MiB, 512 MiB, 2 GiB) over a Beam-shaped state dict (default: the `small`
-preset, ~7.8 GB in bf16, router FP32), time begin..finalize of a full sync (packing, transfer, the engine's
-copies into its parameters), and check every received tensor bit for bit against the sender (exact integer
-checksums of the raw bits; the receiver's weights are zeroed before each sync so stale weights cannot pass).
+preset, ~8.4 GB in bf16, router FP32), time begin..commit of a full sync (packing, transfer, the engine's copies
+into its parameters, its checksum checks), and check every received tensor bit for bit against the sender (exact
+integer checksums of the raw bits; the engine's weights are zeroed before each sync so stale weights cannot pass).
+Rows print as they finish, a table at the end; `--json` writes {"rows": [...], "references": {...}, ...}.
 
-  python benchmarks/sync_h200.py --mode colocated              # one H200
-  python benchmarks/sync_h200.py --mode distributed            # nvidia-h200-x2
-  python benchmarks/sync_h200.py --mode distributed --device cpu   # tiny gloo smoke run (CI machine)
+  python benchmarks/sync_h200.py --mode colocated --json $OUT/sync_colocated.json        # one H200
+  python benchmarks/sync_h200.py --mode distributed --json $OUT/sync_distributed.json    # nvidia-h200-x2
+  python benchmarks/sync_h200.py --mode colocated --device cpu                            # CPU smoke run
 
-Needs only torch (+ numpy) and the repo on PYTHONPATH (no sglang, no ray).
+Needs only torch (+ numpy, pydantic) and the repo on PYTHONPATH (no sglang, no ray, no megatron).
 """
 
 from __future__ import annotations
@@ -39,8 +43,9 @@ from beamrl.models.beam.model import BeamForCausalLM  # noqa: E402
 from beamrl.models.beam.weights import expected_tensors  # noqa: E402
 from beamrl.rollout.native.engine import NativeEngine  # noqa: E402
 from beamrl.sync.calls import run_concurrently  # noqa: E402
+from beamrl.sync.export import StateDictSource  # noqa: E402
+from beamrl.sync.orchestrator import SyncTimeouts, WeightSync  # noqa: E402
 from beamrl.sync.process_receiver import HostedEngine  # noqa: E402
-from beamrl.sync.session import SyncTimeouts, WeightSyncManager  # noqa: E402
 from beamrl.sync.transports import TRANSPORTS  # noqa: E402
 from beamrl.sync.update_group import broadcast_from_rank0  # noqa: E402
 
@@ -49,7 +54,7 @@ _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def bit_checksum(t: torch.Tensor) -> tuple[int, int]:
-    """Exact, order-independent checksum of the raw bits: (sum, position-weighted sum) in int64."""
+    """Exact, order-sensitive checksum of the raw bits: (sum, position-weighted sum) in int64."""
     flat = t.detach().contiguous().view(-1).view(_INT_OF_SIZE[t.element_size()])
     total = weighted = 0
     step = 1 << 26  # chunks keep the int64 temporaries small (the embedding has ~0.8 G elements)
@@ -98,10 +103,8 @@ def make_receiver(preset_name: str, dtype: str, device: str) -> BenchReceiver:
 def sender_tensors(preset_name: str, dtype: torch.dtype, device: str, seed: int) -> list[tuple[str, torch.Tensor]]:
     """Beam-shaped random tensors in HF names, generated directly on the device (router/bias FP32)."""
     torch.manual_seed(seed)
-    out = []
-    for name, spec in expected_tensors(preset(preset_name)).items():
-        out.append((name, torch.randn(spec.shape, dtype=spec.dtype(dtype), device=device)))
-    return out
+    return [(name, torch.randn(spec.shape, dtype=spec.dtype(dtype), device=device))
+            for name, spec in expected_tensors(preset(preset_name)).items()]
 
 
 def sync_device() -> None:
@@ -149,20 +152,24 @@ def raw_broadcast_gbps(transport, engine: HostedEngine, nbytes: int, iters: int,
     return nbytes * iters / (time.perf_counter() - t0) / 1e9
 
 
-def main() -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", required=True, choices=["colocated", "distributed"])
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
-                   help="cuda: H200(s); cpu: tiny gloo/shared-memory smoke run")
+                   help="cuda: H200(s); cpu: tiny smoke run (shared memory / gloo)")
     p.add_argument("--preset", default=None, help="state-dict shapes (default: small on cuda, tiny on cpu)")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPES))
     p.add_argument("--bucket-mb", default=None,
                    help="comma-separated bucket sizes in MiB (default 64,512,2048 on cuda; 0.0625,0.5,2 on cpu)")
-    p.add_argument("--repeats", type=int, default=2, help="timed syncs per bucket size (after one warm-up)")
+    p.add_argument("--repeats", type=int, default=3, help="timed syncs per bucket size (after one warm-up)")
+    p.add_argument("--staging-slots", type=int, default=2, help="colocated: staging buffers (2 = double buffering)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per engine call / bucket")
-    p.add_argument("--json", default=None, help="also write the rows as JSON here")
-    args = p.parse_args()
+    p.add_argument("--json", default=None, help="also write the results as JSON here")
+    return p.parse_args(argv)
 
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     if args.repeats < 1:
         print(f"error: --repeats must be >= 1, got {args.repeats}")
         return 2
@@ -181,68 +188,80 @@ def main() -> int:
         torch.cuda.set_device(0)
 
     tensors = sender_tensors(preset_name, _DTYPES[args.dtype], trainer_dev, seed=0)
+    source = StateDictSource(tensors)
     total = sum(t.numel() * t.element_size() for _, t in tensors)
     want = {n: bit_checksum(t) for n, t in tensors}
     print(f"sync_h200: mode={args.mode} device={args.device} preset={preset_name} dtype={args.dtype} "
           f"tensors={len(tensors)} total={total / 1e9:.3f} GB trainer={trainer_dev} engine={engine_dev} "
-          f"NCCL_NVLS_ENABLE={os.environ.get('NCCL_NVLS_ENABLE')}", flush=True)
+          f"NCCL_NVLS_ENABLE={os.environ.get('NCCL_NVLS_ENABLE')}"
+          + (f" gpu={torch.cuda.get_device_name(0)} torch={torch.__version__}" if cuda else ""), flush=True)
 
     t0 = time.perf_counter()
     engine = HostedEngine(make_receiver, (preset_name, args.dtype, engine_dev), name=f"native@{engine_dev}",
                           start_timeout=args.timeout)
     print(f"receiver process up in {time.perf_counter() - t0:.1f} s", flush=True)
-    kwargs = {"device": trainer_dev} if args.mode == "distributed" else {}
-    transport = TRANSPORTS.get(args.mode)([engine], **kwargs)
-    timeouts = SyncTimeouts(connect=args.timeout, call=args.timeout, bucket=args.timeout, verify=args.timeout)
+    if args.mode == "colocated":
+        transport = TRANSPORTS.get("colocated")([engine], device=trainer_dev, staging_slots=args.staging_slots)
+    else:
+        transport = TRANSPORTS.get("distributed")([engine], device=trainer_dev)
+    timeouts = SyncTimeouts.uniform(args.timeout)
     rows: list[dict] = []
+    refs: dict[str, float] = {}
     try:
         transport.connect(args.timeout)
         ref_bytes = min(total, 2 * 2**30)
-        refs: dict[str, float] = {}
         if args.mode == "colocated":
             refs["d2d_copy_gbps"] = copy_gbps(ref_bytes, trainer_dev, engine_dev, iters=5)
         else:
             refs["raw_broadcast_gbps"] = raw_broadcast_gbps(transport, engine, ref_bytes, 5, args.timeout)
             refs["peer_copy_gbps"] = copy_gbps(ref_bytes, trainer_dev, engine_dev, iters=5)
-        print("references (" + f"{ref_bytes / 2**20:.0f} MiB): " +
-              ", ".join(f"{k} {v:.1f}" for k, v in refs.items()), flush=True)
+        print(f"references ({ref_bytes / 2**20:.0f} MiB): " + ", ".join(f"{k} {v:.1f}" for k, v in refs.items()),
+              flush=True)
 
         for mb in sizes_mb:
-            bucket_bytes = int(mb * 2**20)
-            best = None
-            for rep in range(args.repeats + 1):  # rep 0 warms up (IPC handle opens, NCCL comm set-up)
+            sync = WeightSync(transport, [engine], bucket_bytes=int(mb * 2**20), timeouts=timeouts,
+                              initial_version=engine.served_weight_version(args.timeout), progress=None)
+            seconds, report = [], None
+            for rep in range(args.repeats + 1):  # rep 0 warms up (slot attach, NCCL comm set-up, views)
                 engine.call("zero_weights", timeout=args.timeout)
-                manager = WeightSyncManager(transport, bucket_bytes=bucket_bytes, timeouts=timeouts,
-                                            initial_version=engine.weight_version, progress=None)
-                report = manager.sync([tensors], total_bytes=total)
+                report = sync.sync(source)
                 got = engine.call("checksums", timeout=args.timeout)
                 bad = [n for n in want if got.get(n) != want[n]]
                 if bad:
                     raise SystemExit(f"CHECKSUM MISMATCH after sync (bucket {mb:g} MiB): {len(bad)} tensors, "
                                      f"e.g. {bad[:3]}")
-                if rep > 0 and (best is None or report.seconds < best.seconds):
-                    best = report
+                if rep > 0:
+                    seconds.append(report.seconds)
+            best, median = min(seconds), sorted(seconds)[len(seconds) // 2]
             row = {"mode": args.mode, "device": args.device, "preset": preset_name, "bucket_mib": mb,
-                   "buckets": best.buckets, "bytes": best.bytes, "seconds": best.seconds, "gbps": best.gbps,
-                   "checksums_equal": True, **refs}
+                   "buckets": report.buckets, "bytes": report.bytes, "seconds_best": best, "seconds_median": median,
+                   "gbps_best": report.bytes / best / 1e9, "gbps_median": report.bytes / median / 1e9,
+                   "checksums_equal_every_sync": True, "transport_mode": getattr(transport, "mode", args.mode),
+                   "code_path": report.code_path}
             rows.append(row)
-            print(f"  bucket {mb:8.2f} MiB  {best.buckets:5d} buckets  {best.bytes / 1e9:7.3f} GB  "
-                  f"{best.seconds:8.3f} s  {best.gbps:7.2f} GB/s  checksums ok", flush=True)
+            print(f"  bucket {mb:8.2f} MiB  {report.buckets:5d} buckets  {report.bytes / 1e9:7.3f} GB  "
+                  f"best {best:8.4f} s {row['gbps_best']:8.1f} GB/s  median {median:8.4f} s "
+                  f"{row['gbps_median']:8.1f} GB/s  checksums equal after {args.repeats + 1} syncs", flush=True)
     finally:
         transport.close()
         engine.shutdown()
 
     print()
-    ref_cols = list(rows[0])[9:] if rows else []
-    header = "| mode | bucket MiB | buckets | GB | s | sync GB/s | " + " | ".join(ref_cols) + " |"
-    print(header)
-    print("|" + "---|" * (6 + len(ref_cols)))
+    ref_name, ref = next(iter(refs.items()))
+    print(f"| mode | bucket MiB | buckets | GB | best s | sync GB/s (best) | median GB/s | {ref_name} | "
+          f"sync / reference |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['mode']} | {r['bucket_mib']:g} | {r['buckets']} | {r['bytes'] / 1e9:.3f} | {r['seconds']:.3f} | "
-              f"{r['gbps']:.2f} | " + " | ".join(f"{r[c]:.2f}" for c in ref_cols) + " |")
+        print(f"| {r['mode']} ({r['transport_mode']}) | {r['bucket_mib']:g} | {r['buckets']} | {r['bytes'] / 1e9:.3f} | "
+              f"{r['seconds_best']:.4f} | {r['gbps_best']:.1f} | {r['gbps_median']:.1f} | {ref:.1f} | "
+              f"{100 * r['gbps_best'] / ref:.1f} % |")
+    if rows:
+        print(f"code path: {rows[0]['code_path']}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+            json.dump({"rows": rows, "references": refs, "preset": preset_name, "dtype": args.dtype,
+                       "torch": torch.__version__,
+                       "gpu": torch.cuda.get_device_name(0) if cuda else None}, f, indent=2)
     return 0
 
 

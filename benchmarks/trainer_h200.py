@@ -52,10 +52,12 @@ def _free() -> None:
 
 
 def _trainer(config, use_fused_kernels: bool = False):
-    from beamrl.trainer.megatron.worker import MegatronTrainer, OptimizerSettings, TrainerConfig
+    from beamrl.trainer.megatron.config import TrainerConfig
+    from beamrl.trainer.megatron.worker import MegatronTrainer, TrainerSetup
 
-    return MegatronTrainer(TrainerConfig(model=config, dtype="bfloat16", use_fused_kernels=use_fused_kernels,
-                                         optimizer=OptimizerSettings(lr=1e-6, use_distributed_optimizer=False)))
+    trainer_config = TrainerConfig(num_gpus=1, global_batch_size=1, lr=1e-6, distributed_optimizer=False,
+                                   use_fused_kernels=use_fused_kernels)
+    return MegatronTrainer(TrainerSetup(model=config, trainer=trainer_config, dtype="bfloat16"))
 
 
 def parity(config, device: str, num_sequences: int, seq_len: int, seed: int = 0) -> dict:
@@ -208,7 +210,8 @@ def main(argv=None) -> int:
     from beamrl.trainer.megatron.launch import set_one_rank_world_env
 
     set_one_rank_world_env()
-    from beamrl.trainer.megatron.parallel import ParallelConfig, initialize_parallel
+    from beamrl.trainer.megatron.config import ParallelConfig
+    from beamrl.trainer.megatron.parallel import initialize_parallel
 
     initialize_parallel(ParallelConfig())
     results = {"meta": {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",

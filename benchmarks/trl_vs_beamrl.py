@@ -12,10 +12,12 @@ length, temperature, number of steps, lr (constant), Adam, grad clip, eps-clip, 
   so that the total matches tiny Beam's), a plain torch SFT loop, then trl.GRPOTrainer.
 
     bash benchmarks/trl_env.sh
-    .venv/bin/python benchmarks/trl_vs_beamrl.py --steps 100 --sft-steps 8 --out runs/trl_vs_beamrl_sft8
+    .venv/bin/python benchmarks/trl_vs_beamrl.py --steps 60 --sft-steps 15 --repeat 3 --out runs/trl_vs_beamrl
 
-Prints one table (framework | params | SFT s | GRPO s/step | reward first/last 20% | total wall s) and writes
-results.json to --out. CPU timings of one run on a shared machine are ratios, not absolutes.
+Prints one table (framework | params | SFT s | GRPO s/step | reward first/last 20% | total wall s), one row per
+side and run; with `--repeat N` (N runs per side, alternating) also each column's median and min-max spread and
+beamrl's median GRPO step and SFT time as multiples of TRL's. Writes results.json to --out. Timings on a
+shared machine are ratios, not absolutes.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RECIPE = ROOT / "recipes" / "quickstart.yaml"
 # Qwen2 shape of the TRL side: Beam tiny's width, depth and heads; only the FFN width is solved for.
 QWEN_HIDDEN, QWEN_LAYERS, QWEN_HEADS, QWEN_KV_HEADS = 64, 6, 4, 2
-_SFT_LINE = re.compile(r"SFT step (\d+)/(\d+): nll ([0-9.]+) \((\d+) s\)")
+_SFT_LINE = re.compile(r"SFT step (\d+)/(\d+): nll ([0-9.]+) \(([0-9.]+) s\)")
 
 
 # ---------------------------------------------------------------------------------------------- pure parts
@@ -82,11 +84,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "N(0,1/fan_in), norms ~1), the same scheme the beamrl side starts from; 'hf' = "
                          "transformers' default (N(0,0.02)), which learns the SFT far more slowly here")
     ap.add_argument("--timeout-s", type=float, default=1200.0, help="wall-clock limit of each side")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="runs per framework, alternating beamrl, trl, beamrl, ... (run i goes to OUT/run<i>/); "
+                         "with more than one, a summary table gives each column's median and min-max spread")
     ap.add_argument("--trl-worker", type=Path, default=None, help=argparse.SUPPRESS)  # internal: settings json
     args = ap.parse_args(argv)
     if args.trl_worker is None:
         if args.steps < 1 or args.sft_steps < 0:
             ap.error(f"--steps must be >= 1 and --sft-steps >= 0 (got {args.steps}, {args.sft_steps})")
+        if args.repeat < 1:
+            ap.error(f"--repeat must be >= 1 (got {args.repeat})")
         if args.skip_trl and args.skip_beamrl:
             ap.error("--skip-trl and --skip-beamrl together leave nothing to run")
     return args
@@ -166,9 +173,46 @@ def format_table(summaries: list[dict]) -> str:
     lines = ["| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
     for s in summaries:
         params = "-" if s["params"] is None else f"{s['params'] / 1e6:.3f} M"
-        lines.append(f"| {s['framework']} | {params} | {f(s['sft_s'], '.1f')} | {f(s['grpo_s_per_step'], '.3f')} | "
+        label = f"{s['framework']} run {s['run']}" if "run" in s else s["framework"]
+        lines.append(f"| {label} | {params} | {f(s['sft_s'], '.1f')} | {f(s['grpo_s_per_step'], '.3f')} | "
                      f"{f(s['reward_first_20pct'], '.3f')} | {f(s['reward_last_20pct'], '.3f')} | "
                      f"{f(s['total_wall_s'], '.1f')} | {f(s.get('sft_final_nll'), '.3f')} |")
+    return "\n".join(lines)
+
+
+SUMMARY_COLUMNS = [("grpo_s_per_step", "GRPO s/step", ".3f"), ("sft_s", "SFT s", ".1f"),
+                   ("reward_first_20pct", "reward first 20%", ".3f"), ("reward_last_20pct", "reward last 20%", ".3f"),
+                   ("total_wall_s", "total wall s", ".1f")]
+
+
+def aggregate(rows: list[dict]) -> dict[str, dict]:
+    """{framework: {column: (median, min, max) or None, "runs": n}} over the runs of `--repeat`."""
+    out: dict[str, dict] = {}
+    for fw in dict.fromkeys(r["framework"] for r in rows):
+        mine = [r for r in rows if r["framework"] == fw]
+        out[fw] = {"runs": len(mine)}
+        for key, _, _ in SUMMARY_COLUMNS:
+            vals = [r[key] for r in mine if r.get(key) is not None]
+            out[fw][key] = (statistics.median(vals), min(vals), max(vals)) if vals else None
+    return out
+
+
+def format_summary(summary: dict[str, dict]) -> str:
+    """Markdown table of `aggregate`: 'median (min-max)' per column, then beamrl's median GRPO s/step and SFT s
+    as multiples of TRL's when both sides ran."""
+    head = ["framework", "runs", *[f"{label} median (min-max)" for _, label, _ in SUMMARY_COLUMNS]]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for fw, agg in summary.items():
+        cells = []
+        for key, _, spec in SUMMARY_COLUMNS:
+            v = agg[key]
+            cells.append("-" if v is None else f"{format(v[0], spec)} ({format(v[1], spec)}-{format(v[2], spec)})")
+        lines.append(f"| {fw} | {agg['runs']} | " + " | ".join(cells) + " |")
+    if {"beamrl", "trl"} <= summary.keys():
+        for key, label, _ in SUMMARY_COLUMNS[:2]:
+            a, b = summary["beamrl"][key], summary["trl"][key]
+            if a is not None and b is not None and b[0] > 0:
+                lines.append(f"\nbeamrl / trl, median {label}: {a[0] / b[0]:.2f}x")
     return "\n".join(lines)
 
 
@@ -300,25 +344,35 @@ def main(argv: list[str] | None = None) -> int:
     load = LoadSampler()
     load.start()
     rows, errors = [], {}
-    for name, skip, fn in (("beamrl", args.skip_beamrl, lambda: run_beamrl(s, args.out, args.timeout_s)),
-                           ("trl", args.skip_trl, lambda: run_trl(s, args.out, args.trl_python, args.timeout_s))):
-        if skip:
-            continue
-        try:
-            rows.append(fn())
-        except (RuntimeError, FileNotFoundError, ValueError) as e:  # report the other side anyway
-            errors[name] = str(e)
-            print(f"{name} FAILED: {e}", file=sys.stderr, flush=True)
+    for run in range(1, args.repeat + 1):  # alternating, so both sides see the same drift in machine load
+        out = args.out if args.repeat == 1 else args.out / f"run{run}"
+        for name, skip, fn in (("beamrl", args.skip_beamrl, lambda: run_beamrl(s, out, args.timeout_s)),
+                               ("trl", args.skip_trl, lambda: run_trl(s, out, args.trl_python, args.timeout_s))):
+            if skip:
+                continue
+            side_load = LoadSampler()
+            side_load.start()
+            try:
+                row = fn()
+                row.update(run=run, loadavg_1min=side_load.stop())
+                rows.append(row)
+            except (RuntimeError, FileNotFoundError, ValueError) as e:  # report the other side anyway
+                side_load.stop()
+                errors[f"{name} run {run}"] = str(e)
+                print(f"{name} run {run} FAILED: {e}", file=sys.stderr, flush=True)
     load_stats = load.stop()
+    summary = aggregate(rows) if rows else {}
     result = {"started_utc": started, "finished_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "cpu_count": os.cpu_count(),
               "loadavg_1min_during_run": load_stats, "command": " ".join([sys.executable, *sys.argv]),
-              "settings": asdict(s), "rows": rows, "errors": errors}
+              "settings": asdict(s), "repeat": args.repeat, "rows": rows, "summary": summary, "errors": errors}
     (args.out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
     print(f"\n{s.steps} GRPO steps x {s.prompts_per_step} prompts x {s.generations} generations, "
           f"SFT {s.sft_steps} x {s.sft_batch}; {os.cpu_count()} CPUs, 1-min load average during the run "
           f"{load_stats['min']:.1f}-{load_stats['max']:.1f} (mean {load_stats['mean']:.1f})")
     print(format_table(rows))
+    if args.repeat > 1 and rows:
+        print("\n" + format_summary(summary))
     print(f"results: {args.out / 'results.json'}")
     return 1 if errors else 0
 

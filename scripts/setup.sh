@@ -69,7 +69,8 @@ pip install -q --no-deps --no-build-isolation -e .
 echo "setup: [6/6] import check"
 "$VENV/bin/python" - <<'PY'
 import importlib, sys
-for mod in ("torch", "megatron.core", "ray", "datasets", "math_verify", "safetensors", "yaml", "peft", "beamrl"):
+# sglang: a required dependency (the rollout engine); a broken install must fail here, not skip tests.
+for mod in ("torch", "megatron.core", "ray", "sglang", "datasets", "math_verify", "safetensors", "yaml", "peft", "beamrl"):
     importlib.import_module(mod)
 import torch; assert torch.__version__.startswith("2.13.0"), torch.__version__
 print("setup: imports ok; torch", torch.__version__, "python", sys.version.split()[0])

@@ -24,3 +24,63 @@ def tiny_config():
     from beamrl.models.beam import preset
 
     return preset("tiny")
+
+
+# ------------------------------------------------------------------------ process-wide switches, scoped
+# Two switches change the whole test process: Triton's interpreter (TRITON_INTERPRET, inherited by every
+# subprocess) and the Megatron CPU compatibility layer (it redirects every CUDA call of torch). Tests ask for
+# them with these fixtures, which undo them afterwards; `_no_leaked_switches` fails a test that leaves either on.
+
+from beamrl.compat import megatron_cpu  # noqa: E402
+from tests.triton_interpreter import (  # noqa: E402
+    ENV as TRITON_INTERPRET,
+    import_triton_interpreted,
+    interpreted_kernels,
+)
+
+_TRITON_INTERPRET_AT_START = os.environ.get(TRITON_INTERPRET)
+if not torch.cuda.is_available():
+    import_triton_interpreted()  # Triton's own library on the interpreter; the switch itself stays off
+
+
+@pytest.fixture
+def triton_interpreter():
+    """Triton kernels on the CPU interpreter for this test (on a CUDA machine the real kernels run)."""
+    if torch.cuda.is_available():
+        yield False
+        return
+    with interpreted_kernels():
+        yield True
+
+
+@pytest.fixture(scope="module")
+def megatron_cpu_shim():
+    """`beamrl.compat.megatron_cpu` active for one test module (in-process Megatron), undone after it, with the
+    Megatron groups and the default process group the module created."""
+    import torch.distributed as dist
+
+    had_group = dist.is_initialized()
+    megatron_cpu.activate()
+    yield
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized() and not had_group:
+        dist.destroy_process_group()
+    megatron_cpu.deactivate()
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_switches(request):
+    yield
+    if "megatron_cpu_shim" not in request.fixturenames and megatron_cpu.is_active():
+        megatron_cpu.deactivate()  # so that only this test fails
+        pytest.fail(f"{request.node.nodeid} left beamrl.compat.megatron_cpu active: use the megatron_cpu_shim fixture")
+    now = os.environ.get(TRITON_INTERPRET)
+    if now != _TRITON_INTERPRET_AT_START:
+        if _TRITON_INTERPRET_AT_START is None:
+            os.environ.pop(TRITON_INTERPRET, None)
+        else:
+            os.environ[TRITON_INTERPRET] = _TRITON_INTERPRET_AT_START
+        pytest.fail(f"{request.node.nodeid} left {TRITON_INTERPRET}={now!r} (was {_TRITON_INTERPRET_AT_START!r}): "
+                    f"use the triton_interpreter fixture")

@@ -1,32 +1,38 @@
 """RL algorithms as pure-torch functions behind name registries.
 
 - `ADVANTAGES` ("grpo"): `fn(scores, group_ids=None, cfg=None) -> advantages`.
-- `POLICY_LOSSES` ("ppo_clip"): `fn(LossInputs, PolicyLossConfig) -> LossOutputs`.
+- `POLICY_LOSSES` ("ppo_clip"): `fn(LossInputs, AlgorithmConfig) -> LossOutputs`.
 - `KL_ESTIMATORS` ("k1", "k2", "k3"): `fn(logprobs, ref_logprobs) -> per-token KL`.
 - `IMPORTANCE_CORRECTIONS` ("tis", "mis"): rollout-vs-trainer off-policy weights.
 - DAPO: `filter_groups` (dynamic sampling on raw scores), `overlong_shaped_rewards`.
+The recipe's `algorithm` section is `AlgorithmConfig` (config.py), read by these functions under its own names.
 See docs/algorithms.md.
 """
 
-from beamrl.algorithms.advantages import ADVANTAGES, GRPOAdvantageConfig, grpo_advantages, per_token
+from beamrl.algorithms.advantages import ADVANTAGES, grpo_advantages, per_token
 from beamrl.algorithms.aggregation import AGGREGATIONS, aggregate, loss_normalizer
+from beamrl.algorithms.config import (
+    AlgorithmConfig,
+    DynamicSamplingConfig,
+    ImportanceConfig,
+    KLConfig,
+    OverlongConfig,
+)
 from beamrl.algorithms.dapo import (
     GroupFilterResult,
-    OverlongConfig,
     filter_groups,
     overlong_penalty,
     overlong_shaped_rewards,
 )
 from beamrl.algorithms.importance import (
     IMPORTANCE_CORRECTIONS,
-    ImportanceConfig,
     ImportanceResult,
     importance_weights,
     masked_importance_weights,
     truncated_importance_weights,
 )
-from beamrl.algorithms.kl import KL_ESTIMATORS, KLConfig, kl_penalized_scores, token_kl
-from beamrl.algorithms.policy_loss import POLICY_LOSSES, LossInputs, LossOutputs, PolicyLossConfig, ppo_clip_loss
+from beamrl.algorithms.kl import KL_ESTIMATORS, kl_penalized_scores, token_kl
+from beamrl.algorithms.policy_loss import POLICY_LOSSES, LossInputs, LossOutputs, ppo_clip_loss
 from beamrl.registry import Registry
 
 __all__ = [
@@ -35,7 +41,8 @@ __all__ = [
     "IMPORTANCE_CORRECTIONS",
     "KL_ESTIMATORS",
     "POLICY_LOSSES",
-    "GRPOAdvantageConfig",
+    "AlgorithmConfig",
+    "DynamicSamplingConfig",
     "GroupFilterResult",
     "ImportanceConfig",
     "ImportanceResult",
@@ -43,7 +50,6 @@ __all__ = [
     "LossInputs",
     "LossOutputs",
     "OverlongConfig",
-    "PolicyLossConfig",
     "Registry",
     "aggregate",
     "filter_groups",

@@ -1,64 +1,60 @@
 """Advantage estimators, chosen by name from `ADVANTAGES`.
 
 Every estimator has the signature `fn(scores, group_ids=None, cfg=None) -> advantages` where `scores`
-are per-sequence (shaped) rewards as [n_prompts, n_samples] or 1-D with `group_ids`, and the result has
-the shape of `scores`. Broadcast to tokens with `per_token(advantages, seq_ids)`.
+are per-sequence (shaped) rewards as [n_prompts, n_samples] or 1-D with `group_ids`, `cfg` is the recipe's
+`AlgorithmConfig` (None: its defaults), and the result has the shape of `scores`. Broadcast to tokens with
+`per_token(advantages, seq_ids)`.
 
 Example:
     >>> import torch
-    >>> from beamrl.algorithms import ADVANTAGES, GRPOAdvantageConfig
-    >>> adv = ADVANTAGES.get("grpo")(torch.tensor([[1.0, 0.0, 0.0, 1.0]]), cfg=GRPOAdvantageConfig())
+    >>> from beamrl.algorithms import ADVANTAGES, AlgorithmConfig
+    >>> adv = ADVANTAGES.get("grpo")(torch.tensor([[1.0, 0.0, 0.0, 1.0]]), cfg=AlgorithmConfig())
     >>> [round(a, 3) for a in adv[0].tolist()]
     [0.866, -0.866, -0.866, 0.866]
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from beamrl.algorithms.groups import as_groups, group_count, group_sum
+from beamrl.algorithms.groups import as_groups, group_count, group_max, group_min, group_sum
 from beamrl.registry import Registry
+
+if TYPE_CHECKING:
+    from beamrl.algorithms.config import AlgorithmConfig
 
 ADVANTAGES: Registry = Registry("advantage estimator")
 
 
-@dataclass(frozen=True)
-class GRPOAdvantageConfig:
-    """GRPO: A_i = (r_i - mean_group) / (std_group + eps).
-
-    scale_by_std=False gives Dr. GRPO (A_i = r_i - mean_group), which removes the std bias toward
-    easy/hard prompts. unbiased_std picks the (n-1) denominator (torch.std default, as TRL and verl do).
-    A group of one sample gets advantage 0.
-    """
-
-    eps: float = 1e-6
-    scale_by_std: bool = True
-    unbiased_std: bool = True
-
-    def __post_init__(self) -> None:
-        if not self.eps >= 0:
-            raise ValueError(f"GRPOAdvantageConfig.eps={self.eps} must be >= 0")
-
-
 @ADVANTAGES.register("grpo")
 def grpo_advantages(
-    scores: torch.Tensor, group_ids: torch.Tensor | None = None, cfg: GRPOAdvantageConfig | None = None
+    scores: torch.Tensor, group_ids: torch.Tensor | None = None, cfg: "AlgorithmConfig | None" = None, *,
+    eps: float = 1e-6, unbiased_std: bool = True,
 ) -> torch.Tensor:
-    """Group-normalised advantages (see `GRPOAdvantageConfig`); same shape as `scores`."""
-    cfg = cfg or GRPOAdvantageConfig()
+    """GRPO: A_i = (r_i - mean_group) / (std_group + eps); same shape as `scores`.
+
+    `cfg.normalize_std=False` gives Dr. GRPO (A_i = r_i - mean_group), which removes the std bias toward
+    easy/hard prompts. unbiased_std picks the (n-1) denominator (torch.std default, as TRL and verl do).
+    A group whose scores are all equal (its min equals its max; a group of one included) gets advantage
+    exactly 0: testing the centred scores for 0 would miss scores that are not exact in binary (0.1, a
+    weighted sum), whose float mean leaves a ~1e-8 residue that the tiny std then blows up."""
+    if not eps >= 0:
+        raise ValueError(f"grpo_advantages: eps={eps} must be >= 0")
+    normalize_std = True if cfg is None else cfg.normalize_std
     g = as_groups(scores, group_ids)
     r = g.scores
     n = group_count(g)
     mean = group_sum(r, g) / n
     centred = r - mean[g.index]
-    if not cfg.scale_by_std:
-        return centred.reshape(g.shape)
-    dof = (n - 1).clamp(min=1) if cfg.unbiased_std else n
+    # Constant groups carry no signal: exactly 0 (never 0/0, never rounding residue / tiny std).
+    constant = (group_max(r, g) == group_min(r, g))[g.index]
+    if not normalize_std:
+        return torch.where(constant, torch.zeros_like(centred), centred).reshape(g.shape)
+    dof = (n - 1).clamp(min=1) if unbiased_std else n
     std = (group_sum(centred * centred, g) / dof).sqrt()
-    # An all-equal group (or eps=0 with std=0) carries no signal: 0, never 0/0.
-    adv = torch.where(centred == 0, torch.zeros_like(centred), centred / (std[g.index] + cfg.eps))
+    adv = torch.where(constant, torch.zeros_like(centred), centred / (std[g.index] + eps))
     return adv.reshape(g.shape)
 
 

@@ -13,7 +13,8 @@ Example:
     >>> res = filter_groups(raw_scores=raw, target_num_groups=4)
     >>> res.kept_groups.tolist(), res.num_needed
     ([1], 3)
-    >>> overlong_penalty(torch.tensor([10, 13, 16]), OverlongConfig(max_response_len=16, overlong_buffer=4)).tolist()
+    >>> from beamrl.algorithms import OverlongConfig
+    >>> overlong_penalty(torch.tensor([10, 13, 16]), OverlongConfig(buffer=4), max_response_len=16).tolist()
     [0.0, -0.25, -1.0]
 """
 
@@ -21,10 +22,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from beamrl.algorithms.groups import as_groups, group_count, group_sum
+from beamrl.algorithms.groups import as_groups, group_max, group_min
+
+if TYPE_CHECKING:
+    from beamrl.algorithms.config import OverlongConfig
 
 
 @dataclass
@@ -66,8 +71,7 @@ def filter_groups(
         raise ValueError(f"max_oversample={max_oversample} must be >= 1")
     g = as_groups(raw_scores, group_ids)
     s = g.scores.detach().to(torch.float64)
-    gmax = torch.full((g.num_groups,), -math.inf, dtype=s.dtype, device=s.device).scatter_reduce(0, g.index, s, "amax")
-    gmin = torch.full((g.num_groups,), math.inf, dtype=s.dtype, device=s.device).scatter_reduce(0, g.index, s, "amin")
+    gmax, gmin = group_max(s, g), group_min(s, g)
     informative = (gmax - gmin) > atol
     kept = g.labels[torch.nonzero(informative).flatten()]
     dropped = g.labels[torch.nonzero(~informative).flatten()]
@@ -82,48 +86,31 @@ def filter_groups(
         suggested = math.ceil(num_needed * max_oversample)
     else:
         suggested = min(math.ceil(num_needed / keep_rate), math.ceil(num_needed * max_oversample))
-    mean = group_sum(s, g) / group_count(g).to(s.dtype)
+    # "All max" / "all min": every sample of the dropped group scored the batch's max (min). Compared on the
+    # group's own min/max, never on a rounded mean (a group all at 0.7 has a mean != 0.7 in floats).
     metrics = {
         "dynamic_sampling/keep_rate": keep_rate,
         "dynamic_sampling/num_kept": float(len(kept)),
         "dynamic_sampling/num_dropped": float(len(dropped)),
-        "dynamic_sampling/dropped_all_max": float(((~informative) & (mean == s.max())).sum()) if len(s) else 0.0,
-        "dynamic_sampling/dropped_all_min": float(((~informative) & (mean == s.min())).sum()) if len(s) else 0.0,
+        "dynamic_sampling/dropped_all_max": float(((~informative) & (gmin == s.max())).sum()) if len(s) else 0.0,
+        "dynamic_sampling/dropped_all_min": float(((~informative) & (gmax == s.min())).sum()) if len(s) else 0.0,
     }
     return GroupFilterResult(kept, dropped, num_needed, num_surplus, suggested, metrics)
 
 
-@dataclass(frozen=True)
-class OverlongConfig:
-    """DAPO soft overlong punishment. Responses longer than max_response_len - overlong_buffer lose
-    penalty_factor * (len - (max_response_len - overlong_buffer)) / overlong_buffer, reaching -penalty_factor
-    at max_response_len (and beyond: truncated responses)."""
-
-    max_response_len: int
-    overlong_buffer: int
-    penalty_factor: float = 1.0
-
-    def __post_init__(self) -> None:
-        if self.max_response_len < 1:
-            raise ValueError(f"OverlongConfig.max_response_len={self.max_response_len} must be >= 1")
-        if not 0 < self.overlong_buffer <= self.max_response_len:
-            raise ValueError(
-                f"OverlongConfig.overlong_buffer={self.overlong_buffer} must be in [1, max_response_len="
-                f"{self.max_response_len}]"
-            )
-        if self.penalty_factor < 0:
-            raise ValueError(f"OverlongConfig.penalty_factor={self.penalty_factor} must be >= 0")
-
-
-def overlong_penalty(response_lengths: torch.Tensor, cfg: OverlongConfig) -> torch.Tensor:
-    """Penalty (<= 0) per response from its length in tokens."""
-    expected = cfg.max_response_len - cfg.overlong_buffer
-    over = (response_lengths.to(torch.float64) - expected).clamp(min=0, max=cfg.overlong_buffer)
-    return (over * (-cfg.penalty_factor / cfg.overlong_buffer)).to(torch.float32) + 0.0  # + 0.0: no -0.0
+def overlong_penalty(response_lengths: torch.Tensor, cfg: "OverlongConfig", max_response_len: int) -> torch.Tensor:
+    """Penalty (<= 0) per response from its length in tokens. Responses longer than max_response_len - buffer
+    lose penalty * (len - (max_response_len - buffer)) / buffer, reaching -penalty at max_response_len (and
+    beyond: truncated responses)."""
+    if not 0 < cfg.buffer <= max_response_len:
+        raise ValueError(f"overlong buffer={cfg.buffer} must be in [1, max_response_len={max_response_len}]")
+    expected = max_response_len - cfg.buffer
+    over = (response_lengths.to(torch.float64) - expected).clamp(min=0, max=cfg.buffer)
+    return (over * (-cfg.penalty / cfg.buffer)).to(torch.float32) + 0.0  # + 0.0: no -0.0
 
 
 def overlong_shaped_rewards(
-    raw_scores: torch.Tensor, response_lengths: torch.Tensor, cfg: OverlongConfig
+    raw_scores: torch.Tensor, response_lengths: torch.Tensor, cfg: "OverlongConfig", max_response_len: int
 ) -> torch.Tensor:
     """shaped = raw + overlong_penalty(lengths): a NEW tensor (raw_scores is never modified, so the
     dynamic-sampling filter and the raw-reward logs still see the verifier's scores)."""
@@ -131,4 +118,4 @@ def overlong_shaped_rewards(
         raise ValueError(
             f"raw_scores {tuple(raw_scores.shape)} and response_lengths {tuple(response_lengths.shape)} differ in shape"
         )
-    return raw_scores + overlong_penalty(response_lengths, cfg).to(raw_scores.dtype)
+    return raw_scores + overlong_penalty(response_lengths, cfg, max_response_len).to(raw_scores.dtype)

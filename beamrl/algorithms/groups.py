@@ -61,3 +61,15 @@ def group_sum(values: torch.Tensor, groups: Groups) -> torch.Tensor:
 def group_count(groups: Groups) -> torch.Tensor:
     """Number of samples per group -> [num_groups] (float, for division)."""
     return torch.bincount(groups.index, minlength=groups.num_groups).to(groups.scores.dtype)
+
+
+def group_max(values: torch.Tensor, groups: Groups) -> torch.Tensor:
+    """Largest of `values` [N] per group -> [num_groups] (exact: no arithmetic on the values)."""
+    out = torch.full((groups.num_groups,), -torch.inf, dtype=values.dtype, device=values.device)
+    return out.scatter_reduce_(0, groups.index, values, reduce="amax")
+
+
+def group_min(values: torch.Tensor, groups: Groups) -> torch.Tensor:
+    """Smallest of `values` [N] per group -> [num_groups] (exact: no arithmetic on the values)."""
+    out = torch.full((groups.num_groups,), torch.inf, dtype=values.dtype, device=values.device)
+    return out.scatter_reduce_(0, groups.index, values, reduce="amin")

@@ -11,7 +11,8 @@ ratio = exp(old_logprob - rollout_logprob) (detached):
 
 Example:
     >>> import torch
-    >>> cfg = ImportanceConfig(method="tis", cap=2.0)
+    >>> from beamrl.algorithms import ImportanceConfig
+    >>> cfg = ImportanceConfig(mode="tis", cap=2.0)
     >>> res = IMPORTANCE_CORRECTIONS.get("tis")(torch.tensor([0.0, 0.0]), torch.tensor([0.0, -5.0]),
     ...                                         torch.tensor([True, True]), torch.tensor([0, 0]), cfg)
     >>> res.weights.tolist()
@@ -21,34 +22,17 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING
 
 import torch
 
 from beamrl.algorithms.aggregation import masked_mean
 from beamrl.registry import Registry
 
+if TYPE_CHECKING:
+    from beamrl.algorithms.config import ImportanceConfig
+
 IMPORTANCE_CORRECTIONS: Registry = Registry("importance correction")
-
-
-@dataclass(frozen=True)
-class ImportanceConfig:
-    """method: "tis" or "mis". cap: TIS truncation C. lo/hi: MIS keep-range. level: MIS "token" or "sequence"."""
-
-    method: Literal["tis", "mis"] = "tis"
-    cap: float = 2.0
-    lo: float = 0.5
-    hi: float = 2.0
-    level: Literal["token", "sequence"] = "token"
-
-    def __post_init__(self) -> None:
-        IMPORTANCE_CORRECTIONS.get(self.method)
-        if not self.cap > 0:
-            raise ValueError(f"ImportanceConfig.cap={self.cap} must be > 0")
-        if not 0 <= self.lo < self.hi:
-            raise ValueError(f"ImportanceConfig needs 0 <= lo < hi, got lo={self.lo} hi={self.hi}")
-        if self.level not in ("token", "sequence"):
-            raise ValueError(f"ImportanceConfig.level={self.level!r} must be 'token' or 'sequence'")
 
 
 @dataclass
@@ -74,7 +58,8 @@ def _base_metrics(log_ratio: torch.Tensor, mask: torch.Tensor) -> dict[str, torc
     return {
         "train_rollout_logprob_abs_diff": masked_mean(log_ratio.abs(), mask),
         "ratio_mean": masked_mean(ratio, mask),
-        "train_rollout_kl": masked_mean(torch.expm1(-log_ratio) + log_ratio, mask),  # k3(old || rollout)
+        # k3 of KL(rollout || old): the tokens were sampled by the rollout policy, so r = old / rollout.
+        "train_rollout_kl": masked_mean(torch.expm1(log_ratio) - log_ratio, mask),
     }
 
 
@@ -93,7 +78,7 @@ def truncated_importance_weights(
     rollout_logprobs: torch.Tensor,
     loss_mask: torch.Tensor,
     seq_ids: torch.Tensor,
-    cfg: ImportanceConfig,
+    cfg: "ImportanceConfig",
 ) -> ImportanceResult:
     """TIS: weight_t = min(exp(old_t - rollout_t), cap)."""
     mask, log_ratio, ratio = _ratios(old_logprobs, rollout_logprobs, loss_mask, seq_ids)
@@ -110,7 +95,7 @@ def masked_importance_weights(
     rollout_logprobs: torch.Tensor,
     loss_mask: torch.Tensor,
     seq_ids: torch.Tensor,
-    cfg: ImportanceConfig,
+    cfg: "ImportanceConfig",
 ) -> ImportanceResult:
     """MIS: weight_t = ratio_t if the token's (or its sequence's) ratio is in [lo, hi], else 0."""
     mask, log_ratio, ratio = _ratios(old_logprobs, rollout_logprobs, loss_mask, seq_ids)
@@ -136,7 +121,7 @@ def importance_weights(
     rollout_logprobs: torch.Tensor,
     loss_mask: torch.Tensor,
     seq_ids: torch.Tensor,
-    cfg: ImportanceConfig,
+    cfg: "ImportanceConfig",
 ) -> ImportanceResult:
-    """Dispatch on `cfg.method`."""
-    return IMPORTANCE_CORRECTIONS.get(cfg.method)(old_logprobs, rollout_logprobs, loss_mask, seq_ids, cfg)
+    """Dispatch on `cfg.mode` (a correction's name; "none" is not one: the caller skips the correction)."""
+    return IMPORTANCE_CORRECTIONS.get(cfg.mode)(old_logprobs, rollout_logprobs, loss_mask, seq_ids, cfg)

@@ -16,12 +16,15 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from beamrl.algorithms.aggregation import masked_mean
 from beamrl.registry import Registry
+
+if TYPE_CHECKING:
+    from beamrl.algorithms.config import KLConfig
 
 KL_ESTIMATORS: Registry = Registry("KL estimator")
 
@@ -45,27 +48,7 @@ def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     return torch.expm1(log_r) - log_r
 
 
-@dataclass(frozen=True)
-class KLConfig:
-    """A KL(policy || reference) penalty. coef=0 disables it.
-
-    estimator: a `KL_ESTIMATORS` name. clamp: |per-token value| bound (k3 explodes when the policy drifts far;
-    verl clamps to 10), None for no clamp.
-    """
-
-    coef: float = 0.0
-    estimator: str = "k3"
-    clamp: float | None = 10.0
-
-    def __post_init__(self) -> None:
-        if self.coef < 0:
-            raise ValueError(f"KLConfig.coef={self.coef} must be >= 0")
-        KL_ESTIMATORS.get(self.estimator)  # fail at config time, listing the allowed names
-        if self.clamp is not None and not self.clamp > 0:
-            raise ValueError(f"KLConfig.clamp={self.clamp} must be > 0 or None")
-
-
-def token_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, cfg: KLConfig) -> torch.Tensor:
+def token_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, cfg: "KLConfig") -> torch.Tensor:
     """Per-token KL estimate under `cfg` (estimator + clamp)."""
     kl = KL_ESTIMATORS.get(cfg.estimator)(logprobs, ref_logprobs)
     if cfg.clamp is not None:
@@ -79,7 +62,7 @@ def kl_penalized_scores(
     ref_logprobs: torch.Tensor,
     loss_mask: torch.Tensor,
     seq_ids: torch.Tensor,
-    cfg: KLConfig,
+    cfg: "KLConfig",
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """KL-in-reward: shaped_i = scores_i - coef * sum_{t in seq i} kl_t (detached). Returns the shaped scores
     [n_seqs] and metrics. Apply it to the shaped reward only; dynamic sampling keeps using the raw scores."""

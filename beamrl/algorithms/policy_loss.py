@@ -1,21 +1,21 @@
-"""Policy losses, chosen by name from `POLICY_LOSSES`: `fn(LossInputs, PolicyLossConfig) -> LossOutputs`.
+"""Policy losses, chosen by name from `POLICY_LOSSES`: `fn(LossInputs, AlgorithmConfig) -> LossOutputs`.
 
 "ppo_clip" (PPO with DAPO clip-higher), per loss token t with ratio_t = exp(logprob_t - old_logprob_t):
 
-    l_t = max(-A_t * ratio_t, -A_t * clip(ratio_t, 1 - eps_low, 1 + eps_high)) * w_t + kl_coef * kl_t
+    l_t = max(-A_t * ratio_t, -A_t * clip(ratio_t, 1 - eps_clip_low, 1 + eps_clip_high)) * w_t + kl.coef * kl_t
 
-w_t is the off-policy correction weight against the rollout policy (`importance`, 1 when off), kl_t the
-KL(policy || reference) estimate (`kl`, 0 when off). The token losses are reduced by `aggregation`
+w_t is the off-policy correction weight against the rollout policy (`importance`, 1 when its mode is "none"),
+kl_t the KL(policy || reference) estimate (`kl`, 0 when coef is 0). The token losses are reduced by `loss_agg`
 with the step-wide normaliser from `loss_normalizer` (see `beamrl.algorithms.aggregation`).
 
 Example (one micro-batch that is the whole step):
     >>> import torch
-    >>> from beamrl.algorithms import POLICY_LOSSES, LossInputs, PolicyLossConfig
+    >>> from beamrl.algorithms import POLICY_LOSSES, AlgorithmConfig, LossInputs
     >>> lp = torch.tensor([-1.0, -2.0], requires_grad=True)
     >>> out = POLICY_LOSSES.get("ppo_clip")(
     ...     LossInputs(logprobs=lp, old_logprobs=lp.detach(), advantages=torch.tensor([1.0, -1.0]),
     ...                loss_mask=torch.tensor([True, True]), seq_ids=torch.tensor([0, 0])),
-    ...     PolicyLossConfig(eps_low=0.2, eps_high=0.28))
+    ...     AlgorithmConfig(eps_clip_low=0.2, eps_clip_high=0.28))
     >>> out.loss.backward(); lp.grad.tolist()
     [-0.5, 0.5]
 """
@@ -23,13 +23,17 @@ Example (one micro-batch that is the whole step):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
-from beamrl.algorithms.aggregation import AGGREGATIONS, aggregate, check_aggregation, masked_mean
-from beamrl.algorithms.importance import ImportanceConfig, importance_weights
-from beamrl.algorithms.kl import KLConfig, token_kl
+from beamrl.algorithms.aggregation import AGGREGATIONS, aggregate, masked_mean
+from beamrl.algorithms.importance import importance_weights
+from beamrl.algorithms.kl import token_kl
 from beamrl.registry import Registry
+
+if TYPE_CHECKING:
+    from beamrl.algorithms.config import AlgorithmConfig
 
 POLICY_LOSSES: Registry = Registry("policy loss")
 
@@ -40,8 +44,8 @@ class LossInputs:
 
     logprobs: current policy (carries the graph). old_logprobs: the policy that the PPO ratio is taken
     against (pi_old, recomputed by the trainer; pass logprobs.detach() for a single on-policy update).
-    rollout_logprobs: the engine's logprobs (needed when `PolicyLossConfig.importance` is set).
-    ref_logprobs: reference policy (needed when `PolicyLossConfig.kl.coef > 0`).
+    rollout_logprobs: the engine's logprobs (needed when `AlgorithmConfig.importance.mode` is not "none").
+    ref_logprobs: reference policy (needed when `AlgorithmConfig.kl.coef > 0`).
     advantages: per token (see `advantages.per_token`). loss_mask: bool, True on trained tokens.
     seq_ids: the sequence (0..n_seqs-1 within this micro-batch) of each token.
     normalizer: this step's denominator, summed over all its micro-batches (`loss_normalizer`);
@@ -78,32 +82,12 @@ class LossOutputs:
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
-class PolicyLossConfig:
-    """eps_low/eps_high: clip range [1 - eps_low, 1 + eps_high] (DAPO clip-higher: 0.2 / 0.28).
-    aggregation: one of AGGREGATIONS. importance: off-policy correction vs rollout logprobs (None = off).
-    kl: KL(policy || reference) loss term (coef 0 = off)."""
-
-    eps_low: float = 0.2
-    eps_high: float = 0.2
-    aggregation: str = "token-mean"
-    importance: ImportanceConfig | None = None
-    kl: KLConfig = field(default_factory=KLConfig)
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.eps_low < 1:
-            raise ValueError(f"PolicyLossConfig.eps_low={self.eps_low} must be in [0, 1)")
-        if not self.eps_high >= 0:
-            raise ValueError(f"PolicyLossConfig.eps_high={self.eps_high} must be >= 0")
-        check_aggregation(self.aggregation)
-
-
 def _masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask, x, torch.zeros_like(x))
 
 
 @POLICY_LOSSES.register("ppo_clip")
-def ppo_clip_loss(inputs: LossInputs, cfg: PolicyLossConfig) -> LossOutputs:
+def ppo_clip_loss(inputs: LossInputs, cfg: "AlgorithmConfig") -> LossOutputs:
     """PPO-clip with separate low/high clip (see module doc)."""
     mask = inputs.loss_mask.to(torch.bool)
     # Masked positions may hold padding garbage (NaN, -inf). Replace them by constants up front: where()
@@ -114,13 +98,13 @@ def ppo_clip_loss(inputs: LossInputs, cfg: PolicyLossConfig) -> LossOutputs:
     log_ratio = logprobs - old_logprobs
     ratio = log_ratio.exp()
     unclipped = -adv * ratio
-    clipped = -adv * ratio.clamp(1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
+    clipped = -adv * ratio.clamp(1.0 - cfg.eps_clip_low, 1.0 + cfg.eps_clip_high)
     tok_loss = torch.maximum(unclipped, clipped)
 
     metrics: dict[str, torch.Tensor] = {}
-    if cfg.importance is not None:
+    if cfg.importance.mode != "none":
         if inputs.rollout_logprobs is None:
-            raise ValueError("PolicyLossConfig.importance is set but LossInputs.rollout_logprobs is None")
+            raise ValueError(f"importance.mode={cfg.importance.mode!r} but LossInputs.rollout_logprobs is None")
         rollout = _masked(inputs.rollout_logprobs, mask)
         imp = importance_weights(old_logprobs, rollout, mask, inputs.seq_ids, cfg.importance)
         tok_loss = tok_loss * imp.weights.to(tok_loss.dtype)
@@ -131,30 +115,31 @@ def ppo_clip_loss(inputs: LossInputs, cfg: PolicyLossConfig) -> LossOutputs:
 
     if cfg.kl.coef > 0:
         if inputs.ref_logprobs is None:
-            raise ValueError(f"PolicyLossConfig.kl.coef={cfg.kl.coef} but LossInputs.ref_logprobs is None")
+            raise ValueError(f"kl.coef={cfg.kl.coef} but LossInputs.ref_logprobs is None")
         kl = token_kl(logprobs, _masked(inputs.ref_logprobs.detach(), mask), cfg.kl)
         kl = torch.where(mask, kl, torch.zeros_like(kl))
         tok_loss = tok_loss + cfg.kl.coef * kl
         metrics["kl_loss"] = masked_mean(kl.detach(), mask)
 
-    loss = aggregate(tok_loss, mask, inputs.seq_ids, cfg.aggregation, inputs.normalizer)
+    loss = aggregate(tok_loss, mask, inputs.seq_ids, cfg.loss_agg, inputs.normalizer)
 
     with torch.no_grad():
         pos, neg = adv > 0, adv < 0
-        clip_high = mask & pos & (ratio > 1.0 + cfg.eps_high)  # gradient stopped by the upper clip
-        clip_low = mask & neg & (ratio < 1.0 - cfg.eps_low)  # gradient stopped by the lower clip
+        clip_high = mask & pos & (ratio > 1.0 + cfg.eps_clip_high)  # gradient stopped by the upper clip
+        clip_low = mask & neg & (ratio < 1.0 - cfg.eps_clip_low)  # gradient stopped by the lower clip
         lr = log_ratio.detach()
         r = ratio.detach()
         big = torch.finfo(r.dtype).max
         any_tok = mask.any()  # stays on device: no host sync
         metrics.update(
             {
-                "pg_loss": aggregate(torch.maximum(unclipped, clipped).detach(), mask, inputs.seq_ids, cfg.aggregation),
+                "pg_loss": aggregate(torch.maximum(unclipped, clipped).detach(), mask, inputs.seq_ids, cfg.loss_agg),
                 "clip_fraction": masked_mean((clip_high | clip_low).float(), mask),
                 "clip_fraction_high": masked_mean(clip_high.float(), mask),
                 "clip_fraction_low": masked_mean(clip_low.float(), mask),
                 "ppo_kl": masked_mean(-lr, mask),  # k1(old || new), as miles/verl log it
-                "approx_kl": masked_mean(torch.expm1(-lr) + lr, mask),  # k3, >= 0
+                # k3 of KL(old || new): the tokens were sampled by pi_old, so r = new / old. >= 0.
+                "approx_kl": masked_mean(torch.expm1(lr) - lr, mask),
                 "ratio_mean": masked_mean(r, mask),
                 "ratio_max": torch.where(any_tok, torch.where(mask, r, torch.full_like(r, -big)).max(), 0.0),
                 "ratio_min": torch.where(any_tok, torch.where(mask, r, torch.full_like(r, big)).min(), 0.0),
@@ -164,4 +149,4 @@ def ppo_clip_loss(inputs: LossInputs, cfg: PolicyLossConfig) -> LossOutputs:
     return LossOutputs(loss=loss, metrics=metrics)
 
 
-__all__ = ["AGGREGATIONS", "POLICY_LOSSES", "LossInputs", "LossOutputs", "PolicyLossConfig", "ppo_clip_loss"]
+__all__ = ["AGGREGATIONS", "POLICY_LOSSES", "LossInputs", "LossOutputs", "ppo_clip_loss"]

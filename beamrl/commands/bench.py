@@ -1,10 +1,16 @@
 """`beamrl bench sync`: time a real, verified weight sync into an engine (docs/weight-sync.md).
 
 The trainer side is the reference model loaded from `--checkpoint`, with Gaussian noise added to every weight
-(so the sync visibly changes what the engine computes). The perturbed weights go through the chosen transport
-into a freshly started engine; then the engine's prompt logprobs on fixed random probes are compared with the
-reference's for the perturbed weights. Prints a summary; `--json FILE` writes exactly
-`{"engine", "transport", "bytes", "seconds", "gbps", "verified", "max_abs_logprob_diff_after_sync"}`.
+(so the sync visibly changes what the engine computes). The perturbed weights go through the sync orchestrator
+training uses (`WeightSync`: the same plan, packing, transports, manifest and per-bucket checksums) into a freshly
+started engine, and the result is verified where both sides compute the same thing:
+- float32: the engine's prompt logprobs on random probes must match the reference model's within `--tolerance`
+  (1e-4). SGLang runs with its FP32 lm_head GEMM (`enable_fp32_lm_head`) and, since its Beam stores lm_head in
+  BF16, the perturbed lm_head is kept BF16-representable;
+- bfloat16: the engine after the sync must score the probes bit for bit like the same engine loaded from a
+  checkpoint of the same weights (`update_weights_from_disk`).
+Prints a summary; `--json FILE` writes exactly `{"engine", "transport", "dtype", "bytes", "seconds", "gbps",
+"verified", "check", "max_abs_logprob_diff_after_sync", "code_path"}`.
 """
 
 from __future__ import annotations
@@ -16,13 +22,13 @@ from pathlib import Path
 
 import torch
 
-from beamrl.sync.bucketing import DEFAULT_BUCKET_BYTES
+from beamrl.dtypes import RUN_DTYPES, torch_dtype
+from beamrl.sync.plan import DEFAULT_BUCKET_BYTES
 
 NAME = "bench"
 HELP = "Benchmarks (sync: a verified weight sync of perturbed weights into an engine)."
 ENGINES = ("native", "sglang")
 TRANSPORTS = ("colocated", "distributed")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,20 +41,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--json", type=Path, default=None, help="write the result as JSON to this file")
     p.add_argument("--bucket-mb", type=float, default=DEFAULT_BUCKET_BYTES / 2**20,
                    help=f"bucket size in MiB (default {DEFAULT_BUCKET_BYTES // 2**20})")
-    p.add_argument("--dtype", default="float32", choices=sorted(_DTYPES),
+    p.add_argument("--dtype", default="float32", choices=sorted(RUN_DTYPES),
                    help="dtype of trainer and engine weights (router stays float32; default float32: exact on CPU)")
     p.add_argument("--noise", type=float, default=0.02, help="std of the noise added to every weight (default 0.02)")
     p.add_argument("--seed", type=int, default=0, help="seed of the noise and of the probe sequences")
-    p.add_argument("--tolerance", type=float, default=None,
-                   help="max |engine - reference| prompt logprob to pass verification (default: 1e-4 for the "
-                        "native engine in float32; 0.05 otherwise: bf16, or SGLang's CPU path with BF16 RoPE)")
+    p.add_argument("--tolerance", type=float, default=1e-4,
+                   help="float32: max |engine - reference| prompt logprob to pass verification (default 1e-4); "
+                        "bfloat16 is checked by exact agreement with a freshly loaded engine")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds allowed for each engine call")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="device of trainer buffers and engine (default: cuda if available)")
-
-
-def default_tolerance(engine: str, dtype: str) -> float:
-    return 1e-4 if (engine == "native" and dtype == "float32") else 0.05
 
 
 def probe_sequences(vocab: int, seed: int, n: int = 4, length: int = 24) -> list[list[int]]:
@@ -56,12 +58,15 @@ def probe_sequences(vocab: int, seed: int, n: int = 4, length: int = 24) -> list
     return torch.randint(1, vocab, (n, length), generator=g).tolist()
 
 
-def perturb_(model: torch.nn.Module, std: float, seed: int) -> None:
-    """Add N(0, std^2) noise to every weight, generated on CPU so it is the same on every device."""
+def perturb_(model: torch.nn.Module, std: float, seed: int, bf16_lm_head: bool = False) -> None:
+    """Add N(0, std^2) noise to every weight, generated on CPU so it is the same on every device. `bf16_lm_head`:
+    round lm_head to BF16-representable values (SGLang's Beam stores lm_head in BF16 even in float32)."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for p in model.parameters():
+        for name, p in model.named_parameters():
             p.add_((std * torch.randn(p.shape, generator=g)).to(device=p.device, dtype=p.dtype))
+            if bf16_lm_head and name == "lm_head.weight":
+                p.copy_(p.to(torch.bfloat16).to(p.dtype))
 
 
 def start_engine(args: argparse.Namespace):
@@ -80,50 +85,68 @@ def start_engine(args: argparse.Namespace):
     from beamrl.rollout.sglang.config import SGLangEngineConfig
     from beamrl.rollout.sglang.engine import SGLangEngine
 
+    fp32_head = args.dtype == "float32"  # the head GEMM in FP32, as the trainer computes it
     if args.device == "cpu":
-        cfg = SGLangEngineConfig.cpu_test(str(args.checkpoint), dtype=args.dtype, enable_return_routed_experts=False)
+        cfg = SGLangEngineConfig.on_cpu(str(args.checkpoint), dtype=args.dtype, return_routed_experts=False,
+                                        enable_fp32_lm_head=fp32_head)
     else:
-        cfg = SGLangEngineConfig(model_path=str(args.checkpoint), dtype=args.dtype, device="cuda")
+        cfg = SGLangEngineConfig(model_path=str(args.checkpoint), dtype=args.dtype, device="cuda",
+                                 enable_fp32_lm_head=fp32_head)
     engine = SGLangEngine(cfg, start_timeout=args.timeout)
     return engine, engine.shutdown
 
 
 def run_sync(args: argparse.Namespace) -> dict:
+    import tempfile
+
     from beamrl.models.beam.model import BeamForCausalLM
-    from beamrl.sync.session import SyncTimeouts, WeightSyncManager, max_abs_diff
+    from beamrl.sync.export import StateDictSource
+    from beamrl.sync.orchestrator import ProbeCheck, SyncTimeouts, WeightSync, max_abs_diff
     from beamrl.sync.transports import TRANSPORTS as REGISTRY
 
     if args.bucket_mb <= 0:
         raise SystemExit(f"error: --bucket-mb must be > 0, got {args.bucket_mb}")
-    trainer = BeamForCausalLM.from_pretrained(args.checkpoint, dtype=_DTYPES[args.dtype], device=args.device).eval()
-    perturb_(trainer, args.noise, args.seed)
+    trainer = BeamForCausalLM.from_pretrained(args.checkpoint, dtype=torch_dtype(args.dtype), device=args.device).eval()
+    exact = args.dtype == "float32"
+    perturb_(trainer, args.noise, args.seed, bf16_lm_head=args.engine == "sglang")
+    source = StateDictSource.of_model(trainer)
     probes = probe_sequences(trainer.config.vocab_size, args.seed)
-    want = [trainer.token_logprobs(torch.tensor([s], device=trainer.device))[0].tolist() for s in probes]
-    tolerance = args.tolerance if args.tolerance is not None else default_tolerance(args.engine, args.dtype)
+    want = source.logprobs(probes)
 
     print(f"bench sync: starting {args.engine} engine on {args.checkpoint} ({args.dtype}, {args.device})",
           file=sys.stderr, flush=True)
     engine, stop = start_engine(args)
     try:
         before = max_abs_diff(engine.score(probes, args.timeout), want)
-        kwargs = {"device": args.device} if args.transport == "distributed" else {}
-        transport = REGISTRY.get(args.transport)([engine], **kwargs)
-        t = args.timeout
-        manager = WeightSyncManager(transport, engines=[engine], bucket_bytes=int(args.bucket_mb * 2**20),
-                                    timeouts=SyncTimeouts(connect=t, call=t, bucket=t, verify=t),
-                                    initial_version=engine.weight_version)
+        kwargs = {"device": args.device}
+        sync = WeightSync(lambda receivers: REGISTRY.get(args.transport)(receivers, **kwargs), [engine],
+                          bucket_bytes=int(args.bucket_mb * 2**20), timeouts=SyncTimeouts.uniform(args.timeout),
+                          initial_version=engine.served_weight_version(args.timeout),
+                          probe=ProbeCheck(probes, args.tolerance) if exact else None)
         try:
-            report = manager.sync([[(n, p.detach()) for n, p in trainer.named_parameters()]])
+            report = sync.sync(source)
         finally:
-            manager.close()
-        after = max_abs_diff(engine.score(probes, args.timeout), want)
+            sync.close()
+        if exact:
+            after, check = report.max_abs_logprob_diff, f"probe logprobs vs the reference model <= {args.tolerance:g}"
+            verified = report.verified and after <= args.tolerance
+        else:
+            synced = engine.score(probes, args.timeout)
+            with tempfile.TemporaryDirectory(prefix="beamrl-bench-sync-") as tmp:
+                trainer.save_pretrained(tmp)
+                engine.update_weights_from_disk(tmp, args.timeout)
+                loaded = engine.score(probes, args.timeout)
+            after, check = max_abs_diff(synced, loaded), "bit-exact vs the engine loaded from a checkpoint"
+            verified = synced == loaded
+            print(f"bench sync: max |synced - freshly loaded| prompt logprob {after:.3e} (must be 0); vs the "
+                  f"reference model {max_abs_diff(synced, want):.3e}", file=sys.stderr)
     finally:
         stop()
-    print(f"bench sync: max |engine - perturbed reference| prompt logprob: before sync {before:.3e}, "
-          f"after sync {after:.3e} (tolerance {tolerance:g})", file=sys.stderr)
-    return {"engine": args.engine, "transport": args.transport, "bytes": int(report.bytes),
-            "seconds": float(report.seconds), "gbps": float(report.gbps), "verified": bool(after <= tolerance),
-            "max_abs_logprob_diff_after_sync": float(after)}
+    print(f"bench sync: {report.code_path}; max |engine - perturbed reference| prompt logprob: before sync "
+          f"{before:.3e}, after sync {max_abs_diff(synced, want) if not exact else after:.3e}", file=sys.stderr)
+    return {"engine": args.engine, "transport": args.transport, "dtype": args.dtype, "bytes": int(report.bytes),
+            "seconds": float(report.seconds), "gbps": float(report.gbps), "verified": bool(verified), "check": check,
+            "max_abs_logprob_diff_after_sync": float(after), "code_path": report.code_path}
 
 
 def run(args: argparse.Namespace) -> int:

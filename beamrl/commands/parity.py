@@ -6,6 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from beamrl.dtypes import RUN_DTYPES
+
 NAME = "parity"
 HELP = "Score the same tokens in SGLang and the reference Beam model; report logprob gaps and routing agreement."
 
@@ -14,7 +16,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", required=True, type=Path, help="Beam checkpoint directory (SGLang format)")
     parser.add_argument("--engine", default="sglang", choices=["sglang", "none"],
                         help="engine to compare (default sglang; 'none' with --trainer: trainer vs reference only)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="dtype of both sides")
+    parser.add_argument("--dtype", default="float32", choices=sorted(RUN_DTYPES), help="dtype of both sides")
     parser.add_argument("--json", type=Path, default=None, help='write {"comparisons": [...]} to this file')
     parser.add_argument("--num-sequences", type=int, default=8, help="random prompts to score (default 8)")
     parser.add_argument("--seq-len", type=int, default=64, help="tokens per prompt (default 64)")
@@ -37,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from beamrl.parity.comparison import format_table, write_json
     from beamrl.parity.sglang_parity import ParityInputError, ParitySettings, main_log, run_sglang_parity
-    from beamrl.rollout.protocol import EngineError
+    from beamrl.protocols.rollout import EngineError
     from beamrl.trainer.megatron.launch import LaunchError
 
     try:

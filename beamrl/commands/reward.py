@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -34,6 +33,9 @@ DEFAULT_PATHS: dict[str, tuple[str, ...]] = {
     "data_source": ("data_source",),
 }
 CHUNK = 64  # rows per scoring call, so long files show progress
+# RewardComponentConfig field -> the option that sets it (for error messages)
+_OPTION = {"fn": "FN", "timeout_s": "--timeout", "kwargs": "--kwarg", "num_workers": "--workers",
+           "breaker_after": "--breaker-after"}
 
 
 class InputError(ValueError):
@@ -66,6 +68,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--timeout", type=float, default=10.0, metavar="S", help="per-call timeout in seconds (default 10)")
     p.add_argument("--workers", type=int, default=1, metavar="N", help="reward worker processes (default 1)")
+    p.add_argument(
+        "--breaker-after",
+        type=int,
+        default=3,
+        metavar="N",
+        help="skip the rest of a chunk of 64 rows after N consecutive timeouts or crashes (default 3; 0: never)",
+    )
 
 
 def _parse_pairs(items: list[str], option: str) -> dict[str, str]:
@@ -171,7 +180,10 @@ def _detail(score) -> str:
 
 
 def run_test(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
     from beamrl.rewards import RewardComponentConfig, RewardLoadError, RewardManager, load_reward_fn
+    from beamrl.rewards.loading import importable_working_directory
 
     if args.limit is not None and args.limit < 1:
         raise InputError(f"--limit {args.limit} must be >= 1")
@@ -179,15 +191,20 @@ def run_test(args: argparse.Namespace) -> int:
         raise InputError(f"--workers {args.workers} must be >= 1")
     field_map = parse_field_map(args.field_map)
     kwargs = parse_kwargs(args.kwarg)
-    # Like `python -m`, resolve "my_module:fn" against the current directory too (the console script's
-    # sys.path lacks it); spawned reward workers inherit this sys.path.
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
+    importable_working_directory()  # "my_module:fn" in the current directory, exactly as `beamrl train` finds it
     try:
         component = RewardComponentConfig(
-            name="reward", fn=args.fn, timeout_s=args.timeout, on_error="skip", kwargs=kwargs
+            name="reward",
+            fn=args.fn,
+            timeout_s=args.timeout,
+            on_error="skip",
+            kwargs=kwargs,
+            num_workers=args.workers,
+            breaker_after=args.breaker_after,
         )
         fn = load_reward_fn(component.fn, component.kwargs)
+    except ValidationError as e:  # name the option, not the config field
+        raise InputError("; ".join(f"{_OPTION.get(str(x['loc'][0]), x['loc'][0])}: {x['msg']}" for x in e.errors()))
     except (RewardLoadError, ValueError) as e:
         raise InputError(str(e)) from None
     rows = read_rows(args.data, args.limit)
@@ -195,7 +212,7 @@ def run_test(args: argparse.Namespace) -> int:
 
     t0 = time.monotonic()
     scores = []
-    with RewardManager([component], num_workers=args.workers) as manager:
+    with RewardManager([component]) as manager:
         for start in range(0, len(samples), CHUNK):
             result = manager.score(samples[start : start + CHUNK])
             scores.extend(result.components["reward"])
@@ -208,12 +225,13 @@ def run_test(args: argparse.Namespace) -> int:
         shown = "-" if s.score is None else f"{s.score:.4f}"
         print(f"{i:>5} {lineno:>6} {shown:>10} {s.status:<8} {s.elapsed_s * 1e3:>9.1f}  {_detail(s)}")
     values = [s.score for s in scores if s.score is not None]
-    count = {st: sum(s.status == st for s in scores) for st in ("ok", "none", "error", "timeout")}
+    count = {st: sum(s.status == st for s in scores) for st in ("ok", "none", "error", "timeout", "crash", "skipped")}
     times = [s.elapsed_s * 1e3 for s in scores]
     mean = f"{sum(values) / len(values):.4f}" if values else "n/a"
     print(
         f"\n{fn.spec}: rows {len(scores)}, scored {count['ok']}, not applicable {count['none']}, "
-        f"errors {count['error']}, timeouts {count['timeout']}; mean score {mean}"
+        f"errors {count['error']}, timeouts {count['timeout']}, crashes {count['crash']}, skipped {count['skipped']}; "
+        f"mean score {mean}"
     )
     print(
         f"time: {wall:.2f} s wall (incl. worker start), per call mean {sum(times) / len(times):.1f} ms, max {max(times):.1f} ms"

@@ -9,6 +9,7 @@ Usage (before building any Megatron model, in a process that uses no GPU)::
     from beamrl.compat import megatron_cpu
     megatron_cpu.activate()          # idempotent; raises if CUDA is available
     import megatron.core ...
+    megatron_cpu.deactivate()        # undoes every patch (tests scope the layer to the tests that need it)
 
 Patches:
 
@@ -34,8 +35,12 @@ W2b `TypeError: all_to_all_single(): incompatible function arguments ... tensor(
     version that returns numpy whenever numpy is requested.
 W3  `Torch not compiled with CUDA enabled` from `device=torch.cuda.current_device()`, `device="cuda"`,
     `.cuda()` (~90 sites: RoPE, router, schedules, clip_grads, optimizer, grad scaler).
-    `torch.cuda.current_device()` returns 0 and a process-wide `TorchFunctionMode` rewrites CUDA devices
-    (str, torch.device or int index) in `device=` kwargs, `Tensor.to(...)` and `Tensor.cuda()` to CPU.
+    `torch.cuda.current_device()` returns 0, and the callables that take a device rewrite a CUDA device (str,
+    torch.device or int index) to CPU: the tensor factories of the `torch` namespace (`_FACTORIES`: empty,
+    zeros, tensor, arange, ... and the `*_like` ones), the `Tensor.new_*` factories, `Tensor.to(...)`;
+    `Tensor.cuda()` returns the tensor. Not a process-wide `TorchFunctionMode` (the first version): a mode runs
+    a Python handler for *every* torch op, about 18k calls and 13% of the CPU time of one quickstart train step
+    (benchmarks/profile_step.py), to catch the ~10 factory calls per step that ask for CUDA.
 W4  `AssertionError: sequence parallel not supported by torch LayerNorm` (`transformer/torch_norm.py:50`,
     `WrappedTorchNorm`, which asserts even for q/k norms). With sequence parallelism `WrappedTorchNorm` builds
     `SequenceParallelRMSNorm` (`F.rms_norm`) whose weight is marked `sequence_parallel`, so
@@ -53,6 +58,7 @@ Config flags that still fail on CPU and must stay off: `gradient_accumulation_fu
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.abc
 import importlib.machinery
 import importlib.util
@@ -62,11 +68,12 @@ import types
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
 _lock = threading.Lock()
 _active = False
-_mode: "_CpuDeviceMode | None" = None
+_finder: "_PagedStashStubFinder | None" = None
+#: (object, attribute, original value) of every patch, in the order applied; `deactivate` restores them.
+_saved: list[tuple[object, str, object]] = []
 
 PAGED_STASH_OPS = "megatron.core.transformer.moe.ops.paged_stash"
 
@@ -103,6 +110,40 @@ def activate() -> None:
         _active = True
 
 
+def deactivate() -> None:
+    """Undo `activate()`: restore every patched attribute and remove the W0 finder.
+    Idempotent. Objects built while the layer was active keep what they captured (tests build them anew)."""
+    global _active, _finder
+    with _lock:
+        if not _active:
+            return
+        for obj, name, original in reversed(_saved):
+            _restore(obj, name, original)
+        _saved.clear()
+        if _finder is not None and _finder in sys.meta_path:
+            sys.meta_path.remove(_finder)
+        _finder = None
+        _active = False
+
+
+_INHERITED = object()
+
+
+def _patch(obj: object, name: str, value: object) -> None:
+    """setattr, remembering the original for `deactivate` (a class's own raw attribute, e.g. the staticmethod
+    of `__new__`, or that it was inherited)."""
+    original = vars(obj).get(name, _INHERITED) if isinstance(obj, type) else getattr(obj, name)
+    _saved.append((obj, name, original))
+    setattr(obj, name, value)
+
+
+def _restore(obj: object, name: str, original: object) -> None:
+    if original is _INHERITED:
+        delattr(obj, name)
+    else:
+        setattr(obj, name, original)
+
+
 # ------------------------------------------------------------------------------------------------------- W0
 
 
@@ -128,11 +169,13 @@ class _PagedStashStubFinder(importlib.abc.MetaPathFinder):
 
 
 def _w0_triton_free_paged_stash() -> None:
+    global _finder
     if importlib.util.find_spec("triton") is not None:
         return  # triton installed: Megatron imports the real module.
     if PAGED_STASH_OPS in sys.modules:
         return
-    sys.meta_path.insert(0, _PagedStashStubFinder())
+    _finder = _PagedStashStubFinder()
+    sys.meta_path.insert(0, _finder)
 
 
 # ------------------------------------------------------------------------------------------------------- W1
@@ -140,11 +183,11 @@ def _w0_triton_free_paged_stash() -> None:
 
 def _w1_cpu_rng() -> None:
     # One generator: the "CUDA" RNG is the CPU RNG.
-    torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
-    torch.cuda.set_rng_state = lambda new_state, device="cuda": torch.set_rng_state(new_state)
+    _patch(torch.cuda, "get_rng_state", lambda device="cuda": torch.get_rng_state())
+    _patch(torch.cuda, "set_rng_state", lambda new_state, device="cuda": torch.set_rng_state(new_state))
     # Seed the CPU generator directly: torch.manual_seed itself calls torch.cuda.manual_seed_all.
-    torch.cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
-    torch.cuda.manual_seed_all = lambda seed: torch.default_generator.manual_seed(int(seed))
+    _patch(torch.cuda, "manual_seed", lambda seed: torch.default_generator.manual_seed(int(seed)))
+    _patch(torch.cuda, "manual_seed_all", lambda seed: torch.default_generator.manual_seed(int(seed)))
 
 
 def _w1_tracker() -> None:
@@ -156,8 +199,8 @@ def _w1_tracker() -> None:
     def set_state(new_state, device=-1, graph_safe=False):
         torch.set_rng_state(new_state)
 
-    mrandom._get_cuda_rng_state = get_state
-    mrandom._set_cuda_rng_state = set_state
+    _patch(mrandom, "_get_cuda_rng_state", get_state)
+    _patch(mrandom, "_set_cuda_rng_state", set_state)
 
     @contextlib.contextmanager
     def fork(self, name=mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME):
@@ -179,7 +222,7 @@ def _w1_tracker() -> None:
             torch.set_rng_state(orig_state)
             self._current_state_name = orig_name
 
-    mrandom.CudaRNGStatesTracker.fork = fork
+    _patch(mrandom.CudaRNGStatesTracker, "fork", fork)
 
 
 # ------------------------------------------------------------------------------------------------------- W2
@@ -245,14 +288,14 @@ _NOOP_STREAM = _NoopStream()
 
 
 def _w2_noop_streams() -> None:
-    torch.cuda.Stream = _NoopStream
-    torch.cuda.ExternalStream = _NoopStream
-    torch.cuda.Event = _NoopEvent
-    torch.cuda.current_stream = lambda device=None: _NOOP_STREAM
-    torch.cuda.default_stream = lambda device=None: _NOOP_STREAM
-    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
-    torch.cuda.synchronize = lambda device=None: None
-    torch.Tensor.record_stream = lambda self, stream: None
+    _patch(torch.cuda, "Stream", _NoopStream)
+    _patch(torch.cuda, "ExternalStream", _NoopStream)
+    _patch(torch.cuda, "Event", _NoopEvent)
+    _patch(torch.cuda, "current_stream", lambda device=None: _NOOP_STREAM)
+    _patch(torch.cuda, "default_stream", lambda device=None: _NOOP_STREAM)
+    _patch(torch.cuda, "stream", lambda stream=None: contextlib.nullcontext())
+    _patch(torch.cuda, "synchronize", lambda device=None: None)
+    _patch(torch.Tensor, "record_stream", lambda self, stream: None)
 
 
 # ------------------------------------------------------------------------------------------------------ W2b
@@ -268,13 +311,20 @@ def _w2b_numpy_split_sizes() -> None:
                 return tensor.numpy()
         return tensor
 
-    moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
-    token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+    _patch(moe_utils, "maybe_move_tensor_to_cpu", maybe_move_tensor_to_cpu)
+    _patch(token_dispatcher, "maybe_move_tensor_to_cpu", maybe_move_tensor_to_cpu)
 
 
 # ------------------------------------------------------------------------------------------------------- W3
 
 _CPU = torch.device("cpu")
+
+#: Tensor factories of the `torch` namespace that take `device=` (every one Megatron 0.19.2 calls, and kin).
+_FACTORIES = ("empty", "zeros", "ones", "full", "tensor", "as_tensor", "asarray", "arange", "range", "linspace",
+              "logspace", "eye", "rand", "randn", "randint", "randperm", "empty_like", "zeros_like", "ones_like",
+              "full_like", "rand_like", "randn_like", "randint_like", "empty_strided", "scalar_tensor",
+              "tril_indices", "triu_indices", "sparse_coo_tensor")
+_TENSOR_FACTORIES = ("new_empty", "new_zeros", "new_ones", "new_full", "new_tensor", "new_empty_strided")
 
 
 def _to_cpu_device(device):
@@ -288,42 +338,49 @@ def _to_cpu_device(device):
     return device
 
 
-class _CpuDeviceMode(TorchFunctionMode):
-    """Rewrites CUDA device requests to CPU for every torch function and Tensor method."""
+def _device_kwarg_to_cpu(fn):
+    """`fn` with a CUDA `device=` keyword rewritten to CPU (the factories take the device by keyword only)."""
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if "device" in kwargs:
-            kwargs = dict(kwargs)
-            kwargs["device"] = _to_cpu_device(kwargs["device"])
-        if func is torch.Tensor.cuda:
-            return args[0]
-        if func is torch.Tensor.to and len(args) > 1 and not isinstance(args[1], (torch.dtype, torch.Tensor)):
-            args = (args[0], _to_cpu_device(args[1])) + tuple(args[2:])
-        return func(*args, **kwargs)
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        device = kwargs.get("device")
+        if device is not None:
+            kwargs["device"] = _to_cpu_device(device)
+        return fn(*args, **kwargs)
+
+    wrapped.__megatron_cpu_w3__ = fn
+    return wrapped
 
 
-def _run_backward_with_mode(original):
-    """A mode is popped while its handler runs, so `loss.backward()` / `torch.autograd.backward(...)` would run
-    the whole backward (activation recompute re-forwards, DDP grad hooks) without the redirect. The engine
-    entry re-pushes it when it is missing."""
+def _tensor_to(original):
+    """`Tensor.to` with a CUDA device (positional `to(device, ...)` or `device=`) rewritten to CPU."""
 
-    def run(*args, **kwargs):
-        if _mode is not None and torch._C._len_torch_function_stack() == 0:
-            with _mode:
-                return original(*args, **kwargs)
-        return original(*args, **kwargs)
+    @functools.wraps(original)
+    def to(self, *args, **kwargs):
+        if args and not isinstance(args[0], (torch.dtype, torch.Tensor)):
+            args = (_to_cpu_device(args[0]),) + args[1:]
+        device = kwargs.get("device")
+        if device is not None:
+            kwargs["device"] = _to_cpu_device(device)
+        return original(self, *args, **kwargs)
 
-    return run
+    to.__megatron_cpu_w3__ = original
+    return to
+
+
+def _tensor_cuda(self, device=None, non_blocking=False, memory_format=torch.preserve_format):
+    return self
 
 
 def _w3_cpu_devices() -> None:
-    global _mode
-    torch.cuda.current_device = lambda: 0
-    torch.cuda.set_device = lambda device: None
-    _mode = _CpuDeviceMode()
-    _mode.__enter__()  # stays pushed for the life of the process
-    torch.autograd._engine_run_backward = _run_backward_with_mode(torch.autograd._engine_run_backward)
+    _patch(torch.cuda, "current_device", lambda: 0)
+    _patch(torch.cuda, "set_device", lambda device: None)
+    for name in _FACTORIES:
+        _patch(torch, name, _device_kwarg_to_cpu(getattr(torch, name)))
+    for name in _TENSOR_FACTORIES:
+        _patch(torch.Tensor, name, _device_kwarg_to_cpu(getattr(torch.Tensor, name)))
+    _patch(torch.Tensor, "to", _tensor_to(torch.Tensor.to))
+    _patch(torch.Tensor, "cuda", _tensor_cuda)
 
 
 # ------------------------------------------------------------------------------------------------------- W4
@@ -355,7 +412,7 @@ def _w4_sequence_parallel_norm() -> None:
         return original_new(cls, config, hidden_size, eps, persist_layer_norm, zero_centered_gamma,
                             normalization)
 
-    torch_norm.WrappedTorchNorm.__new__ = new
+    _patch(torch_norm.WrappedTorchNorm, "__new__", new)
 
 
 # ------------------------------------------------------------------------------------------------------- W5
@@ -373,4 +430,4 @@ def _type(self, dtype=None, non_blocking=False, **kwargs):
 
 
 def _w5_tensor_type_names() -> None:
-    torch.Tensor.type = _type
+    _patch(torch.Tensor, "type", _type)

@@ -4,12 +4,15 @@
   `reward_model.ground_truth`, `data_source`; every other column goes to metadata.
 - `jsonl-prompt-answer` / `synthetic-addition`: `prompt` (str), `answer` (str or number), optional
   `data_source`; every other column goes to metadata.
+`FORMATS` maps a recipe's `data.format` to its parser `fn(row, index) -> ParsedRow`; register more there.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+from beamrl.registry import Registry
 
 
 @dataclass(frozen=True)
@@ -53,8 +56,7 @@ def parse_prompt_answer(row: dict[str, Any], index: int, fmt: str = "jsonl-promp
     return ParsedRow([{"role": "user", "content": prompt}], str(answer), str(row.get("data_source") or fmt), meta)
 
 
-PARSERS = {
-    "dapo": parse_dapo,
-    "jsonl-prompt-answer": parse_prompt_answer,
-    "synthetic-addition": lambda row, index: parse_prompt_answer(row, index, "synthetic-addition"),
-}
+FORMATS: Registry = Registry("data format")
+FORMATS.register("dapo")(parse_dapo)
+FORMATS.register("jsonl-prompt-answer")(parse_prompt_answer)
+FORMATS.register("synthetic-addition")(lambda row, index: parse_prompt_answer(row, index, "synthetic-addition"))

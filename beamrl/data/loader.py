@@ -8,17 +8,15 @@ the prompts an uninterrupted run would have seen.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from beamrl.data.formats import PARSERS
-from beamrl.data.prompts import encode_prompt, format_prompt, load_tokenizer
+from beamrl.data.config import DataConfig, SyntheticAdditionConfig
+from beamrl.data.formats import FORMATS
+from beamrl.data.prompts import encode_prompt, format_prompt
 from beamrl.data.sample import PromptSample
 from beamrl.data.sources import load_rows, synthetic_addition_rows
-
-if TYPE_CHECKING:
-    from beamrl.recipe.schema import Recipe
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +73,7 @@ class PromptLoader:
 def build_samples(rows: Any, fmt: str, tokenizer: Any, template: str | None, chat_template: bool,
                   max_prompt_len: int) -> tuple[list[PromptSample], int]:
     """Parse, format and tokenize every row; drop (and count) prompts longer than max_prompt_len tokens."""
-    parse = PARSERS[fmt]
+    parse = FORMATS.get(fmt)
     samples, dropped = [], 0
     for i, row in enumerate(rows):
         parsed = parse(dict(row), i)
@@ -88,19 +86,18 @@ def build_samples(rows: Any, fmt: str, tokenizer: Any, template: str | None, cha
     return samples, dropped
 
 
-def build_prompt_loader(recipe: "Recipe", tokenizer: Any = None, cache_dir: str | None = None) -> PromptLoader:
-    """The loader a recipe describes (`tokenizer` overrides data.tokenizer, e.g. one already loaded)."""
-    from beamrl.recipe.schema import SyntheticAdditionSection
-
-    d = recipe.data
-    if d.format == "synthetic-addition":
-        syn = d.synthetic or SyntheticAdditionSection()
+def build_prompt_loader(data: DataConfig, batch_size: int, tokenizer: Any,
+                        cache_dir: str | None = None) -> PromptLoader:
+    """The loader the `data` section describes, handing out `batch_size` prompts at a time (the RL loop's
+    rollout.prompts_per_step). `tokenizer`: the run's (`load_tokenizer(data.tokenizer, model.checkpoint)`)."""
+    if data.format == "synthetic-addition":
+        syn = data.synthetic or SyntheticAdditionConfig()
         rows: Any = synthetic_addition_rows(syn.num_samples, syn.max_operand, syn.seed)
     else:
-        rows = load_rows(d.source, d.split, cache_dir=cache_dir)
-    tok = tokenizer if tokenizer is not None else load_tokenizer(d.tokenizer, recipe.model.checkpoint)
-    samples, dropped = build_samples(rows, d.format, tok, d.prompt_template, d.chat_template, d.max_prompt_len)
+        rows = load_rows(data.source, data.split, cache_dir=cache_dir)
+    samples, dropped = build_samples(rows, data.format, tokenizer, data.prompt_template, data.chat_template,
+                                     data.max_prompt_len)
     if dropped:
         log.warning("data: dropped %d of %d prompts longer than data.max_prompt_len=%d tokens",
-                    dropped, dropped + len(samples), d.max_prompt_len)
-    return PromptLoader(samples, recipe.rollout.prompts_per_step, d.shuffle, d.shuffle_seed)
+                    dropped, dropped + len(samples), data.max_prompt_len)
+    return PromptLoader(samples, batch_size, data.shuffle, data.shuffle_seed)

@@ -7,14 +7,23 @@ from typing import Any
 from beamrl.data.digit_tokenizer import DigitTokenizer
 
 
+BUILT_IN_TOKENIZERS = ("digit", "byte")
+
+
 def load_tokenizer(name: str | None, model_checkpoint: str | None) -> Any:
-    """'digit' -> DigitTokenizer; otherwise an HF tokenizer from `name` or the model checkpoint directory."""
+    """'digit' -> DigitTokenizer; 'byte' -> the byte-level HF tokenizer (`byte_tokenizer.py`); otherwise an HF
+    tokenizer from `name` (a directory, or a hub id in the HF cache) or the model checkpoint directory.
+    `beamrl.recipe.preflight.load_run_tokenizer` wraps this with errors that name the recipe field."""
     if name == "digit":
         return DigitTokenizer()
+    if name == "byte":
+        from beamrl.data.byte_tokenizer import byte_tokenizer
+
+        return byte_tokenizer()
     source = name or model_checkpoint
     if source is None:
-        raise ValueError("data.tokenizer is null and model.checkpoint is not set: name a tokenizer ('digit' or an "
-                         "HF tokenizer directory / hub id)")
+        raise ValueError("data.tokenizer is null and model.checkpoint is not set: name a tokenizer ('digit', 'byte' "
+                         "or an HF tokenizer directory / hub id)")
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(source)

@@ -43,23 +43,46 @@ def sort_by_expert(ids: torch.Tensor, num_experts: int):
 
 
 def eager_grouped_experts(x, ids, weights, w_gate_up, w_down, scaling):
-    """Reference: loop over experts with `numerics.expert_output`, then `numerics.moe_combine`."""
+    """Reference: `numerics.expert_output` per expert (`numerics.grouped_expert_outputs`: grouped GEMMs on CPU),
+    then `numerics.moe_combine`.
+
+    The experts' rows come from one gather (one backward node) rather than from indexing per expert, whose
+    backward materialised a zero gradient of the full x per expert. The gradients are the same as the
+    per-expert loop's: `_GatherRows` adds each token's rows in the order its backward passes did (highest
+    expert first)."""
     _check(x, ids, weights, w_gate_up, w_down)
     t, k = ids.shape
     num_experts, two_i, hidden = w_gate_up.shape
     inter = two_i // 2
     order, tokens, counts, inverse = sort_by_expert(ids, num_experts)
-    w_sorted = weights.reshape(-1)[order]
-    outs, start = [], 0
-    for e, n in enumerate(counts.tolist()):
-        if n == 0:
-            continue
-        sl = slice(start, start + n)
-        outs.append(numerics.expert_output(x[tokens[sl]], w_gate_up[e, :inter], w_gate_up[e, inter:], w_down[e],
-                                           w_sorted[sl]))
-        start += n
-    y = torch.cat(outs) if outs else x.new_zeros(0, hidden)
+    sizes = counts.tolist()
+    xs = _GatherRows.apply(x, tokens, sizes)
+    y = numerics.grouped_expert_outputs(xs, sizes, w_gate_up[:, :inter], w_gate_up[:, inter:], w_down,
+                                        weights.reshape(-1)[order])
     return numerics.moe_combine(y[inverse].view(t, k, hidden), scaling)
+
+
+class _GatherRows(torch.autograd.Function):
+    """x[rows] for expert-sorted (token, slot) pairs (`sizes` pairs per expert). Backward adds each expert's rows
+    into a zero gradient, highest expert first: the order in which autograd accumulated the per-expert
+    `x[tokens_e]` gradients of the loop this replaces (later nodes run first), so the sums match bit for bit."""
+
+    @staticmethod
+    def forward(ctx, x, rows, sizes):
+        ctx.save_for_backward(rows)
+        ctx.sizes = sizes
+        ctx.num_rows = x.shape[0]
+        return x[rows]
+
+    @staticmethod
+    def backward(ctx, grad):
+        (rows,) = ctx.saved_tensors
+        out = grad.new_zeros((ctx.num_rows, *grad.shape[1:]))
+        # One index_add_ per expert, highest first: a single index_add_ of all pairs accumulates BF16 rows
+        # at another precision (measured), and the point is the old sums exactly.
+        for r, g in zip(reversed(rows.split(ctx.sizes)), reversed(grad.split(ctx.sizes))):
+            out.index_add_(0, r, g)
+        return out, None, None
 
 
 class _ExpandTokens(torch.autograd.Function):

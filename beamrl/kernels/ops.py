@@ -176,15 +176,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: tor
         from beamrl.kernels.flex_attention import packed_flex_attention
 
         return packed_flex_attention(q, k, v, cu_seqlens, window, block_mask=block_mask)
-    _check_cu_seqlens(cu_seqlens, q.shape[0])
     if backend == "eager":
-        out = torch.empty_like(q)
-        bounds = cu_seqlens.tolist()
-        for start, end in zip(bounds[:-1], bounds[1:]):
-            pos = torch.arange(end - start, device=q.device)
-            mask = numerics.sliding_window_mask(pos, pos, window)
-            out[start:end] = numerics.attention(q[start:end], k[start:end], v[start:end], mask)
-        return out
+        from beamrl.kernels.packed_attention import packed_attention
+
+        bounds = cu_seqlens.tolist()  # the one host read of the eager path
+        _check_bounds(bounds, q.shape[0], tuple(cu_seqlens.shape))
+        return packed_attention(q, k, v, bounds, window)
+    _check_cu_seqlens(cu_seqlens, q.shape[0])
     from beamrl.kernels.flex_attention import packed_flex_attention
 
     return packed_flex_attention(q, k, v, cu_seqlens, window)
@@ -197,6 +195,15 @@ def _check_cu_seqlens(cu_seqlens: torch.Tensor, total: int) -> None:
     if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != total:
         raise KernelBackendError(f"attention: cu_seqlens must start at 0 and end at T={total}, "
                                  f"got {cu_seqlens[0].item()}..{cu_seqlens[-1].item()}")
+
+
+def _check_bounds(bounds, total: int, shape: tuple) -> None:
+    """`_check_cu_seqlens` on the host copy (`cu_seqlens.tolist()`)."""
+    if len(shape) != 1 or len(bounds) < 2:
+        raise KernelBackendError(f"attention: cu_seqlens must be 1-D with at least 2 entries, got shape {shape}")
+    if bounds[0] != 0 or bounds[-1] != total:
+        raise KernelBackendError(f"attention: cu_seqlens must start at 0 and end at T={total}, "
+                                 f"got {bounds[0]}..{bounds[-1]}")
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -1,9 +1,11 @@
 """The RL loop: `beamrl train RECIPE` (driver, Ray actors, rollout -> reward -> train -> sync)."""
 
 
-def run_training(recipe, resume: bool = False):
-    """Run a recipe to completion (see `beamrl.loop.driver.RLDriver`); returns the run's output directory."""
+def run_training(recipe, resume: bool = False, overwrite: bool = False, verbose: bool = False):
+    """Run a recipe to completion (see `beamrl.loop.driver.RLDriver`); returns the run's output directory.
+    `resume`: continue the run in its output directory; `overwrite`: delete an earlier run's outputs there first;
+    `verbose`: show third-party warnings (once per process)."""
     from beamrl.loop.driver import RLDriver
 
-    with RLDriver(recipe, resume=resume) as driver:
+    with RLDriver(recipe, resume=resume, overwrite=overwrite, verbose=verbose) as driver:
         return driver.run()

@@ -1,7 +1,8 @@
 """Ray actors of a run: trainer ranks (Megatron) and rollout engines.
 
 Actors are thin: they hold one object (`MegatronTrainer`, an engine) and forward calls, so the same objects
-run in tests without Ray. Every call from the driver goes through `ray_get` with a timeout."""
+run in tests without Ray. Every call from the driver goes through `ray_get` with a timeout and passes its arguments
+by keyword (after the first), so a reordered signature cannot silently swap two flags."""
 
 from __future__ import annotations
 
@@ -33,21 +34,26 @@ class TrainerActor:
         self.trainer = None
 
     def rendezvous_address(self) -> tuple[str, int]:
-        """This node's address and a free port on it (asked of rank 0)."""
-        import socket
+        """This node's address and a port on it for rank 0's store (asked of rank 0). The port stays reserved
+        until this rank's store has bound it in `start` (no other process can take it in between)."""
+        from beamrl.net import reserve_port
 
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        return ray.util.get_node_ip_address(), port
+        self._reserved = reserve_port("")
+        return ray.util.get_node_ip_address(), self._reserved.port
 
-    def start(self, spec: TrainerRankSpec, trainer_config, hf_checkpoint: str | None) -> bool:
+    def start(self, spec: TrainerRankSpec, setup, hf_checkpoint: str | None) -> bool:
+        """Join the job as rank `spec.rank` and build the `MegatronTrainer` from `setup` (a `TrainerSetup`)."""
         os.environ.update(RANK=str(spec.rank), WORLD_SIZE=str(spec.world_size), LOCAL_RANK="0",
                           MASTER_ADDR=spec.master_addr, MASTER_PORT=str(spec.master_port))
         from beamrl.trainer.megatron.worker import MegatronTrainer
 
         self.rank = spec.rank
-        self.trainer = MegatronTrainer(trainer_config, hf_checkpoint=hf_checkpoint)
+        try:
+            self.trainer = MegatronTrainer(setup, hf_checkpoint=hf_checkpoint)
+        finally:
+            reserved = getattr(self, "_reserved", None)
+            if reserved is not None:
+                reserved.close()
         return True
 
     def data_parallel_rank(self) -> tuple[int, int]:
@@ -56,32 +62,35 @@ class TrainerActor:
 
         return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
 
-    def compute_logprobs(self, batch, temperature: float, return_entropy: bool, replay: bool):
+    def compute_logprobs(self, batch, *, temperature: float, return_entropy: bool, replay: bool):
         self.trainer.set_routing_replay(replay)
         return self.trainer.compute_logprobs(batch, temperature=temperature, return_entropy=return_entropy)
 
-    def train_step(self, micro_batches, loss_fn, replay: bool, temperature: float = 1.0):
+    def train_step(self, micro_batches, *, loss_fn, replay: bool, temperature: float):
         self.trainer.set_routing_replay(replay)
         return self.trainer.train_step(micro_batches, loss_fn, temperature=temperature)
 
-    def save_checkpoint(self, directory: str) -> str:
-        return str(self.trainer.save_checkpoint(directory))
+    def save_checkpoint(self, directory: str, async_save: bool = False) -> str:
+        return str(self.trainer.save_checkpoint(directory, async_save=async_save))
+
+    def finalize_checkpoint(self, blocking: bool, timeout_s: float) -> str | None:
+        done = self.trainer.finalize_checkpoint(blocking=blocking, timeout_s=timeout_s)
+        return None if done is None else str(done)
 
     def load_checkpoint(self, directory: str) -> None:
         self.trainer.load_checkpoint(directory)
 
-    def sync_weights(self, receivers: list, engine_names: list[str], engine_tp: list[int], version: int,
-                     transport: str, bucket_bytes: int, timeout: float, progress: bool = False):
-        """Collective over trainer ranks: every rank streams the HF export; rank 0 ships the buckets."""
-        from beamrl.loop.weight_sync import push_weights
+    def sync_weights(self, *, receivers: list, engine_names: list[str], engine_tp: list[int], request):
+        """Collective over trainer ranks: every rank runs the sync orchestrator on the export; rank 0 ships the
+        buckets and returns the report (`beamrl.loop.weight_sync.sync_on_rank`)."""
+        from beamrl.loop.weight_sync import sync_on_rank
 
-        return push_weights(self.trainer, self.rank, receivers, engine_names, engine_tp, version, transport,
-                            bucket_bytes, timeout, progress)
+        return sync_on_rank(self.trainer, self.rank, receivers, engine_names, engine_tp, request)
 
-    def export_hf_checkpoint(self, out_dir: str, bucket_bytes: int) -> str | None:
+    def export_hf_checkpoint(self, out_dir: str) -> str | None:
         from beamrl.loop.weight_sync import save_hf_export
 
-        return save_hf_export(self.trainer, self.rank, out_dir, bucket_bytes)
+        return save_hf_export(self.trainer, self.rank, out_dir)
 
     def shutdown(self) -> None:
         self.trainer.shutdown()

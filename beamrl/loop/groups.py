@@ -8,7 +8,7 @@ import ray
 
 from beamrl.loop.actors import EngineActor, TrainerActor, TrainerRankSpec
 from beamrl.loop.ray_utils import ray_get
-from beamrl.rollout.protocol import EngineError, GenerateRequest, GenerateResult
+from beamrl.protocols.rollout import EngineError, GenerateRequest, GenerateResult
 
 
 def shutdown_actors(actors: list, names: list[str]) -> None:
@@ -27,13 +27,14 @@ def shutdown_actors(actors: list, names: list[str]) -> None:
 class TrainerGroup:
     """All Megatron ranks of the policy. Every call goes to every rank (SPMD); rank 0's answer is returned."""
 
-    def __init__(self, trainer_config, hf_checkpoint: str, world_size: int, timeout: float,
+    def __init__(self, setup, hf_checkpoint: str, world_size: int, timeout: float,
                  actor_options: list[dict], num_threads: int = 1):
         self.timeout = timeout
-        self.actors = [TrainerActor.options(**actor_options[r]).remote(num_threads) for r in range(world_size)]
+        self.actors = [TrainerActor.options(**actor_options[r]).remote(num_threads=num_threads)
+                       for r in range(world_size)]
         addr, port = ray_get(self.actors[0].rendezvous_address.remote(), timeout, "trainer rank 0 address")
-        ray_get([a.start.remote(TrainerRankSpec(r, world_size, addr, port, num_threads), trainer_config,
-                                hf_checkpoint) for r, a in enumerate(self.actors)],
+        ray_get([a.start.remote(spec=TrainerRankSpec(r, world_size, addr, port, num_threads), setup=setup,
+                                hf_checkpoint=hf_checkpoint) for r, a in enumerate(self.actors)],
                 timeout, "trainer start-up (building Megatron ranks)")
         dp = ray_get([a.data_parallel_rank.remote() for a in self.actors], timeout, "trainer.data_parallel_rank")
         self.dp_ranks = [d for d, _ in dp]
@@ -43,8 +44,8 @@ class TrainerGroup:
         return ray_get([fn(a) for a in self.actors], timeout or self.timeout, f"trainer.{what}")
 
     def compute_logprobs(self, batch, temperature: float, replay: bool, return_entropy: bool = False):
-        return self._all("compute_logprobs", None,
-                         lambda a: a.compute_logprobs.remote(batch, temperature, return_entropy, replay))[0]
+        return self._all("compute_logprobs", None, lambda a: a.compute_logprobs.remote(
+            batch, temperature=temperature, return_entropy=return_entropy, replay=replay))[0]
 
     def train_step(self, micro_batches, loss_fn, replay: bool, temperature: float = 1.0):
         """One optimizer step over the step's micro-batches: data-parallel rank d trains on the d-th contiguous
@@ -55,24 +56,31 @@ class TrainerGroup:
                              f"data-parallel ranks")
         per = len(micro_batches) // self.dp_size
         shares = [micro_batches[d * per:(d + 1) * per] for d in range(self.dp_size)]
-        return ray_get([a.train_step.remote(shares[d], loss_fn, replay, temperature)
+        return ray_get([a.train_step.remote(shares[d], loss_fn=loss_fn, replay=replay, temperature=temperature)
                         for a, d in zip(self.actors, self.dp_ranks)], self.timeout, "trainer.train_step")[0]
 
-    def save_checkpoint(self, directory: str) -> None:
-        self._all("save_checkpoint", None, lambda a: a.save_checkpoint.remote(directory))
+    # Checkpoint calls wait up to `timeout_s` inside the ranks; the actor call gets a minute more.
+    def save_checkpoint(self, directory: str, async_save: bool, timeout_s: float) -> None:
+        self._all("save_checkpoint", timeout_s + 60, lambda a: a.save_checkpoint.remote(directory=directory,
+                                                                                async_save=async_save))
 
-    def load_checkpoint(self, directory: str) -> None:
-        self._all("load_checkpoint", None, lambda a: a.load_checkpoint.remote(directory))
+    def finalize_checkpoint(self, blocking: bool, timeout_s: float) -> str | None:
+        return self._all("finalize_checkpoint", timeout_s + 60,
+                         lambda a: a.finalize_checkpoint.remote(blocking=blocking, timeout_s=timeout_s))[0]
 
-    def sync_weights(self, engines: "EngineGroup", version: int, transport: str, bucket_bytes: int, timeout: float,
-                     progress: bool) -> dict:
-        out = self._all("sync_weights", timeout * 4, lambda a: a.sync_weights.remote(
-            engines.actors, engines.names, engines.tp_sizes, version, transport, bucket_bytes, timeout, progress))
+    def load_checkpoint(self, directory: str, timeout_s: float) -> None:
+        self._all("load_checkpoint", timeout_s + 60, lambda a: a.load_checkpoint.remote(directory=directory))
+
+    def sync_weights(self, engines: "EngineGroup", request) -> dict:
+        """One weight sync, verification included (`beamrl.loop.weight_sync.SyncRequest`): every rank runs the
+        orchestrator; rank 0's report is returned. A failure raises `ActorCallError` with the engine's words."""
+        wait = request.timeout * 4 + 60  # pause, begin, the buckets, commit and the probe each have their own limit
+        out = self._all("sync_weights", wait, lambda a: a.sync_weights.remote(
+            receivers=engines.actors, engine_names=engines.names, engine_tp=engines.tp_sizes, request=request))
         return out[0]
 
-    def export_hf_checkpoint(self, out_dir: str, bucket_bytes: int) -> str:
-        return self._all("export_hf_checkpoint", None,
-                         lambda a: a.export_hf_checkpoint.remote(out_dir, bucket_bytes))[0]
+    def export_hf_checkpoint(self, out_dir: str) -> str:
+        return self._all("export_hf_checkpoint", None, lambda a: a.export_hf_checkpoint.remote(out_dir=out_dir))[0]
 
     def shutdown(self) -> None:
         shutdown_actors(self.actors, [f"trainer-{r}" for r in range(len(self.actors))])
@@ -85,7 +93,8 @@ class EngineGroup:
     def __init__(self, factories: list, timeout: float, actor_options: list[dict], num_threads: int = 1):
         self.timeout = timeout
         self.names = [f.name for f in factories]
-        self.actors = [EngineActor.options(**actor_options[i]).remote(f, num_threads) for i, f in enumerate(factories)]
+        self.actors = [EngineActor.options(**actor_options[i]).remote(factory=f, num_threads=num_threads)
+                       for i, f in enumerate(factories)]
         ray_get([a.ready.remote() for a in self.actors], timeout, "rollout engine start-up")
         self.tp_sizes = ray_get([a.tp_size.remote() for a in self.actors], timeout, "engines.tp_size")
 
@@ -96,7 +105,7 @@ class EngineGroup:
         for gi, (group, e) in enumerate(zip(groups, itertools.cycle(range(len(self.actors))))):
             placement.append((e, len(per_engine[e]), len(group)))
             per_engine[e].extend(group)
-        refs = [a.call.remote("generate", reqs, timeout=timeout) if reqs else None
+        refs = [a.call.remote("generate", requests=reqs, timeout=timeout) if reqs else None
                 for a, reqs in zip(self.actors, per_engine)]
         return refs, placement, timeout
 
@@ -114,8 +123,9 @@ class EngineGroup:
     def generate(self, groups, timeout: float):
         return self.collect(self.generate_async(groups, timeout))
 
-    def call_all(self, method: str, timeout: float, *args):
-        return ray_get([a.call.remote(method, *args, timeout=timeout) for a in self.actors], timeout + 30,
+    def call_all(self, method: str, timeout: float, **kwargs):
+        """`method(**kwargs, timeout=timeout)` on every engine (e.g. `release_memory`, tags=None)."""
+        return ray_get([a.call.remote(method, timeout=timeout, **kwargs) for a in self.actors], timeout + 30,
                        f"engines.{method}")
 
     def versions(self) -> list[int]:
@@ -123,8 +133,8 @@ class EngineGroup:
 
     def score(self, sequences: list[list[int]], timeout: float) -> dict[str, list[list[float]]]:
         """Prompt logprobs of `sequences` on every engine, by engine name."""
-        out = ray_get([a.call.remote("score", sequences, timeout=timeout) for a in self.actors], timeout + 30,
-                      "engines.score")
+        out = ray_get([a.call.remote("score", sequences=sequences, timeout=timeout) for a in self.actors],
+                      timeout + 30, "engines.score")
         return dict(zip(self.names, out))
 
     def shutdown(self) -> None:

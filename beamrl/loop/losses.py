@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from beamrl.algorithms import POLICY_LOSSES, LossInputs, PolicyLossConfig
+from beamrl.algorithms import POLICY_LOSSES, AlgorithmConfig, LossInputs
 from beamrl.trainer.protocol import PackedBatch
 
 
@@ -17,13 +17,12 @@ def _local_seq_ids(batch: PackedBatch) -> torch.Tensor:
 
 @dataclass
 class PolicyLoss:
-    """The algorithm's policy loss on one micro-batch, as its contribution to the step's global loss.
+    """The policy loss `algorithm.loss` on one micro-batch, as its contribution to the step's global loss.
 
     `normalizer` is the whole step's denominator (`beamrl.algorithms.loss_normalizer` over every
     micro-batch of every DP rank), so summing micro-batch contributions gives the full-batch loss."""
 
-    loss_name: str
-    cfg: PolicyLossConfig
+    algorithm: AlgorithmConfig
     normalizer: float
     total_loss_tokens: float
 
@@ -38,7 +37,7 @@ class PolicyLoss:
             advantages=f["advantages"].to(logprobs.dtype), loss_mask=mask, seq_ids=_local_seq_ids(batch),
             rollout_logprobs=f.get("rollout_logprobs"), ref_logprobs=f.get("ref_logprobs"),
             normalizer=self.normalizer)
-        out = POLICY_LOSSES.get(self.loss_name)(inputs, self.cfg)
+        out = POLICY_LOSSES.get(self.algorithm.loss)(inputs, self.algorithm)
         # Metrics are means over this micro-batch's loss tokens: weight them so the trainer's sum is the mean.
         share = float(mask.sum()) / max(self.total_loss_tokens, 1.0)
         metrics = {k: torch.as_tensor(v, dtype=torch.float32).detach() * share for k, v in out.metrics.items()}

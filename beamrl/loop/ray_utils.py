@@ -25,8 +25,9 @@ def ray_get(refs, timeout: float, what: str):
         raise ActorCallError(f"{what}: {type(cause).__name__}: {cause}") from cause
 
 
-def init_local_ray(num_cpus: int, temp_dir: Path, object_store_mb: int = 512) -> None:
-    """Start (or join) a single-node Ray for a CPU run: quiet, loopback only, bounded object store."""
+def init_local_ray(num_cpus: int, temp_dir: Path, object_store_mb: int = 512, runtime_env: dict | None = None) -> None:
+    """Start (or join) a single-node Ray for a CPU run: quiet, loopback only, bounded object store. `runtime_env`:
+    the job's (e.g. `beamrl.third_party_output.worker_runtime_env`)."""
     if ray.is_initialized():
         return
     # Single-node runs keep Ray on loopback and off the network (ray-and-friends.md §1.6, §1.5).
@@ -41,7 +42,7 @@ def init_local_ray(num_cpus: int, temp_dir: Path, object_store_mb: int = 512) ->
         try:
             ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level="ERROR", log_to_driver=True,
                      object_store_memory=object_store_mb << 20, _temp_dir=str(temp_dir.resolve()),
-                     configure_logging=True)
+                     configure_logging=True, runtime_env=runtime_env)
             return
         except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception for this
             if "timed out during startup" not in str(e) or attempt == 2:
@@ -50,7 +51,7 @@ def init_local_ray(num_cpus: int, temp_dir: Path, object_store_mb: int = 512) ->
             ray.shutdown()
 
 
-def connect_cluster_ray() -> None:
+def connect_cluster_ray(runtime_env: dict | None = None) -> None:
     """Join the Ray cluster started by `launch/` (`RAY_ADDRESS` or `ray start` on this node)."""
     if not ray.is_initialized():
-        ray.init(address="auto", logging_level="ERROR")
+        ray.init(address="auto", logging_level="ERROR", runtime_env=runtime_env)

@@ -17,7 +17,7 @@ def save_driver_state(directory: Path, step: int, weight_version: int, data_stat
              "python_rng": repr(random.getstate()), "numpy_rng": _np_state(), "torch_rng": torch.get_rng_state().tolist()}
     tmp = directory / (STATE_FILE + ".tmp")
     tmp.write_text(json.dumps(state))
-    tmp.replace(directory / STATE_FILE)  # atomic: a checkpoint without this file is incomplete
+    tmp.replace(directory / STATE_FILE)
 
 
 def load_driver_state(directory: Path) -> dict:
@@ -41,11 +41,3 @@ def _literal(text: str):
     import ast
 
     return ast.literal_eval(text)
-
-
-def latest_checkpoint(root: Path) -> Path | None:
-    """The newest complete `step_N` checkpoint under `root` (one with a driver state file)."""
-    if not root.exists():
-        return None
-    done = [p for p in root.glob("step_*") if (p / STATE_FILE).exists()]
-    return max(done, key=lambda p: int(p.name.split("_")[1]), default=None)

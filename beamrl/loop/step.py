@@ -2,19 +2,28 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 
-from beamrl.algorithms import ADVANTAGES, GRPOAdvantageConfig, OverlongConfig, filter_groups, overlong_shaped_rewards
-from beamrl.loop.components import sample_seed
+from beamrl.algorithms import ADVANTAGES, AlgorithmConfig, filter_groups, overlong_shaped_rewards
 from beamrl.loop.rollouts import Rollout
+from beamrl.protocols.rollout import GenerateRequest, GenerateResult, SamplingParams
 from beamrl.rewards import RewardSample
-from beamrl.rollout.protocol import GenerateRequest, GenerateResult, SamplingParams
+from beamrl.rollout.config import RolloutConfig
 
 
-def make_requests(prompts, recipe, step: int, round_: int, stop_token_ids: tuple[int, ...],
-                  return_routes: bool) -> list[list[GenerateRequest]]:
-    """`n_samples_per_prompt` seeded requests per prompt, one list per prompt (a GRPO group)."""
-    r = recipe.rollout
+def sample_seed(run_seed: int, step: int, index: int) -> int:
+    """A per-request sampling seed, stable across resumes (hash of run seed, step and request index)."""
+    h = hashlib.blake2b(f"{run_seed}/{step}/{index}".encode(), digest_size=4).digest()
+    return int.from_bytes(h, "little") & 0x7FFFFFFF
+
+
+def make_requests(prompts, rollout: RolloutConfig, run_seed: int, step: int, round_: int,
+                  stop_token_ids: tuple[int, ...], return_routes: bool) -> list[list[GenerateRequest]]:
+    """`n_samples_per_prompt` seeded requests per prompt, one list per prompt (a GRPO group); the sampling
+    fields of the rollout section become `SamplingParams` under the same names."""
+    r = rollout
     groups = []
     for p_idx, p in enumerate(prompts):
         group = []
@@ -22,7 +31,7 @@ def make_requests(prompts, recipe, step: int, round_: int, stop_token_ids: tuple
             index = (round_ * 100_003 + p_idx) * r.n_samples_per_prompt + s
             sp = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
                                 top_k=r.top_k, stop_token_ids=stop_token_ids,
-                                seed=sample_seed(recipe.run.seed, step, index))
+                                seed=sample_seed(run_seed, step, index))
             group.append(GenerateRequest(list(p.prompt_ids), sp, return_routed_experts=return_routes,
                                          request_id=f"s{step}-r{round_}-p{p_idx}-n{s}"))
         groups.append(group)
@@ -45,13 +54,14 @@ def drop_aborted(rollouts: list[Rollout]) -> tuple[list[Rollout], int]:
     return kept, len(bad)
 
 
-def score(rollouts: list[Rollout], tokenizer, reward_manager, timeout: float) -> dict[str, float]:
-    """Raw rewards from the plugins (never shaped here); returns the reward metrics."""
+def score(rollouts: list[Rollout], tokenizer, reward_manager) -> dict[str, float]:
+    """Raw rewards from the plugins (never shaped here); returns the reward metrics. The manager owns the
+    batch limit (reward_pool.batch_timeout_s)."""
     samples = [RewardSample(prompt=r.prompt.prompt, completion=tokenizer.decode(r.result.output_ids),
                             completion_ids=list(r.result.output_ids), prompt_ids=list(r.result.prompt_ids),
                             ground_truth=r.prompt.ground_truth, data_source=r.prompt.data_source,
                             metadata=dict(r.prompt.metadata)) for r in rollouts]
-    result = reward_manager.score(samples, timeout_s=timeout)
+    result = reward_manager.score(samples)
     for r, total in zip(rollouts, result.totals):
         r.raw_reward = r.reward = float(total)
     return dict(result.metrics)
@@ -68,19 +78,17 @@ def keep_informative_groups(rollouts: list[Rollout], target_groups: int, already
     return [r for r in rollouts if index[r.group] in kept], res
 
 
-def shape_and_advantages(rollouts: list[Rollout], recipe) -> None:
+def shape_and_advantages(rollouts: list[Rollout], algorithm: AlgorithmConfig, max_new_tokens: int) -> None:
     """Overlong shaping (shaped reward only) then group-normalised advantages of the shaped rewards."""
-    a = recipe.algorithm
+    a = algorithm
     shaped = torch.tensor([r.raw_reward for r in rollouts], dtype=torch.float32)
     if a.overlong.enabled:
         lengths = torch.tensor([r.response_len for r in rollouts])
-        cfg = OverlongConfig(max_response_len=recipe.rollout.max_new_tokens, overlong_buffer=a.overlong.buffer,
-                             penalty_factor=a.overlong.penalty)
-        shaped = overlong_shaped_rewards(shaped, lengths, cfg)
+        shaped = overlong_shaped_rewards(shaped, lengths, a.overlong, max_response_len=max_new_tokens)
     groups = sorted({r.group for r in rollouts})
     index = {g: i for i, g in enumerate(groups)}
     ids = torch.tensor([index[r.group] for r in rollouts])
-    adv = ADVANTAGES.get(a.advantage)(shaped, ids, GRPOAdvantageConfig(scale_by_std=a.normalize_std))
+    adv = ADVANTAGES.get(a.advantage)(shaped, ids, a)
     for r, s, v in zip(rollouts, shaped.tolist(), adv.tolist()):
         r.reward, r.advantage = s, v
 

@@ -1,23 +1,45 @@
-"""Trainer-side weight push: every trainer rank streams the HF export (a collective); rank 0 ships buckets to
-the engines through a registered transport, with engines reached as Ray actors (`ActorReceiver`)."""
+"""The trainer ranks' side of a weight sync in the RL loop: each rank runs the one orchestrator
+(`beamrl.sync.orchestrator.WeightSync`) on the Megatron export. Rank 0 holds the transport and reaches the engines
+as Ray actors (`ActorReceiver`); the other ranks take part in the collective export and probe pass only. The
+driver makes one call to the trainer group per sync (`TrainerGroup.sync_weights`) and gets rank 0's report."""
 
 from __future__ import annotations
 
 import os
-import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from beamrl.loop.ray_utils import ActorCallError, ray_get
-from beamrl.sync.bucketing import bucketize
-from beamrl.sync.forwarding_receiver import ForwardingReceiver
-from beamrl.sync.protocol import WeightReceiver, WeightSyncError
+import torch
+import torch.distributed as dist
 
+from beamrl.loop.ray_utils import ActorCallError, ray_get
+from beamrl.models.beam.lora_payload import ADAPTER, SCALE_NAME, scale_tensor
+from beamrl.protocols.weights import PendingCall, WeightSyncError
+from beamrl.sync.export import ExportSource, TensorSpec
+from beamrl.sync.forwarding_receiver import ForwardingReceiver
+from beamrl.sync.orchestrator import ProbeCheck, SyncTimeouts, WeightSync
+
+_LAYOUTS: dict[int, list[list[TensorSpec]]] = {}  # per trainer object: its export layout
+_ADAPTER_LAYOUTS: dict[int, list[list[TensorSpec]]] = {}  # per trainer object: its adapter export layout
 # Ray adds its own latency on top of an engine call's timeout; the engine enforces the call's own limit.
 _RPC_SLACK_S = 10.0
 
 
+class _RayCall(PendingCall):
+    def __init__(self, ref, what: str) -> None:
+        super().__init__()
+        self._ref, self._what = ref, what
+
+    def wait(self, timeout: float):
+        try:
+            return ray_get(self._ref, timeout + _RPC_SLACK_S, self._what)
+        except ActorCallError as e:
+            raise WeightSyncError(str(e)) from None
+
+
 class ActorReceiver(ForwardingReceiver):
-    """A `WeightReceiver` whose engine lives in an `EngineActor` (same or another node)."""
+    """A `WeightReceiver` whose engine lives in an `EngineActor` (same or another node). Calls from one caller
+    run in issue order on the actor, so per-bucket calls can be pipelined (`call_async`)."""
 
     def __init__(self, handle, name: str, tp_size: int = 1):
         self._handle, self._name, self._tp = handle, name, tp_size
@@ -30,47 +52,96 @@ class ActorReceiver(ForwardingReceiver):
     def tp_size(self) -> int:
         return self._tp
 
-    def _forward(self, method: str, timeout: float, *args):
-        try:
-            return ray_get(self._handle.call.remote(method, *args, timeout=timeout), timeout + _RPC_SLACK_S,
-                           f"{self._name}.{method}")
-        except ActorCallError as e:
-            raise WeightSyncError(str(e)) from None
+    def _submit(self, method: str, timeout: float, *args) -> PendingCall:
+        return _RayCall(self._handle.call.remote(method, *args, timeout=timeout), f"{self._name}.{method}")
 
 
-class WeightPusher:
-    """Holds the transport of one trainer rank 0 across syncs (the distributed group is set up once)."""
+class MegatronExportSource(ExportSource):
+    """The Megatron trainer's collective HF export (`MegatronTrainer.export_hf`), its probe logprobs, and the
+    ranks' agreement after the export (one all-reduce)."""
 
-    def __init__(self, transport_name: str, receivers: list[WeightReceiver], transport_kwargs: dict):
-        from beamrl.sync.transports import TRANSPORTS
+    def __init__(self, trainer) -> None:
+        self.trainer = trainer
+        layout = _LAYOUTS.get(id(trainer))
+        if layout is None:  # the layout never changes for a trainer: computed once
+            layout = _LAYOUTS[id(trainer)] = [[TensorSpec(n, dtype, tuple(shape)) for n, shape, dtype in unit]
+                                              for unit in trainer.export_hf_layout()]
+        self._units = layout
 
-        self.transport = TRANSPORTS.get(transport_name)(receivers, **transport_kwargs)
-        self.connected = False
+    def units(self) -> list[list[TensorSpec]]:
+        return self._units
 
-    def push(self, exporter, version: int, bucket_bytes: int, timeout: float, progress: bool) -> dict:
-        t0 = time.perf_counter()
-        if not self.connected:
-            self.transport.connect(timeout)
-            self.connected = True
-        nbytes = n = 0
-        try:
-            self.transport.begin(version, timeout)
-            for bucket in bucketize(([(k, v) for k, v in b.tensors.items()] for b in exporter), bucket_bytes):
-                self.transport.send_bucket(bucket, timeout)
-                nbytes += bucket.nbytes
-                n += 1
-                if progress:
-                    print(f"[sync] v{version}: bucket {n} ({nbytes / 2**20:.1f} MiB so far)", flush=True)
-            self.transport.finalize(timeout)
-        except BaseException as e:
-            self.transport.abort(f"{type(e).__name__}: {e}")
-            raise
-        seconds = time.perf_counter() - t0
-        return {"version": version, "bytes": nbytes, "buckets": n, "seconds": seconds,
-                "gbps": nbytes / max(seconds, 1e-9) / 1e9}
+    @property
+    def layout_key(self) -> object:
+        return ("megatron-export", id(self._units))
+
+    def stream(self):
+        return self.trainer.export_hf()
+
+    def finish(self, ok: bool) -> bool:
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return ok
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=self.trainer.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
+
+    def logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+        from beamrl.trainer.protocol import PackedBatch
+
+        batch = PackedBatch.from_sequences(sequences)
+        self.trainer.set_routing_replay(False)  # the probes are scored with free routing on both sides
+        lp = self.trainer.compute_logprobs(batch, temperature=1.0, return_entropy=False).logprobs
+        cu = batch.cu_seqlens.tolist()
+        return [lp[a + 1:b].tolist() for a, b in zip(cu[:-1], cu[1:])]
 
 
-_PUSHERS: dict[int, WeightPusher] = {}
+class LoRAExportSource(MegatronExportSource):
+    """An adapter-only sync (apply mode `adapter`, docs/lora.md): the scale, then the trainer's full adapter
+    tensors one layer per unit (`MegatronTrainer.export_lora`); probes are scored with the trainer's merged
+    weights (its forward), which the engines must reproduce after merging."""
+
+    mode = ADAPTER
+
+    def __init__(self, trainer) -> None:
+        self.trainer = trainer
+        layout = _ADAPTER_LAYOUTS.get(id(trainer))
+        if layout is None:
+            scale = [TensorSpec(SCALE_NAME, torch.float32, (1,))]
+            units = [[TensorSpec(n, dtype, tuple(shape)) for n, shape, dtype in unit]
+                     for unit in trainer.export_lora_layout()]
+            layout = _ADAPTER_LAYOUTS[id(trainer)] = [scale] + units
+        self._units = layout
+
+    @property
+    def layout_key(self) -> object:
+        return ("megatron-adapter", id(self._units))
+
+    def stream(self):
+        mine = not dist.is_initialized() or dist.get_rank() == 0
+        yield [(SCALE_NAME, scale_tensor(self.trainer.lora).to(self.trainer.device))] if mine else []
+        yield from self.trainer.export_lora()
+
+
+def export_source(trainer) -> ExportSource:
+    """What a sync of this trainer sends: the adapters when it trains LoRA (`trainer.lora`), else every weight."""
+    return LoRAExportSource(trainer) if trainer.lora is not None else MegatronExportSource(trainer)
+
+
+@dataclass(frozen=True)
+class SyncRequest:
+    """What every trainer rank is told for one sync (picklable, the same on every rank)."""
+
+    version: int
+    transport: str
+    bucket_bytes: int
+    timeout: float
+    probe_sequences: tuple[tuple[int, ...], ...] = ()
+    probe_tolerance: float = 1e-4
+    probe_every: int = 1
+    staged_memory: bool = False
+
+
+_SYNCS: dict[tuple, WeightSync] = {}
 
 
 def _transport_kwargs(transport: str, trainer) -> dict:
@@ -84,35 +155,46 @@ def _transport_kwargs(transport: str, trainer) -> dict:
         return {"device": device}
     if transport == "disk":  # engines must see this node's filesystem (same node, or a shared mount)
         import tempfile
-        from pathlib import Path
 
         return {"directory": Path(tempfile.gettempdir()) / f"beamrl-sync-{os.getpid()}", "config": trainer.config.model}
     raise ValueError(f"sync.transport={transport!r} is not a transport the RL loop knows")
 
 
-def push_weights(trainer, rank: int, receivers, engine_names, engine_tp, version: int, transport: str,
-                 bucket_bytes: int, timeout: float, progress: bool) -> dict | None:
-    """Run inside a trainer rank. Rank 0 returns the sync report; other ranks return None."""
-    exporter = trainer.export_hf(bucket_bytes)
-    if rank != 0:
-        for _ in exporter:  # the export is collective: every rank must drain it
-            pass
-        return None
-    pusher = _PUSHERS.get(id(trainer))
-    if pusher is None:
-        proxies = [ActorReceiver(h, n, tp) for h, n, tp in zip(receivers, engine_names, engine_tp)]
-        pusher = _PUSHERS[id(trainer)] = WeightPusher(transport, proxies, _transport_kwargs(transport, trainer))
-    return pusher.push(exporter, version, bucket_bytes, timeout, progress)
+def _orchestrator(trainer, rank: int, receivers, engine_names, engine_tp, req: SyncRequest) -> WeightSync:
+    key = (id(trainer), tuple(engine_names), req.transport, req.bucket_bytes)
+    ws = _SYNCS.get(key)
+    if ws is None:
+        probe = (ProbeCheck([list(s) for s in req.probe_sequences], req.probe_tolerance, req.probe_every)
+                 if req.probe_sequences else None)
+        transport = engines = None
+        if rank == 0:
+            from beamrl.sync.transports import TRANSPORTS
+
+            engines = [ActorReceiver(h, n, tp) for h, n, tp in zip(receivers, engine_names, engine_tp)]
+            kwargs = _transport_kwargs(req.transport, trainer)
+            transport = lambda recs: TRANSPORTS.get(req.transport)(recs, **kwargs)  # noqa: E731
+        ws = _SYNCS[key] = WeightSync(transport, engines or [], bucket_bytes=req.bucket_bytes,
+                                      timeouts=SyncTimeouts.uniform(req.timeout), initial_version=req.version - 1,
+                                      probe=probe, staged_memory=req.staged_memory)
+    return ws
 
 
-def save_hf_export(trainer, rank: int, out_dir: str, bucket_bytes: int) -> str | None:
+def sync_on_rank(trainer, rank: int, receivers, engine_names, engine_tp, req: SyncRequest) -> dict | None:
+    """Run inside every trainer rank (a collective): the sync of `req.version`. Rank 0 returns the report as a
+    dict; other ranks return None."""
+    ws = _orchestrator(trainer, rank, receivers, engine_names, engine_tp, req)
+    report = ws.sync(export_source(trainer), version=req.version)
+    return None if report is None else asdict(report)
+
+
+def save_hf_export(trainer, rank: int, out_dir: str) -> str | None:
     """Write the trainer's current weights as an HF Beam checkpoint (SGLang's format) from rank 0."""
     from beamrl.models.beam.checkpoint import save_checkpoint
 
     tensors = {}
-    for bucket in trainer.export_hf(bucket_bytes):
+    for unit in trainer.export_hf():
         if rank == 0:
-            tensors.update(bucket.tensors)
+            tensors.update(unit)
     if rank != 0:
         return None
     save_checkpoint(trainer.config.model, tensors, Path(out_dir))

@@ -1,32 +1,31 @@
-"""The metrics logger a recipe asks for: console + metrics.jsonl (always) + TensorBoard + wandb."""
+"""The metrics logger the `logging` section asks for: console + metrics.jsonl (always) + TensorBoard + wandb."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
+from beamrl.metrics.config import LoggingConfig
 from beamrl.metrics.console import ConsoleLogger
 from beamrl.metrics.jsonl import JsonlLogger
 from beamrl.metrics.logger import MetricsLogger, MultiLogger
 
-if TYPE_CHECKING:
-    from beamrl.recipe.schema import Recipe
 
-
-def build_metrics_logger(recipe: "Recipe", output_dir: str | Path | None = None) -> MultiLogger:
-    """Backends under `output_dir` (default run.output_dir): metrics.jsonl, tensorboard/, wandb/."""
-    out = Path(output_dir if output_dir is not None else recipe.run.resolved_output_dir)
-    lg = recipe.logging
+def build_metrics_logger(logging: LoggingConfig, output_dir: str | Path, run_name: str, num_steps: int | None = None,
+                         run_config: dict[str, Any] | None = None) -> MultiLogger:
+    """Backends under `output_dir`: metrics.jsonl, tensorboard/, wandb/. `run_config` (the whole recipe) is
+    recorded by wandb; `num_steps` lets the console show progress and an ETA."""
+    out = Path(output_dir)
     loggers: list[MetricsLogger] = [JsonlLogger(out)]
-    if lg.console:
-        loggers.append(ConsoleLogger(recipe.run.num_steps))
-    if lg.tensorboard:
+    if logging.console:
+        loggers.append(ConsoleLogger(num_steps))
+    if logging.tensorboard:
         from beamrl.metrics.tensorboard import TensorBoardLogger
 
         loggers.append(TensorBoardLogger(out / "tensorboard"))
-    if lg.wandb.enabled:
+    if logging.wandb.enabled:
         from beamrl.metrics.wandb_backend import WandbLogger
 
-        loggers.append(WandbLogger(lg.wandb.project, recipe.run.name, out, lg.wandb.mode, lg.wandb.entity,
-                                   config=recipe.to_dict()))
+        w = logging.wandb
+        loggers.append(WandbLogger(w.project, run_name, out, w.mode, w.entity, config=run_config))
     return MultiLogger(loggers)

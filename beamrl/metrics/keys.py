@@ -7,4 +7,5 @@ TIME_ROLLOUT = "time/rollout_s"
 TIME_TRAIN = "time/train_s"
 TIME_SYNC = "time/sync_s"
 TIME_STEP = "time/step_s"
+# Prompt + response tokens of the step's samples per second of the whole step (rollout + train + sync).
 TOKENS_PER_S = "throughput/tokens_per_s"

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from beamrl.dtypes import RUN_DTYPES, dtype_name, torch_dtype
 from beamrl.models.beam.config import DENSE, FULL, SLIDING, SPARSE, BeamConfig
 from beamrl.models.beam.presets import preset
 
@@ -35,7 +36,6 @@ def variant_config(name: str) -> BeamConfig:
 def write_variant(name: str, out: str | Path, dtype: torch.dtype = torch.float32) -> Path:
     """Write variant `name` (weights from its own seed) to `out`; returns the directory."""
     from beamrl.models.beam.checkpoint import save_checkpoint
-    from beamrl.models.beam.model import dtype_name
     from beamrl.models.beam.weights import random_state_dict
 
     config = variant_config(name).replace(dtype=dtype_name(dtype))
@@ -50,10 +50,10 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(description="Write the parity checkpoint variants (tiny, wide, deep).")
     parser.add_argument("out", type=Path)
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--dtype", default="bfloat16", choices=sorted(RUN_DTYPES))
     args = parser.parse_args(argv)
     for name in PARITY_VARIANTS:
-        path = write_variant(name, args.out / name, getattr(torch, args.dtype))
+        path = write_variant(name, args.out / name, torch_dtype(args.dtype))
         print(f"{name}: {path}")
     return 0
 

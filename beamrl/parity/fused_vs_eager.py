@@ -98,10 +98,13 @@ def _free() -> None:
 
 
 def _run(config, weights, batch, dtype: str, fused: bool, routes=None):
-    from beamrl.trainer.megatron.worker import MegatronTrainer, OptimizerSettings, TrainerConfig
+    from beamrl.trainer.megatron.config import TrainerConfig
+    from beamrl.trainer.megatron.worker import MegatronTrainer, TrainerSetup
 
-    trainer = MegatronTrainer(TrainerConfig(model=config, dtype=dtype, use_fused_kernels=fused,
-                                            optimizer=OptimizerSettings(use_distributed_optimizer=False)))
+    # One rank, scoring only: the learning rate and batch sizes are never used.
+    trainer_config = TrainerConfig(num_gpus=1, global_batch_size=1, lr=1e-6, distributed_optimizer=False,
+                                   use_fused_kernels=fused)
+    trainer = MegatronTrainer(TrainerSetup(model=config, trainer=trainer_config, dtype=dtype))
     try:
         trainer.load_hf_state_dict(weights)
         trainer.set_routing_record(routes is None)
@@ -168,7 +171,8 @@ def main(argv=None) -> int:
               "the comparison itself on CPU", file=sys.stderr)
         return 2
     from beamrl.trainer.megatron.launch import set_one_rank_world_env
-    from beamrl.trainer.megatron.parallel import ParallelConfig, initialize_parallel
+    from beamrl.trainer.megatron.config import ParallelConfig
+    from beamrl.trainer.megatron.parallel import initialize_parallel
 
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     set_one_rank_world_env()

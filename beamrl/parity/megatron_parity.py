@@ -22,7 +22,8 @@ import numpy as np
 import torch
 
 from beamrl.parity.comparison import Comparison, logprob_diffs, routing_matches, summarize
-from beamrl.parity.sglang_parity import DTYPES, ParityInputError, check_checkpoint, random_prompts
+from beamrl.dtypes import RUN_DTYPES, torch_dtype
+from beamrl.parity.sglang_parity import ParityInputError, check_checkpoint, random_prompts
 
 
 @dataclass(frozen=True)
@@ -40,12 +41,14 @@ class MegatronLayout:
         return math.lcm(self.tp * self.pp, self.ep * self.pp)
 
     def parallel_config(self):
-        from beamrl.trainer.megatron.parallel import ParallelConfig, ParallelConfigError
+        from pydantic import ValidationError
+
+        from beamrl.trainer.megatron.config import ParallelConfig
 
         try:
             return ParallelConfig(tp=self.tp, sp=self.sp, ep=self.ep, pp=self.pp, vpp=self.vpp)
-        except ParallelConfigError as e:
-            raise ParityInputError(str(e)) from None
+        except ValidationError as e:
+            raise ParityInputError(str(e.errors()[0]["msg"])) from None
 
     def describe(self) -> str:
         parts = [f"tp{self.tp}" + ("+sp" if self.sp else ""), f"ep{self.ep}", f"pp{self.pp}"]
@@ -60,14 +63,17 @@ def score_rank(checkpoint: str, layout: dict, dtype: str, prompts: list[list[int
     import torch.distributed as dist
 
     from beamrl.models.beam.config import BeamConfig
-    from beamrl.trainer.megatron.worker import MegatronTrainer, OptimizerSettings, TrainerConfig
+    from beamrl.trainer.megatron.config import TrainerConfig
+    from beamrl.trainer.megatron.worker import MegatronTrainer, TrainerSetup
     from beamrl.trainer.protocol import PackedBatch
 
     config = BeamConfig.from_json_file(checkpoint)
-    parallel = MegatronLayout(**layout).parallel_config()
-    trainer = MegatronTrainer(TrainerConfig(model=config, parallel=parallel, dtype=dtype,
-                                            optimizer=OptimizerSettings(use_distributed_optimizer=False)),
-                              hf_checkpoint=checkpoint)
+    megatron_layout = MegatronLayout(**layout)
+    parallel, world = megatron_layout.parallel_config(), megatron_layout.world_size
+    # Scoring only: the learning rate and batch sizes are never used.
+    trainer_config = TrainerConfig(**parallel.to_dict(), num_gpus=world, global_batch_size=parallel.dp_size(world),
+                                   lr=1e-6, distributed_optimizer=False)
+    trainer = MegatronTrainer(TrainerSetup(model=config, trainer=trainer_config, dtype=dtype), hf_checkpoint=checkpoint)
     batch = PackedBatch.from_sequences(prompts)
     trainer.set_routing_record(True)
     out = trainer.compute_logprobs(batch, temperature=1.0, return_entropy=False)
@@ -94,7 +100,7 @@ def reference_prompt_side(checkpoint: Path, dtype: str, prompts: list[list[int]]
     """Reference logprobs of tokens 1.. and routes [T, L, k] of every prompt."""
     from beamrl.models.beam.model import BeamForCausalLM
 
-    model = BeamForCausalLM.from_pretrained(checkpoint, dtype=DTYPES[dtype])
+    model = BeamForCausalLM.from_pretrained(checkpoint, dtype=torch_dtype(dtype))
     with torch.no_grad():
         ids = torch.tensor(prompts, dtype=torch.long)
         lp = model.token_logprobs(ids).float().numpy()
@@ -108,17 +114,17 @@ def run_megatron_parity(checkpoint: Path, layout: MegatronLayout, dtype: str = "
                         log: Callable[[str], None] = print) -> list[Comparison]:
     """Megatron vs the reference (and vs SGLang when `engine_outputs` from `sglang_parity.save_engine_outputs`
     for the same prompts are given). Returns the comparison rows."""
-    if dtype not in DTYPES:
-        raise ParityInputError(f"--dtype {dtype!r}; allowed: {sorted(DTYPES)}")
+    if dtype not in RUN_DTYPES:
+        raise ParityInputError(f"--dtype {dtype!r}; allowed: {sorted(RUN_DTYPES)}")
     from beamrl.models.beam.config import BeamConfig
 
-    from beamrl.trainer.megatron.parallel import ParallelConfigError
+    from beamrl.config import ConfigError
 
     check_checkpoint(checkpoint)
     config = BeamConfig.from_json_file(checkpoint)
     try:  # refuse a layout the model cannot take before spawning anything
-        layout.parallel_config().validate(config)
-    except ParallelConfigError as e:
+        layout.parallel_config().check_model(config)
+    except ConfigError as e:
         raise ParityInputError(f"--trainer megatron layout {layout.describe()}: {e}") from None
     prompts = random_prompts(config.vocab_size, num_sequences, seq_len, seed)
     log(f"Megatron {layout.describe()} scoring {num_sequences} x {seq_len} tokens in {dtype}...")

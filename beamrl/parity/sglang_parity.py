@@ -18,9 +18,9 @@ from typing import Callable
 import numpy as np
 import torch
 
+from beamrl.dtypes import RUN_DTYPES, torch_dtype
 from beamrl.parity.comparison import Comparison, logprob_diffs, routing_matches, summarize
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class ParityInputError(ValueError):
@@ -40,8 +40,8 @@ class ParitySettings:
     dump_path: Path | None = None  # save the engine's raw outputs for offline analysis
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ParityInputError(f"--dtype {self.dtype!r}; allowed: {sorted(DTYPES)}")
+        if self.dtype not in RUN_DTYPES:
+            raise ParityInputError(f"--dtype {self.dtype!r}; allowed: {sorted(RUN_DTYPES)}")
         for name in ("num_sequences", "seq_len", "gen_len"):
             if getattr(self, name) < (2 if name == "seq_len" else 1):
                 raise ParityInputError(f"--{name.replace('_', '-')} must be >= {2 if name == 'seq_len' else 1}")
@@ -84,7 +84,7 @@ def reference_side(model, prompts: list[list[int]], full_seqs: list[list[int]]):
 def run_sglang_parity(settings: ParitySettings, log: Callable[[str], None] = print) -> Comparison:
     """Start SGLang on the checkpoint, run both sides, and return the comparison row."""
     from beamrl.models.beam.model import BeamForCausalLM
-    from beamrl.rollout.protocol import GenerateRequest, SamplingParams
+    from beamrl.protocols.rollout import GenerateRequest, SamplingParams
     from beamrl.rollout.sglang.config import SGLangEngineConfig
     from beamrl.rollout.sglang.engine import SGLangEngine
 
@@ -99,10 +99,10 @@ def run_sglang_parity(settings: ParitySettings, log: Callable[[str], None] = pri
     prompts = random_prompts(config.vocab_size, s.num_sequences, s.seq_len, s.seed)
     if torch.cuda.is_available():
         engine_cfg = SGLangEngineConfig(model_path=str(s.checkpoint), dtype=s.dtype, device="cuda",
-                                        mem_fraction_static=0.5, random_seed=s.seed,
+                                        mem_fraction=0.5, random_seed=s.seed,
                                         enable_fp32_lm_head=s.dtype == "float32")
     else:
-        engine_cfg = SGLangEngineConfig.cpu_test(s.checkpoint, dtype=s.dtype, random_seed=s.seed,
+        engine_cfg = SGLangEngineConfig.on_cpu(s.checkpoint, dtype=s.dtype, random_seed=s.seed,
                                                  max_total_tokens=max(2048, 4 * (s.seq_len + s.gen_len)),
                                                  enable_fp32_lm_head=s.dtype == "float32")
     log(f"starting SGLang ({engine_cfg.device}, {s.dtype}) on {s.checkpoint} (timeout {s.start_timeout:.0f} s)...")
@@ -123,7 +123,7 @@ def run_sglang_parity(settings: ParitySettings, log: Callable[[str], None] = pri
         save_engine_outputs(s.dump_path, prompts, engine_lp, full_seqs, [r.routed_experts for r, _ in results])
         log(f"engine outputs saved to {s.dump_path}")
     log("running the reference model...")
-    model = BeamForCausalLM.from_pretrained(s.checkpoint, dtype=DTYPES[s.dtype])
+    model = BeamForCausalLM.from_pretrained(s.checkpoint, dtype=torch_dtype(s.dtype))
     ref_lp, ref_routes = reference_side(model, prompts, full_seqs)
     matches = [routing_matches(r.routed_experts, rr, config.moe_layers) for (r, _), rr in zip(results, ref_routes)]
     return summarize("reference", "sglang", s.dtype, logprob_diffs(ref_lp, engine_lp), matches)

@@ -1,13 +1,10 @@
 """The GPU layout of a recipe, checked against the Beam config, and its printable summary (`--dry-run`).
 
-Model-dependent rules (megatron-core 0.19.2 and SGLang 0.5.23):
-  * trainer TP divides the attention heads and the KV heads (Megatron shards query groups over TP), and the
-    dense-MLP width; expert TP divides the expert width; EP divides num_experts;
-  * MoE with tp > 1 needs sp (Megatron refuses MoE + TP without SP, moe_layer.py);
-  * pp divides num_layers (even split), vpp divides num_layers / pp;
-  * engine TP divides the attention heads, and either the KV heads divide by it or it is a multiple of the
-    KV heads (SGLang then replicates KV heads); engine TP divides both MLP widths (SGLang's MoE is TP-sharded);
-  * max_prompt_len + max_new_tokens fits the model's positions.
+The model-fit rules are the components' own: the trainer's (`TrainerConfig.check_model`: TP/EP/ETP/PP/VPP
+against heads, experts, widths and layers, megatron-core 0.19.2) and the engines' (`RolloutConfig.check_model`:
+SGLang 0.5.23 TP sharding). Here they run under their section's path, plus the rules that tie the model to
+other sections: routing replay needs MoE layers, max_prompt_len + max_new_tokens fits the model's positions,
+and the digit tokenizer matches the model's vocabulary.
 """
 
 from __future__ import annotations
@@ -16,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from beamrl.models.beam import BeamConfig
-from beamrl.recipe.errors import RecipeError
+from beamrl.recipe.errors import RecipeError, in_section
 
 if TYPE_CHECKING:
     from beamrl.recipe.memory import EngineMemory, TrainerMemory
@@ -25,52 +22,16 @@ if TYPE_CHECKING:
 
 def check_model_fit(r: "Recipe", c: BeamConfig) -> None:
     """Raise `RecipeError` for the first layout rule the Beam config `c` breaks."""
-    tr, ro = r.trainer, r.rollout
-    has_moe = bool(c.moe_layers)
-    has_dense = len(c.moe_layers) < c.num_hidden_layers
-    heads = f"num_attention_heads={c.num_attention_heads}, num_key_value_heads={c.num_key_value_heads}"
-    if c.num_attention_heads % tr.tp or c.num_key_value_heads % tr.tp:
-        raise RecipeError("trainer.tp", tr.tp, f"must divide both head counts ({heads}); Megatron shards query "
-                          f"groups over TP")
-    if c.vocab_size % tr.tp:
-        raise RecipeError("trainer.tp", tr.tp, f"must divide vocab_size={c.vocab_size} (the vocab-parallel embedding "
-                          "and head)")
-    if has_dense and c.intermediate_size % tr.tp:
-        raise RecipeError("trainer.tp", tr.tp, f"must divide intermediate_size={c.intermediate_size}")
-    if has_moe:
-        if c.num_experts % tr.ep:
-            raise RecipeError("trainer.ep", tr.ep, f"must divide num_experts={c.num_experts}")
-        if c.moe_intermediate_size % tr.expert_tp:
-            raise RecipeError("trainer.etp", tr.expert_tp, f"must divide moe_intermediate_size={c.moe_intermediate_size}")
-        if tr.tp > 1 and not tr.sp:
-            raise RecipeError("trainer.sp", False, "a MoE model with tp > 1 requires sp: true (Megatron refuses "
-                              "MoE + TP without sequence parallelism)")
-    else:
-        if tr.ep > 1:
-            raise RecipeError("trainer.ep", tr.ep, "the model has no MoE layers; ep must be 1")
-        if r.algorithm.routing_replay:
-            raise RecipeError("algorithm.routing_replay", True, "the model has no MoE layers to replay")
-    L = c.num_hidden_layers
-    if L % tr.pp:
-        raise RecipeError("trainer.pp", tr.pp, f"must divide num_hidden_layers={L}")
-    if tr.vpp is not None and (L // tr.pp) % tr.vpp:
-        raise RecipeError("trainer.vpp", tr.vpp, f"must divide the layers per pipeline stage "
-                          f"num_hidden_layers / pp = {L} / {tr.pp} = {L // tr.pp}")
-    et = ro.engine_tp
-    if c.num_attention_heads % et:
-        raise RecipeError("rollout.engine_tp", et, f"must divide num_attention_heads={c.num_attention_heads}")
-    kv = c.num_key_value_heads
-    if kv % et and et % kv:
-        raise RecipeError("rollout.engine_tp", et, f"KV heads must split evenly: num_key_value_heads={kv} divisible "
-                          f"by engine_tp, or engine_tp a multiple of {kv} (KV heads replicated)")
-    if has_moe and c.moe_intermediate_size % et:
-        raise RecipeError("rollout.engine_tp", et, f"must divide moe_intermediate_size={c.moe_intermediate_size}")
-    if has_dense and c.intermediate_size % et:
-        raise RecipeError("rollout.engine_tp", et, f"must divide intermediate_size={c.intermediate_size}")
-    seq = r.data.max_prompt_len + ro.max_new_tokens
+    with in_section("trainer"):
+        r.trainer.check_model(c)
+    if not c.moe_layers and r.algorithm.routing_replay:
+        raise RecipeError("algorithm.routing_replay", True, "the model has no MoE layers to replay")
+    with in_section("rollout"):
+        r.rollout.check_model(c)
+    seq = r.data.max_prompt_len + r.rollout.max_new_tokens
     if seq > c.max_position_embeddings:
-        raise RecipeError("rollout.max_new_tokens", ro.max_new_tokens, f"data.max_prompt_len + max_new_tokens = {seq} "
-                          f"exceeds max_position_embeddings={c.max_position_embeddings}")
+        raise RecipeError("rollout.max_new_tokens", r.rollout.max_new_tokens, f"data.max_prompt_len + max_new_tokens "
+                          f"= {seq} exceeds max_position_embeddings={c.max_position_embeddings}")
     if r.data.tokenizer == "digit":
         from beamrl.data.digit_tokenizer import DigitTokenizer
 
@@ -115,14 +76,6 @@ class Layout:
     warnings: list[str] = field(default_factory=list)
 
 
-def stage_layers(num_layers: int, pp: int, vpp: int | None) -> list[list[int]]:
-    """Layers per pipeline rank: with interleaving, rank p holds virtual chunks p, p + pp, ... (Megatron)."""
-    chunks = pp * (vpp or 1)
-    size = num_layers // chunks
-    return [[l for v in range(vpp or 1) for l in range((v * pp + p) * size, (v * pp + p + 1) * size)]
-            for p in range(pp)]
-
-
 def plan_layout(r: "Recipe", c: BeamConfig) -> Layout:
     """Check `r` against `c` (raises `RecipeError`) and return the layout."""
     check_model_fit(r, c)
@@ -136,12 +89,11 @@ def plan_layout(r: "Recipe", c: BeamConfig) -> Layout:
     if c.moe_layers and r.algorithm.routing_replay is False:
         warnings.append("algorithm.routing_replay=false on a MoE model: the trainer re-routes tokens, so train "
                         "and rollout logprobs can disagree where routing ties flip")
-    expert_dp = tr.num_gpus // (tr.ep * tr.expert_tp * tr.pp)
     return Layout(
         device=cl.device, gpu_type=cl.gpu_type, num_nodes=cl.num_nodes, gpus_per_node=cl.gpus_per_node,
-        placement=r.placement.mode, trainer_gpus=tr.num_gpus, tp=tr.tp, sp=tr.sp, ep=tr.ep, etp=tr.expert_tp,
-        pp=tr.pp, vpp=tr.vpp, dp=tr.dp, expert_dp=expert_dp,
-        stage_layers=stage_layers(c.num_hidden_layers, tr.pp, tr.vpp),
+        placement=r.placement.mode, trainer_gpus=tr.num_gpus, tp=tr.tp, sp=tr.sp, ep=tr.ep, etp=tr.etp,
+        pp=tr.pp, vpp=tr.vpp, dp=tr.dp, expert_dp=tr.expert_dp_size(tr.num_gpus),
+        stage_layers=tr.stage_layers(c.num_hidden_layers),
         micro_batches_per_optimizer_step=tr.global_batch_size // (tr.micro_batch_size * tr.dp),
         optimizer_steps_per_rollout=ro.samples_per_step // tr.global_batch_size,
         engine=ro.engine, num_engines=ro.num_engines, engine_tp=ro.engine_tp,

@@ -13,7 +13,8 @@ from typing import Any, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from beamrl.recipe.errors import RecipeError
+from beamrl.config import ConfigError
+from beamrl.recipe.errors import RecipeError, join_path
 from beamrl.recipe.schema import Recipe
 
 RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
@@ -80,8 +81,8 @@ def _to_recipe_error(e: ValidationError) -> RecipeError:
     errors = e.errors()
     first = errors[0]
     cause = (first.get("ctx") or {}).get("error")
-    if isinstance(cause, RecipeError):  # a cross-field rule: already names its field
-        return cause
+    if isinstance(cause, ConfigError):  # a rule of a section (path inside it) or of the recipe (loc is empty)
+        return RecipeError(join_path(_dotted(first["loc"]), cause.path), cause.value, cause.allowed)
     path = _dotted(first["loc"])
     if first["type"] == "extra_forbidden":
         parent = first["loc"][:-1]
@@ -90,7 +91,7 @@ def _to_recipe_error(e: ValidationError) -> RecipeError:
     elif first["type"] == "missing":
         allowed = "required field is missing"
     else:
-        allowed = first["msg"]
+        allowed = first["msg"].removeprefix("Value error, ")  # a validator's own sentence (e.g. registry choices)
     if len(errors) > 1:
         allowed += f" (and {len(errors) - 1} more: " + "; ".join(
             f"{_dotted(x['loc'])}: {x['msg']}" for x in errors[1:4]) + ")"

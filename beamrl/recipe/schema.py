@@ -1,9 +1,13 @@
-"""The recipe schema: one pydantic model per YAML section, fields mirroring the YAML one to one.
+"""The recipe schema: the sections of a run, each a config class that a component owns, composed here.
 
-Every section forbids unknown keys, so a misspelt or renamed field fails at load with its dotted path.
-Rules that tie fields of different sections together live in `rules.py` (model-independent, run on every
-load) and `layout.py` (rules that need the Beam config: heads, experts, layers). docs/recipes.md is the
-reference for every field.
+A component's section is its own config class, read by the component under the same field names:
+`trainer` (`beamrl.trainer.megatron.config.TrainerConfig`), `rollout` (`beamrl.rollout.config.RolloutConfig`),
+`algorithm` (`beamrl.algorithms.config.AlgorithmConfig`), `data` (`beamrl.data.config.DataConfig`),
+`sync` (`beamrl.sync.config.SyncConfig`) and `logging` (`beamrl.metrics.config.LoggingConfig`). The sections
+defined here (`run`, `model`, `cluster`, `placement`, `sft`, `checkpoint`, `timeouts`, `rewards`) are read by
+the RL loop itself. Each section checks its own fields; rules that tie sections together live in `rules.py`
+(run on every load) and `layout.py` (rules that need the Beam config). Every section forbids unknown keys, so
+a misspelt field fails at load with its dotted path. docs/recipes.md is the reference for every field.
 """
 
 from __future__ import annotations
@@ -11,22 +15,22 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
+
+from beamrl.algorithms.config import AlgorithmConfig
+from beamrl.config import Section
+from beamrl.data.config import DataConfig
+from beamrl.dtypes import RUN_DTYPES
+from beamrl.metrics.config import LoggingConfig
+from beamrl.rewards.config import RewardComponentConfig, RewardPoolConfig
+from beamrl.rollout.config import RolloutConfig
+from beamrl.sync.config import SyncConfig
+from beamrl.trainer.megatron.config import TrainerConfig
 
 GPU_TYPES = ("h200", "b200")
-# SGLang 0.5.23's deterministic-inference backends usable on NVIDIA GPUs (choices.py:113-120; ascend and
-# intel_xpu are other vendors). trtllm_mha, Beam's default on sm90+, is NOT deterministic.
-DETERMINISTIC_ATTENTION_BACKENDS = ("fa3", "fa4", "flashinfer", "triton")
-ATTENTION_BACKENDS = DETERMINISTIC_ATTENTION_BACKENDS + ("trtllm_mha", "torch_native")
-# 'pkg.module:function' (import path) or a registered / entry-point reward name.
-REWARD_REF = re.compile(r"^([A-Za-z_][\w.]*:[A-Za-z_][\w.]*|[A-Za-z_][\w.\-]*)$")
-
-
-class Section(BaseModel):
-    """Base of every recipe section: unknown keys are errors; assignments are re-validated."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
-
+# 'pkg.module:function' (import path; the part after ':' may be a name the module registers with @reward) or a
+# registered / entry-point reward name.
+REWARD_REF = re.compile(r"^([A-Za-z_][\w.]*:[A-Za-z_][\w.\-]*|[A-Za-z_][\w.\-]*)$")
 
 
 class ModelSection(Section):
@@ -39,7 +43,7 @@ class ModelSection(Section):
     preset: str | None = None
     checkpoint: str | None = None
     seed: int | None = None
-    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    dtype: Literal[RUN_DTYPES] = "bfloat16"  # type: ignore[valid-type]
     # BeamConfig fields changed on top of the preset (random init only), e.g. {vocab_size: 16} for the digit
     # tokenizer; validated by BeamConfig itself (errors name the field).
     config_overrides: dict[str, Any] = Field(default_factory=dict)
@@ -51,79 +55,11 @@ class ClusterSection(Section):
     device: Literal["cuda", "cpu"] = "cuda"
     num_nodes: int = Field(1, gt=0)
     gpus_per_node: int = Field(8, gt=0)
-    gpu_type: Literal["h200", "b200"] = "h200"
+    gpu_type: Literal[GPU_TYPES] = "h200"  # type: ignore[valid-type]
 
     @property
     def num_gpus(self) -> int:
         return self.num_nodes * self.gpus_per_node
-
-
-class TrainerSection(Section):
-    """Megatron-core trainer parallelism and optimisation. `dp` is derived: num_gpus / (tp * pp)."""
-
-    num_gpus: int = Field(gt=0)
-    tp: int = Field(1, gt=0)
-    sp: bool = False
-    ep: int = Field(1, gt=0)
-    # Beam's trainer keeps whole experts per rank (expert tensor parallel 1): the engine rounds each expert's
-    # weighted down-projection to BF16 once, which a TP-split expert cannot reproduce (docs/trainer.md).
-    etp: int = Field(1, gt=0, description="expert tensor parallel size; Beam supports 1")
-    pp: int = Field(1, gt=0)
-    vpp: int | None = Field(None, gt=0)
-    micro_batch_size: int = Field(1, gt=0)
-    global_batch_size: int = Field(gt=0)
-    lr: float = Field(gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    grad_clip: float = Field(1.0, gt=0)
-    optimizer: Literal["adam"] = "adam"
-    adam_beta1: float = Field(0.9, ge=0, lt=1)
-    adam_beta2: float = Field(0.999, ge=0, lt=1)
-    adam_eps: float = Field(1e-8, gt=0)
-    distributed_optimizer: bool = True
-    # Megatron OptimizerConfig.optimizer_cpu_offload / optimizer_offload_fraction (HybridDeviceOptimizer).
-    optimizer_offload_fraction: float = Field(0.0, ge=0, le=1)
-    # Megatron DDPConfig.grad_reduce_in_fp32: main grads accumulated and reduced in FP32 (or BF16).
-    main_grads_dtype: Literal["fp32", "bf16"] = "fp32"
-    recompute: Literal["none", "full"] = "none"
-    use_fused_kernels: bool = False
-    seed: int | None = Field(None, description="null = run.seed")
-
-    @property
-    def expert_tp(self) -> int:
-        return self.etp
-
-    @property
-    def dp(self) -> int:
-        """Data-parallel size; only meaningful once `rules.check_recipe` has passed."""
-        return self.num_gpus // (self.tp * self.pp)
-
-
-class RolloutSection(Section):
-    """Rollout engines and sampling. `server_args` are extra SGLang ServerArgs (fields here win)."""
-
-    engine: Literal["sglang", "native"] = "sglang"
-    num_engines: int = Field(1, gt=0)
-    engine_tp: int = Field(1, gt=0)
-    mem_fraction: float = Field(0.85, gt=0, lt=1)
-    max_new_tokens: int = Field(gt=0)
-    temperature: float = Field(1.0, gt=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = -1
-    n_samples_per_prompt: int = Field(gt=0)
-    prompts_per_step: int = Field(gt=0)
-    return_routed_experts: bool | None = Field(None, description="null = algorithm.routing_replay")
-    server_args: dict[str, Any] = Field(default_factory=dict)
-    swa_full_tokens_ratio: float = Field(0.8, gt=0, le=1)
-    deterministic: bool = False
-    attention_backend: Literal[ATTENTION_BACKENDS] | None = None  # type: ignore[valid-type]
-
-    @property
-    def num_gpus(self) -> int:
-        return self.num_engines * self.engine_tp
-
-    @property
-    def samples_per_step(self) -> int:
-        return self.prompts_per_step * self.n_samples_per_prompt
 
 
 class PlacementSection(Section):
@@ -133,125 +69,14 @@ class PlacementSection(Section):
     off_policy_steps: Literal[0, 1] = 0
 
 
-class KLSection(Section):
-    """KL to a frozen reference policy. reference=true with coef=0 logs the KL without putting it in the loss."""
-
-    coef: float = Field(0.0, ge=0)
-    estimator: Literal["k1", "k2", "k3"] = "k3"
-    reference: bool = False
-
-
-class ImportanceSection(Section):
-    """Rollout-vs-trainer importance correction: TIS truncates weights at `cap`; MIS masks tokens (or whole
-    sequences, by their geometric-mean ratio: level 'sequence') outside [lo, hi]."""
-
-    mode: Literal["none", "tis", "mis"] = "none"
-    cap: float | None = Field(None, gt=0)
-    lo: float | None = Field(None, ge=0)
-    hi: float | None = Field(None, gt=0)
-    level: Literal["token", "sequence"] = "token"
-
-
-class DynamicSamplingSection(Section):
-    """DAPO dynamic sampling: drop groups whose raw rewards all agree; re-sample up to N extra rounds."""
-
-    enabled: bool = False
-    max_oversample_rounds: int = Field(3, gt=0)
-
-
-class OverlongSection(Section):
-    """DAPO soft overlong punishment: linear penalty over the last `buffer` tokens before max_new_tokens."""
-
-    enabled: bool = False
-    buffer: int = Field(512, gt=0)
-    penalty: float = Field(1.0, ge=0)
-
-
-class AlgorithmSection(Section):
-    """Advantage estimator, policy loss and their knobs."""
-
-    advantage: Literal["grpo"] = "grpo"
-    normalize_std: bool = True
-    loss: Literal["ppo_clip"] = "ppo_clip"
-    eps_clip_low: float = Field(0.2, gt=0, lt=1)
-    eps_clip_high: float = Field(0.2, gt=0)
-    # The names of beamrl.algorithms.aggregation.AGGREGATIONS (verl's), so the loop passes them through.
-    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
-    kl: KLSection = Field(default_factory=KLSection)
-    importance: ImportanceSection = Field(default_factory=ImportanceSection)
-    dynamic_sampling: DynamicSamplingSection = Field(default_factory=DynamicSamplingSection)
-    overlong: OverlongSection = Field(default_factory=OverlongSection)
-    routing_replay: bool | None = Field(None, description="R3; null = true for MoE models")
-
-
-class RewardComponent(Section):
-    """One weighted reward function (mirrors `beamrl.rewards.config.RewardComponentConfig`).
-
-    fn: an import path 'pkg.module:function', a name registered with `@reward`, or a `beamrl.rewards`
-    entry-point name. on_error: what a failed call scores: 'zero', 'skip' (excluded) or 'raise' (stop)."""
-
-    name: str = Field(pattern=r"^[A-Za-z0-9_.\-]+$")
-    fn: str
-    weight: float = 1.0
-    timeout_s: float = Field(30.0, gt=0)
-    on_error: Literal["zero", "skip", "raise"] = "zero"
-    kwargs: dict[str, Any] = Field(default_factory=dict)
-
-
-class SyntheticAdditionSection(Section):
-    """Generator of 'a+b=' prompts with a, b in [0, max_operand]; answers are str(a + b)."""
-
-    num_samples: int = Field(1000, gt=0)
-    max_operand: int = Field(9, ge=0)
-    seed: int = 0
-
-
-class DataSection(Section):
-    """Prompt source. `tokenizer`: 'digit' (built in), an HF tokenizer dir/hub id, or null (model checkpoint)."""
-
-    format: Literal["dapo", "jsonl-prompt-answer", "synthetic-addition"]
-    source: str | None = None
-    split: str = "train"
-    tokenizer: str | None = None
-    prompt_template: str | None = None
-    chat_template: bool = False
-    shuffle: bool = True
-    shuffle_seed: int = 0
-    max_prompt_len: int = Field(gt=0)
-    synthetic: SyntheticAdditionSection | None = None
-
-
-class SyncSection(Section):
-    """Trainer -> engine weight sync (timeout: timeouts.sync_s)."""
-
-    transport: Literal["colocated", "distributed", "disk"] = "colocated"
-    bucket_mb: int = Field(512, gt=0)
-    verify: bool = True
-
-
 class CheckpointSection(Section):
     """Trainer checkpoints (Megatron distributed format) and the final HF export."""
 
     dir: str | None = Field(None, description="null = <run.output_dir>/checkpoints")
     every_n_steps: int = Field(0, ge=0, description="0 = only at the end")
     keep_last: int = Field(2, gt=0)
+    async_save: bool = Field(True, description="write in the background; the next save waits for this one")
     export_hf_at_end: bool = False
-
-
-class WandbSection(Section):
-    enabled: bool = False
-    project: str = "beamrl"
-    entity: str | None = None
-    mode: Literal["offline", "online"] = "offline"
-
-
-class LoggingSection(Section):
-    """Metric outputs. metrics.jsonl in run.output_dir is always written."""
-
-    console: bool = True
-    tensorboard: bool = False
-    wandb: WandbSection = Field(default_factory=WandbSection)
-    plot_reward_curve: bool = True
 
 
 class RunSection(Section):
@@ -271,8 +96,15 @@ class TimeoutsSection(Section):
     generate_s: float = Field(1800.0, gt=0)
     train_step_s: float = Field(3600.0, gt=0)
     sync_s: float = Field(600.0, gt=0)
-    reward_s: float = Field(300.0, gt=0)
     health_s: float = Field(60.0, gt=0)
+    checkpoint_s: float = Field(3600.0, gt=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "reward_s" in data:
+            raise ValueError("timeouts.reward_s moved to reward_pool.batch_timeout_s (see docs/recipes.md CHANGELOG)")
+        return data
 
 
 class SFTSection(Section):
@@ -289,16 +121,17 @@ class Recipe(Section):
     run: RunSection
     model: ModelSection
     cluster: ClusterSection = Field(default_factory=ClusterSection)
-    trainer: TrainerSection
-    rollout: RolloutSection
+    trainer: TrainerConfig
+    rollout: RolloutConfig
     placement: PlacementSection = Field(default_factory=PlacementSection)
-    algorithm: AlgorithmSection = Field(default_factory=AlgorithmSection)
-    rewards: list[RewardComponent] = Field(min_length=1)
-    data: DataSection
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    rewards: list[RewardComponentConfig] = Field(min_length=1)
+    reward_pool: RewardPoolConfig = Field(default_factory=RewardPoolConfig)
+    data: DataConfig
     sft: SFTSection | None = None
-    sync: SyncSection = Field(default_factory=SyncSection)
+    sync: SyncConfig = Field(default_factory=SyncConfig)
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
-    logging: LoggingSection = Field(default_factory=LoggingSection)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
     timeouts: TimeoutsSection = Field(default_factory=TimeoutsSection)
 
     @model_validator(mode="after")

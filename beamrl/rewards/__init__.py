@@ -2,14 +2,15 @@
 
 from beamrl.rewards import RewardComponentConfig, RewardManager, RewardSample
 
-with RewardManager([RewardComponentConfig("acc", "dapo_math")]) as rm:
+with RewardManager([RewardComponentConfig(name="acc", fn="dapo_math")]) as rm:
     result = rm.score([RewardSample(completion=..., ground_truth=...)])
 """
 
-from beamrl.rewards.config import RewardComponentConfig
+from beamrl.rewards.config import RewardComponentConfig, RewardPoolConfig
 from beamrl.rewards.loading import RewardFunction, RewardLoadError, load_reward_fn
 from beamrl.rewards.manager import RewardError, RewardManager
-from beamrl.rewards.pool import RewardPoolError, RewardTask, RewardWorkerPool
+from beamrl.rewards.plan import ComponentPlan, plan_components
+from beamrl.rewards.pool import PoolRun, RewardPoolError, RewardTask, RewardWorkerPool
 from beamrl.rewards.registry import ENTRY_POINT_GROUP, REWARDS, reward
 from beamrl.rewards.types import FIELDS, ComponentScore, RewardBatchResult, RewardOutput, RewardSample
 
@@ -17,7 +18,9 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "FIELDS",
     "REWARDS",
+    "ComponentPlan",
     "ComponentScore",
+    "PoolRun",
     "RewardBatchResult",
     "RewardComponentConfig",
     "RewardError",
@@ -25,10 +28,12 @@ __all__ = [
     "RewardLoadError",
     "RewardManager",
     "RewardOutput",
+    "RewardPoolConfig",
     "RewardPoolError",
     "RewardSample",
     "RewardTask",
     "RewardWorkerPool",
     "load_reward_fn",
+    "plan_components",
     "reward",
 ]

@@ -20,7 +20,8 @@ _CACHE: dict[str, Any] = {}
 
 @dataclass
 class CallOutcome:
-    """status: "ok" | "none" | "error" | "timeout"; message explains failures (with the traceback tail)."""
+    """status: "ok" | "none" | "error" | "timeout" | "crash" | "skipped" (the last two are set by the pool);
+    message explains failures (with the traceback tail)."""
 
     status: str
     score: float | None = None
@@ -70,8 +71,14 @@ def normalize(ref: str, value: Any) -> CallOutcome:
     )
 
 
+def _raised(ref: str, e: BaseException) -> CallOutcome:
+    tb = "".join(traceback.format_exception(e)[-3:]).rstrip()
+    return CallOutcome("error", message=f"{ref} raised {type(e).__name__}: {e}\n{tb}")
+
+
 def invoke(ref: str, call_kwargs: dict[str, Any]) -> CallOutcome:
-    """Run the function (awaiting it if it is async) and normalise the result; exceptions become outcomes."""
+    """Run the function (awaiting it if it is async) and normalise the result; exceptions become outcomes.
+    No timeout here: a sync call is bounded by the pool, which kills its worker."""
     start = time.perf_counter()
     try:
         value = resolve(ref)(**call_kwargs)
@@ -79,7 +86,31 @@ def invoke(ref: str, call_kwargs: dict[str, Any]) -> CallOutcome:
             value = asyncio.run(_await(value))
         outcome = normalize(ref, value)
     except Exception as e:  # a user's bug is a counted failure, never the end of the run
-        tb = "".join(traceback.format_exception(e)[-3:]).rstrip()
-        outcome = CallOutcome("error", message=f"{ref} raised {type(e).__name__}: {e}\n{tb}")
+        outcome = _raised(ref, e)
+    outcome.elapsed_s = time.perf_counter() - start
+    return outcome
+
+
+async def invoke_async(ref: str, call_kwargs: dict[str, Any], timeout_s: float) -> CallOutcome:
+    """Like `invoke`, on the worker's running event loop, with the per-call timeout enforced here: a call
+    that overruns is cancelled (its worker and the other calls in flight go on)."""
+    start = time.perf_counter()
+    try:
+        value = resolve(ref)(**call_kwargs)
+        if inspect.isawaitable(value):
+            task = asyncio.ensure_future(value)
+            # asyncio.wait, not wait_for: wait_for waits for the cancellation to finish, which a coroutine
+            # that swallows CancelledError would never do.
+            done, _ = await asyncio.wait({task}, timeout=timeout_s)
+            if not done:
+                task.cancel()
+                return CallOutcome(
+                    "timeout", message=f"{ref} did not return within {timeout_s:g} s; the call was cancelled",
+                    elapsed_s=timeout_s,
+                )
+            value = task.result()
+        outcome = normalize(ref, value)
+    except (Exception, asyncio.CancelledError) as e:  # CancelledError raised by the user's own code
+        outcome = _raised(ref, e)
     outcome.elapsed_s = time.perf_counter() - start
     return outcome

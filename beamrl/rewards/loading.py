@@ -1,6 +1,10 @@
 """Resolve a reward spec to a function and check, at load time, that every parameter can be injected.
 
 A spec is an import path "pkg.module:fn", a name registered with `@reward`, or a `beamrl.rewards` entry point.
+In "pkg.module:name", `name` is an attribute of the module or the name under which one of its functions is
+registered with `@reward` (importing the module registers it), so a registered function can be named from a
+recipe without packaging it. Modules in the working
+directory are importable (`importable_working_directory`), for `beamrl train` and `beamrl reward test` alike.
 Parameters are filled by name from the sample's fields (`FIELDS`) and the component's `kwargs`; a function
 with `**kwargs` receives all of them. A required parameter that nothing can fill is a `RewardLoadError`.
 """
@@ -9,6 +13,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +34,7 @@ class RewardFunction:
     ref: "module:qualname" that a fresh process can import. params: the parameter names to inject;
     required: those of them without a default.
     var_kwargs: the function takes **kwargs (gets every field and kwarg).
+    is_async: an `async def` function (or an object with an `async def __call__`).
     """
 
     spec: str
@@ -45,6 +52,13 @@ class RewardFunction:
         return {p: available[p] for p in self.params if p in available}
 
 
+def importable_working_directory() -> None:
+    """Make modules in the current directory importable, as `python -m` does (a console script's sys.path
+    lacks it). Reward worker processes are spawned with this sys.path, so they import the same modules."""
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+
+
 def import_ref(ref: str) -> Any:
     """Import "module:attr.path"; RewardLoadError naming the module or attribute that is missing."""
     module_name, sep, attr_path = ref.partition(":")
@@ -53,7 +67,8 @@ def import_ref(ref: str) -> Any:
     try:
         obj = importlib.import_module(module_name)
     except ImportError as e:
-        raise RewardLoadError(f"cannot import module {module_name!r} for reward {ref!r}: {e}") from e
+        raise RewardLoadError(f"cannot import module {module_name!r} for reward {ref!r}: {e} (modules in the "
+                              "working directory and installed packages are importable)") from e
     for part in attr_path.split("."):
         try:
             obj = getattr(obj, part)
@@ -62,9 +77,21 @@ def import_ref(ref: str) -> Any:
     return obj
 
 
+def _resolve_in_module(spec: str) -> tuple[Callable, str]:
+    """"module:name": the module's attribute `name`, else the function of that module registered as `name`."""
+    module_name, _, name = spec.partition(":")
+    try:
+        return import_ref(spec), spec
+    except RewardLoadError:
+        fn = REWARDS.get(name) if module_name in sys.modules and name in REWARDS else None
+        if fn is None or getattr(fn, "__module__", None) != module_name:
+            raise
+    return fn, f"{fn.__module__}:{fn.__qualname__}"
+
+
 def _resolve(spec: str) -> tuple[Callable, str]:
     if ":" in spec:
-        return import_ref(spec), spec
+        return _resolve_in_module(spec)
     load_builtins()
     if spec in REWARDS:
         fn = REWARDS.get(spec)
@@ -75,7 +102,8 @@ def _resolve(spec: str) -> tuple[Callable, str]:
     known = sorted(set(REWARDS.names()) | set(eps))
     raise RewardLoadError(
         f"unknown reward {spec!r}: not an import path ('pkg.module:fn'), a registered name or a "
-        f"'beamrl.rewards' entry point; known names: {', '.join(known) or '(none)'}"
+        f"'beamrl.rewards' entry point; known names: {', '.join(known) or '(none)'} (a name registered with "
+        f"@reward in your module: 'your_module:{spec}')"
     )
 
 
@@ -123,7 +151,9 @@ def load_reward_fn(spec: str, kwarg_names: Iterable[str] = ()) -> RewardFunction
                 f"reward {spec!r} ({ref}) requires parameter {p.name!r}, which is neither an injectable field "
                 f"({', '.join(FIELDS)}) nor one of the component's kwargs ({', '.join(sorted(kwarg_names)) or 'none'})"
             )
-    is_async = inspect.iscoroutinefunction(fn)  # informational: the worker awaits any awaitable result
+    # Async functions run concurrently in their workers; a sync function that returns an awaitable still
+    # works (its worker awaits the result), one call at a time.
+    is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
     return RewardFunction(
         spec=spec, ref=ref, params=tuple(params), required=tuple(required), var_kwargs=var_kwargs, is_async=is_async
     )

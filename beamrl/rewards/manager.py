@@ -1,9 +1,9 @@
-"""Score batches of samples with several named, weighted reward components in a worker pool.
+"""Score batches of samples with several named, weighted reward components, each on its own workers.
 
 Example:
-    >>> from beamrl.rewards import RewardComponentConfig, RewardManager, RewardSample
-    >>> comps = [RewardComponentConfig("acc", "dapo_math", weight=1.0, timeout_s=10.0)]
-    >>> with RewardManager(comps, num_workers=2) as rm:  # doctest: +SKIP
+    >>> from beamrl.rewards import RewardComponentConfig, RewardManager, RewardPoolConfig, RewardSample
+    >>> comps = [RewardComponentConfig(name="acc", fn="dapo_math", weight=1.0, timeout_s=10.0)]
+    >>> with RewardManager(comps, RewardPoolConfig(num_workers=2)) as rm:  # doctest: +SKIP
     ...     res = rm.score([RewardSample(completion="... \\\\boxed{4}", ground_truth="4")])
     >>> res.totals, res.metrics["reward/acc/mean"]  # doctest: +SKIP
     ([1.0], 1.0)
@@ -12,17 +12,19 @@ Example:
 from __future__ import annotations
 
 import math
-import pickle
+import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from beamrl.rewards.config import RewardComponentConfig
+from beamrl.rewards.config import RewardComponentConfig, RewardPoolConfig
 from beamrl.rewards.invoke import CallOutcome
 from beamrl.rewards.loading import RewardFunction, load_reward_fn
+from beamrl.rewards.plan import ComponentPlan, plan_components
 from beamrl.rewards.pool import RewardTask, RewardWorkerPool
 from beamrl.rewards.types import ComponentScore, RewardBatchResult, RewardSample
 
-_RESERVED = {"mean", "std", "count", "none", "errors", "timeouts", "time_mean_s"}
+_RESERVED = {"mean", "std", "count", "none", "errors", "timeouts", "crashes", "skipped", "breaker_tripped",
+             "time_mean_s"}
 
 
 class RewardError(RuntimeError):
@@ -34,12 +36,21 @@ def _mean_std(xs: list[float]) -> tuple[float, float]:
     return m, math.sqrt(sum((x - m) ** 2 for x in xs) / len(xs))
 
 
+def _print_to_stderr(message: str) -> None:
+    print(f"[beamrl] {message}", file=sys.stderr, flush=True)
+
+
 class RewardManager:
     """Loads every component at construction (so a bad spec or signature fails before any rollout), then
-    scores batches in a `RewardWorkerPool`. Use as a context manager (or call `close()`)."""
+    scores batches in a `RewardWorkerPool` (one set of workers per component; see docs/rewards.md for the
+    failure model). `log` receives the breaker notices (default: stderr). Use as a context manager (or call
+    `close()`)."""
 
     def __init__(
-        self, components: Sequence[RewardComponentConfig], num_workers: int = 2, start_timeout_s: float = 120.0
+        self,
+        components: Sequence[RewardComponentConfig],
+        pool: RewardPoolConfig | None = None,
+        log: Callable[[str], None] = _print_to_stderr,
     ) -> None:
         if not components:
             raise ValueError("RewardManager needs at least one RewardComponentConfig")
@@ -47,16 +58,13 @@ class RewardManager:
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"duplicate reward component names: {dupes}")
-        for c in components:
-            try:  # kwargs travel to worker processes with every call
-                pickle.dumps(c.kwargs)
-            except Exception as e:
-                raise ValueError(f"RewardComponentConfig.kwargs for {c.name!r} cannot be pickled: {e}") from e
         self.components = list(components)
+        self.pool_config = pool if pool is not None else RewardPoolConfig()
         self.functions: list[RewardFunction] = [load_reward_fn(c.fn, c.kwargs) for c in self.components]
-        self.pool = RewardWorkerPool(
-            num_workers, preload=sorted({f.ref for f in self.functions}), start_timeout_s=start_timeout_s
-        )
+        self.plans: list[ComponentPlan] = plan_components(self.components, self.functions, self.pool_config)
+        self.pool = RewardWorkerPool(self.plans, start_timeout_s=self.pool_config.start_timeout_s)
+        self.log = log
+        self._tripped_last_batch: set[str] = set()
         self._started = False
 
     def __enter__(self) -> RewardManager:
@@ -67,38 +75,60 @@ class RewardManager:
         self.close()
 
     def start(self) -> None:
+        """Spawn the workers (they load their functions in the background; the first batch waits for them)."""
         if not self._started:
             self.pool.start()
             self._started = True
+
+    def wait_ready(self) -> None:
+        """Start the workers and wait until every one has loaded its function (`RewardPoolError` if one
+        cannot); `score` does not need this, it waits for the workers it uses."""
+        self.start()
+        self.pool.wait_ready()
 
     def close(self) -> None:
         if self._started:
             self.pool.close()
             self._started = False
 
-    def score(self, samples: Sequence[RewardSample], timeout_s: float | None = None) -> RewardBatchResult:
-        """Score every sample with every component. `timeout_s` bounds the whole batch (each call is also
-        bounded by its component's timeout_s). Never raises for a failing function unless on_error="raise"."""
+    def score(self, samples: Sequence[RewardSample], batch_timeout_s: float | None = None) -> RewardBatchResult:
+        """Score every sample with every component. `batch_timeout_s` (default: the pool config's) bounds the
+        whole batch; each call is also bounded by its component's timeout_s. Never raises for a failing
+        function unless on_error="raise"."""
         bad = [i for i, s in enumerate(samples) if not isinstance(s, RewardSample)]
         if bad:
             raise TypeError(
                 f"RewardManager.score needs RewardSample objects; sample {bad[0]} is a {type(samples[bad[0]]).__name__}"
             )
         self.start()
+        for name in sorted(self._tripped_last_batch):
+            self.log(f"reward {name!r}: retrying in this batch (its breaker had tripped in the previous one)")
         t0 = time.monotonic()
         tasks = []
         for sample in samples:
             fields = sample.fields()
             for comp, fn in zip(self.components, self.functions, strict=True):
-                tasks.append(RewardTask(fn.ref, fn.call_kwargs(fields, comp.kwargs), comp.timeout_s))
-        outcomes = self.pool.run(tasks, batch_timeout_s=timeout_s)
+                tasks.append(RewardTask(comp.name, fn.call_kwargs(fields, comp.kwargs)))
+        limit = self.pool_config.batch_timeout_s if batch_timeout_s is None else batch_timeout_s
+        run = self.pool.run(tasks, batch_timeout_s=limit)
         wall = time.monotonic() - t0
+        outcomes = run.outcomes
 
         n, k = len(samples), len(self.components)
         per_comp: dict[str, list[ComponentScore]] = {c.name: [] for c in self.components}
         for i in range(n):
             for j, comp in enumerate(self.components):
                 per_comp[comp.name].append(self._to_score(comp, outcomes[i * k + j], i))
+        for comp in self.components:
+            if comp.name in run.breaker_trips:
+                skipped = sum(s.status == "skipped" for s in per_comp[comp.name])
+                self.log(
+                    f"reward {comp.name!r}: circuit breaker tripped after {comp.breaker_after} consecutive "
+                    f"timeouts/crashes; {skipped} of its {n} calls in this batch were skipped (scored by "
+                    f"on_error={comp.on_error!r}); it is retried next batch. First failure: "
+                    f"{run.breaker_trips[comp.name]}"
+                )
+        self._tripped_last_batch = set(run.breaker_trips)
         totals = [
             sum(
                 c.weight * s.score
@@ -112,19 +142,22 @@ class RewardManager:
             totals=[float(t) for t in totals],
             components=per_comp,
             failed=failed,
-            metrics=self._metrics(per_comp, totals, wall),
+            metrics=self._metrics(per_comp, totals, wall, run.breaker_trips),
+            breaker_trips=dict(run.breaker_trips),
         )
 
     @staticmethod
     def _to_score(comp: RewardComponentConfig, out: CallOutcome, index: int) -> ComponentScore:
-        if out.status in ("error", "timeout"):
+        if out.status in ("error", "timeout", "crash", "skipped"):
             if comp.on_error == "raise":
                 raise RewardError(f"reward component {comp.name!r} ({comp.fn}) failed on sample {index}: {out.message}")
             score = 0.0 if comp.on_error == "zero" else None
             return ComponentScore(out.status, score, {}, out.message, out.elapsed_s)  # type: ignore[arg-type]
         return ComponentScore(out.status, out.score, out.metrics, out.message, out.elapsed_s)  # type: ignore[arg-type]
 
-    def _metrics(self, per_comp: dict[str, list[ComponentScore]], totals: list[float], wall: float) -> dict[str, float]:
+    def _metrics(
+        self, per_comp: dict[str, list[ComponentScore]], totals: list[float], wall: float, trips: dict[str, str]
+    ) -> dict[str, float]:
         m: dict[str, float] = {}
         for comp in self.components:
             scores = per_comp[comp.name]
@@ -136,8 +169,12 @@ class RewardManager:
             m[f"{p}/none"] = float(sum(s.status == "none" for s in scores))
             m[f"{p}/errors"] = float(sum(s.status == "error" for s in scores))
             m[f"{p}/timeouts"] = float(sum(s.status == "timeout" for s in scores))
-            if scores:
-                m[f"{p}/time_mean_s"] = sum(s.elapsed_s for s in scores) / len(scores)
+            m[f"{p}/crashes"] = float(sum(s.status == "crash" for s in scores))
+            m[f"{p}/skipped"] = float(sum(s.status == "skipped" for s in scores))
+            m[f"{p}/breaker_tripped"] = float(comp.name in trips)
+            called = [s for s in scores if s.status != "skipped"]
+            if called:
+                m[f"{p}/time_mean_s"] = sum(s.elapsed_s for s in called) / len(called)
             keys = sorted({key for s in scores for key in s.metrics})
             for key in keys:
                 vals = [s.metrics[key] for s in scores if key in s.metrics]

@@ -1,13 +1,19 @@
-"""A process pool for reward calls with a hard per-call timeout: a call that overruns has its worker
-killed and replaced, so one hanging verifier can never hang the run.
+"""Worker processes for reward calls: one set of workers per component, hard per-call timeouts, a circuit
+breaker per component.
 
-`concurrent.futures.ProcessPoolExecutor` cannot cancel a running call or kill one worker, hence this
-small pool of spawn-started processes, each on its own Pipe.
+Isolation: each component's calls queue only for that component's own workers, so a component that hangs
+or crashes uses up its own workers and never delays, times out or drops another component's calls. A sync
+call that overruns its timeout has its worker killed (with the worker's process group) and replaced; a
+worker that dies (segfault, `os._exit`) costs the calls it was running and is replaced. Async functions run
+up to `max_concurrency` calls at once per worker, each cancelled at its own timeout inside the worker.
+
+`concurrent.futures.ProcessPoolExecutor` cannot cancel a running call or kill one worker, hence this small
+pool of spawn-started processes, each on its own Pipe, all driven by one `multiprocessing.connection.wait`.
 
 Example:
-    >>> with RewardWorkerPool(num_workers=2) as pool:  # doctest: +SKIP
-    ...     outcomes = pool.run([RewardTask("beamrl.rewards.exact:exact_match",
-    ...                                     {"completion": "4", "ground_truth": "4"}, timeout_s=5.0)])
+    >>> plan = ComponentPlan("acc", "beamrl.rewards.exact:exact_match", False, 5.0, 2, 1, 3)
+    >>> with RewardWorkerPool([plan]) as pool:  # doctest: +SKIP
+    ...     run = pool.run([RewardTask("acc", {"completion": "4", "ground_truth": "4"})], batch_timeout_s=60)
 """
 
 from __future__ import annotations
@@ -18,12 +24,18 @@ import signal
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from beamrl.rewards.breaker import CircuitBreaker
 from beamrl.rewards.invoke import CallOutcome
+from beamrl.rewards.plan import ComponentPlan
 from beamrl.rewards.worker import worker_main
+
+# An async call is cancelled by its worker at timeout_s; the parent kills the worker only if no answer came
+# this much later (the event loop is blocked, e.g. by a synchronous sleep inside an `async def`).
+ASYNC_KILL_GRACE_S = 5.0
 
 
 class RewardPoolError(RuntimeError):
@@ -32,9 +44,25 @@ class RewardPoolError(RuntimeError):
 
 @dataclass(frozen=True)
 class RewardTask:
-    ref: str
+    """One call: the component (by name) and the keyword arguments for its function."""
+
+    component: str
     call_kwargs: dict[str, Any]
-    timeout_s: float
+
+
+@dataclass
+class PoolRun:
+    """outcomes: one per task, in task order. breaker_trips: component -> the failure that tripped it."""
+
+    outcomes: list[CallOutcome]
+    breaker_trips: dict[str, str]
+
+
+@dataclass
+class _Call:
+    task: int
+    dispatched: float
+    deadline: float  # when the parent stops waiting and kills the worker
 
 
 @dataclass
@@ -43,25 +71,55 @@ class _Worker:
     conn: Connection
     started: float
     ready: bool = False
-    task: int | None = None
-    deadline: float = 0.0
-    dispatched: float = 0.0
+    calls: dict[int, _Call] = field(default_factory=dict)
+
+
+def _exit_reason(code: int | None) -> str:
+    if code is not None and code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            pass
+    return f"exit code {code}"
+
+
+class _ComponentWorkers:
+    """One component's workers, its queue of calls in the current batch, and its breaker."""
+
+    def __init__(self, plan: ComponentPlan) -> None:
+        self.plan = plan
+        self.workers: list[_Worker] = []
+        self.pending: deque[int] = deque()
+        self.breaker = CircuitBreaker(plan.breaker_after)
+        self.restarts = 0
+
+    @property
+    def busy(self) -> bool:
+        return any(w.calls for w in self.workers)
+
+    def call_deadline(self, now: float) -> float:
+        return now + self.plan.timeout_s + (ASYNC_KILL_GRACE_S if self.plan.max_concurrency > 1 else 0.0)
 
 
 class RewardWorkerPool:
-    """num_workers spawn processes; `preload` refs are imported at start. Use as a context manager."""
+    """Workers for each `ComponentPlan`; each loads its component's function at start. Use as a context
+    manager. `start_timeout_s` bounds a worker's start (import and warmup)."""
 
-    def __init__(self, num_workers: int = 2, preload: Sequence[str] = (), start_timeout_s: float = 120.0) -> None:
-        if num_workers < 1:
-            raise ValueError(f"num_workers={num_workers} must be >= 1")
+    def __init__(self, plans: Sequence[ComponentPlan], start_timeout_s: float = 120.0) -> None:
+        if not plans:
+            raise ValueError("RewardWorkerPool needs at least one ComponentPlan")
         if not start_timeout_s > 0:
             raise ValueError(f"start_timeout_s={start_timeout_s} must be > 0")
-        self.num_workers = num_workers
-        self.preload = tuple(preload)
+        for p in plans:
+            if p.num_workers < 1 or p.max_concurrency < 1:
+                raise ValueError(f"reward {p.name!r}: num_workers={p.num_workers} and max_concurrency="
+                                 f"{p.max_concurrency} must be >= 1")
         self.start_timeout_s = start_timeout_s
         self._ctx = mp.get_context("spawn")  # fork would copy the trainer's threads, CUDA and locks
-        self._workers: list[_Worker] = []
-        self.restarts = 0
+        self._components = {p.name: _ComponentWorkers(p) for p in plans}
+        if len(self._components) != len(plans):
+            raise ValueError(f"duplicate component names in {[p.name for p in plans]}")
+        self._started = False
 
     # -- lifecycle -------------------------------------------------------------------------------
     def __enter__(self) -> RewardWorkerPool:
@@ -72,17 +130,50 @@ class RewardWorkerPool:
         self.close()
 
     def start(self) -> None:
-        while len(self._workers) < self.num_workers:
-            self._workers.append(self._spawn())
+        """Spawn every worker (does not wait for them: the first `run` does)."""
+        for c in self._components.values():
+            while len(c.workers) < c.plan.num_workers:
+                c.workers.append(self._spawn(c.plan))
+        self._started = True
 
-    def _spawn(self) -> _Worker:
+    def wait_ready(self) -> None:
+        """Block until every worker has loaded its function (each bounded by start_timeout_s); raises
+        `RewardPoolError` for a worker that fails to start."""
+        if not self._started:
+            raise RewardPoolError("the reward pool is not started; use it as a context manager")
+        comps = list(self._components.values())
+        while True:
+            starting = [(c, w) for c in comps for w in c.workers if not w.ready]
+            if not starting:
+                return
+            deadline = min(w.started + self.start_timeout_s for _, w in starting)
+            wait([h for _, w in starting for h in (w.conn, w.proc.sentinel)],
+                 timeout=max(0.0, deadline - time.monotonic()))
+            for c, w in starting:
+                self._collect(c, w, [])  # a starting worker runs no calls
+            for c in comps:
+                self._enforce_deadlines(c, [])
+
+    @property
+    def restarts(self) -> dict[str, int]:
+        """Workers replaced so far (killed at a timeout or died), per component."""
+        return {name: c.restarts for name, c in self._components.items()}
+
+    def processes(self, component: str | None = None) -> list[Any]:
+        """The current worker processes (of one component, or all)."""
+        comps = [self._components[component]] if component else self._components.values()
+        return [w.proc for c in comps for w in c.workers]
+
+    def _spawn(self, plan: ComponentPlan) -> _Worker:
         parent, child = self._ctx.Pipe(duplex=True)
-        proc = self._ctx.Process(target=worker_main, args=(child, self.preload, os.getpid()), daemon=True, name="beamrl-reward")
+        proc = self._ctx.Process(target=worker_main, args=(child, plan.ref, plan.max_concurrency, os.getpid()),
+                                 daemon=True, name=f"beamrl-reward-{plan.name}")
         proc.start()
         child.close()
         return _Worker(proc=proc, conn=parent, started=time.monotonic())
 
-    def _kill(self, w: _Worker) -> None:
+    @staticmethod
+    def _kill(w: _Worker) -> None:
         if w.proc.is_alive():
             try:  # the worker leads its own process group (see worker.py): end its subprocesses too
                 os.killpg(w.proc.pid, signal.SIGKILL)
@@ -91,16 +182,17 @@ class RewardWorkerPool:
         w.proc.join(timeout=10)
         w.conn.close()
 
-    def _replace(self, w: _Worker) -> None:
+    def _replace(self, c: _ComponentWorkers, w: _Worker) -> None:
         self._kill(w)
-        self._workers[self._workers.index(w)] = self._spawn()
-        self.restarts += 1
+        c.workers[c.workers.index(w)] = self._spawn(c.plan)
+        c.restarts += 1
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Ask idle workers to stop, wait up to timeout_s, kill what is left (busy or still starting
         workers are killed at once: their work is no longer wanted)."""
-        for w in self._workers:
-            if w.ready and w.task is None:
+        workers = [w for c in self._components.values() for w in c.workers]
+        for w in workers:
+            if w.ready and not w.calls:
                 try:
                     w.conn.send(None)
                 except OSError:
@@ -108,110 +200,160 @@ class RewardWorkerPool:
             else:
                 self._kill(w)
         deadline = time.monotonic() + timeout_s
-        for w in self._workers:
+        for w in workers:
             w.proc.join(timeout=max(0.0, deadline - time.monotonic()))
             self._kill(w)
-        self._workers = []
+        for c in self._components.values():
+            c.workers = []
+        self._started = False
 
     # -- running ---------------------------------------------------------------------------------
-    def run(self, tasks: Sequence[RewardTask], batch_timeout_s: float | None = None) -> list[CallOutcome]:
-        """Run every task; outcomes in task order. Each call is bounded by its task's timeout_s, the whole
-        batch (when given) by batch_timeout_s; overruns become "timeout" outcomes."""
-        if not self._workers:
+    def run(self, tasks: Sequence[RewardTask], batch_timeout_s: float | None = None) -> PoolRun:
+        """Run every task on its component's workers. Each call is bounded by its component's timeout_s,
+        the whole batch (when given) by batch_timeout_s. Breakers are closed at the start of the batch."""
+        if not self._started:
             raise RewardPoolError("the reward pool is not started; use it as a context manager")
         results: list[CallOutcome | None] = [None] * len(tasks)
-        pending = deque(range(len(tasks)))
+        comps = list(self._components.values())
+        for c in comps:
+            c.breaker.reset()
+            c.pending.clear()
+        for i, t in enumerate(tasks):
+            if t.component not in self._components:
+                raise KeyError(f"task {i} names no reward component {t.component!r}; components: "
+                               f"{', '.join(self._components)}")
+            self._components[t.component].pending.append(i)
         batch_deadline = None if batch_timeout_s is None else time.monotonic() + batch_timeout_s
 
-        while pending or any(w.task is not None for w in self._workers):
-            self._dispatch(tasks, pending, results)
+        while any(c.pending or c.busy for c in comps):
+            for c in comps:
+                self._dispatch(c, tasks, results)
+            if not any(c.pending or c.busy for c in comps):
+                break
             now = time.monotonic()
-            deadlines = [w.deadline for w in self._workers if w.task is not None]
-            deadlines += [w.started + self.start_timeout_s for w in self._workers if not w.ready]
+            deadlines = [call.deadline for c in comps for w in c.workers for call in w.calls.values()]
+            deadlines += [w.started + self.start_timeout_s for c in comps for w in c.workers if not w.ready]
             if batch_deadline is not None:
                 deadlines.append(batch_deadline)
             timeout = max(0.0, min(deadlines) - now) if deadlines else None
-            handles = [w.conn for w in self._workers] + [w.proc.sentinel for w in self._workers]
-            wait(handles, timeout=timeout)
-            self._collect(results)
-            self._enforce_deadlines(tasks, results)
+            wait([h for c in comps for w in c.workers for h in (w.conn, w.proc.sentinel)], timeout=timeout)
+            for c in comps:
+                for w in list(c.workers):
+                    self._collect(c, w, results)
+            for c in comps:
+                self._enforce_deadlines(c, results)
             if batch_deadline is not None and time.monotonic() >= batch_deadline:
-                self._abandon_batch(tasks, pending, results, batch_timeout_s)
-        return [r if r is not None else CallOutcome("error", message="lost result (bug)") for r in results]
+                self._abandon_batch(comps, results, batch_timeout_s)
+        outcomes = [r if r is not None else CallOutcome("error", message="lost result (bug)") for r in results]
+        return PoolRun(outcomes, {c.plan.name: c.breaker.reason for c in comps if c.breaker.tripped})
 
-    def _dispatch(self, tasks: Sequence[RewardTask], pending: deque, results: list) -> None:
-        for w in self._workers:
-            if not pending:
+    def _dispatch(self, c: _ComponentWorkers, tasks: Sequence[RewardTask], results: list) -> None:
+        if c.breaker.tripped:
+            why = (f"skipped: the circuit breaker of reward {c.plan.name!r} tripped after {c.plan.breaker_after} "
+                   f"consecutive timeouts/crashes in this batch (first: {c.breaker.reason})")
+            while c.pending:
+                results[c.pending.popleft()] = CallOutcome("skipped", message=why)
+            return
+        while c.pending:
+            free = [w for w in c.workers if w.ready and len(w.calls) < c.plan.max_concurrency]
+            if not free:
                 return
-            if not w.ready or w.task is not None:
-                continue
-            i = pending.popleft()
-            t = tasks[i]
+            w = min(free, key=lambda x: len(x.calls))  # spread async calls over the workers
+            i = c.pending.popleft()
             try:
-                w.conn.send(("call", i, t.ref, t.call_kwargs))
-            except (OSError, BrokenPipeError):  # worker died between calls: replace, retry the task
-                pending.appendleft(i)
-                self._replace(w)
+                w.conn.send(("call", i, tasks[i].call_kwargs, c.plan.timeout_s))
+            except OSError:  # the worker died since the last look: settle it; the task waits for another worker
+                c.pending.appendleft(i)
+                self._worker_died(c, w, results)
                 continue
             except Exception as e:  # unpicklable sample fields: nothing was written to the pipe
                 results[i] = CallOutcome(
                     "error", message=f"cannot send the sample to a reward worker: {type(e).__name__}: {e}"
                 )
                 continue
-            w.task, w.dispatched, w.deadline = i, time.monotonic(), time.monotonic() + t.timeout_s
+            now = time.monotonic()
+            w.calls[i] = _Call(task=i, dispatched=now, deadline=c.call_deadline(now))
 
-    def _collect(self, results: list) -> None:
-        for w in list(self._workers):
-            dead = False
-            try:
-                while w.conn.poll():
-                    msg = w.conn.recv()
-                    if msg[0] == "ready":
-                        if msg[1] is not None:
-                            raise RewardPoolError(f"reward worker could not load the reward functions: {msg[1]}")
-                        w.ready = True
-                    else:
-                        _, task_id, outcome = msg
-                        if task_id == w.task:
-                            results[task_id] = outcome
-                            w.task = None
-            except (EOFError, OSError):  # the worker's end is closed: it exited
-                dead = True
-            if dead or not w.proc.is_alive():
-                w.proc.join(timeout=10)
-                if w.task is not None:
-                    results[w.task] = CallOutcome(
-                        "error",
-                        message=f"reward worker process died (exit code {w.proc.exitcode}) during the call",
-                        elapsed_s=time.monotonic() - w.dispatched,
-                    )
-                elif not w.ready:
-                    raise RewardPoolError(
-                        f"reward worker exited during start-up (exit code {w.proc.exitcode}); see its traceback on "
-                        "stderr. Workers are spawned, which re-imports the main script: guard a script's top-level "
-                        "code with `if __name__ == '__main__':`"
-                    )
-                self._replace(w)
+    def _collect(self, c: _ComponentWorkers, w: _Worker, results: list) -> None:
+        """Read what `w` sent; handle its death (all of its data is read first)."""
+        alive = w.proc.is_alive()
+        try:
+            while w.conn.poll():
+                msg = w.conn.recv()
+                if msg[0] == "ready":
+                    if msg[1] is not None:
+                        raise RewardPoolError(f"reward {c.plan.name!r}: a worker could not load {c.plan.ref}: {msg[1]}")
+                    w.ready = True
+                    continue
+                _, task_id, outcome = msg
+                if w.calls.pop(task_id, None) is None:
+                    continue  # already settled (a timeout raced the answer)
+                results[task_id] = outcome
+                if outcome.status == "timeout":  # an async call cancelled at its timeout
+                    c.breaker.record_failure(outcome.message or "timeout")
+                else:
+                    c.breaker.record_success()
+        except (EOFError, OSError):  # the worker's end is closed: it exited
+            alive = False
+        if not alive:
+            self._worker_died(c, w, results)
 
-    def _enforce_deadlines(self, tasks: Sequence[RewardTask], results: list) -> None:
+    def _worker_died(self, c: _ComponentWorkers, w: _Worker, results: list) -> None:
+        w.proc.join(timeout=10)
+        if not w.ready and not w.calls:
+            raise RewardPoolError(
+                f"a worker of reward {c.plan.name!r} exited during start-up ({_exit_reason(w.proc.exitcode)}); see "
+                "its traceback on stderr. Workers are spawned, which re-imports the main script: guard a script's "
+                "top-level code with `if __name__ == '__main__':`"
+            )
+        if w.calls:
+            now = time.monotonic()
+            message = f"{c.plan.ref}: its reward worker process died ({_exit_reason(w.proc.exitcode)}) during the call"
+            if len(w.calls) > 1:
+                message += f" ({len(w.calls)} calls were in flight on that worker)"
+            for call in w.calls.values():
+                results[call.task] = CallOutcome("crash", message=message, elapsed_s=now - call.dispatched)
+            w.calls.clear()
+            c.breaker.record_failure(message)  # one event, however many calls the worker ran
+        self._replace(c, w)
+
+    def _enforce_deadlines(self, c: _ComponentWorkers, results: list) -> None:
         now = time.monotonic()
-        for w in list(self._workers):
-            if w.task is not None and now >= w.deadline:
-                t = tasks[w.task]
-                results[w.task] = CallOutcome(
-                    "timeout",
-                    message=f"{t.ref} did not return within {t.timeout_s:g} s; its worker was killed",
-                    elapsed_s=t.timeout_s,
-                )
-                self._replace(w)
-            elif not w.ready and now >= w.started + self.start_timeout_s:
-                raise RewardPoolError(f"reward worker did not start within {self.start_timeout_s:g} s")
+        for w in list(c.workers):
+            if not w.ready:
+                if now >= w.started + self.start_timeout_s:
+                    raise RewardPoolError(f"a worker of reward {c.plan.name!r} did not start within "
+                                          f"{self.start_timeout_s:g} s (reward_pool.start_timeout_s)")
+                continue
+            if not any(now >= call.deadline for call in w.calls.values()):
+                continue
+            self._collect(c, w, results)  # an answer may have come since the last look
+            if w not in c.workers or not any(now >= call.deadline for call in w.calls.values()):
+                continue
+            limit = c.plan.timeout_s
+            if c.plan.max_concurrency == 1:
+                message = f"{c.plan.ref} did not return within {limit:g} s; its worker was killed"
+            else:
+                message = (f"{c.plan.ref}: its worker's event loop did not answer within {limit:g} s + "
+                           f"{ASYNC_KILL_GRACE_S:g} s (blocked by synchronous code in an async function?); the worker "
+                           f"was killed with {len(w.calls)} call(s) in flight")
+            for call in w.calls.values():
+                results[call.task] = CallOutcome("timeout", message=message, elapsed_s=now - call.dispatched)
+            w.calls.clear()
+            c.breaker.record_failure(message)
+            self._replace(c, w)
 
-    def _abandon_batch(self, tasks: Sequence[RewardTask], pending: deque, results: list, limit: float | None) -> None:
-        msg = f"reward batch did not finish within {limit:g} s"
-        for w in list(self._workers):
-            if w.task is not None:
-                results[w.task] = CallOutcome("timeout", message=msg, elapsed_s=time.monotonic() - w.dispatched)
-                self._replace(w)
-        while pending:
-            results[pending.popleft()] = CallOutcome("timeout", message=msg + " (not started)")
+    def _abandon_batch(self, comps: list[_ComponentWorkers], results: list, limit: float | None) -> None:
+        message = f"reward batch did not finish within {limit:g} s (reward_pool.batch_timeout_s)"
+        now = time.monotonic()
+        for c in comps:
+            for w in list(c.workers):
+                if w.calls:
+                    for call in w.calls.values():
+                        results[call.task] = CallOutcome("timeout", message=message, elapsed_s=now - call.dispatched)
+                    w.calls.clear()
+                    self._replace(c, w)
+            while c.pending:
+                results[c.pending.popleft()] = CallOutcome(
+                    "timeout", message=f"{message}; not started: this component's own earlier calls used the time"
+                )

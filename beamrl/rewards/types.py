@@ -49,16 +49,19 @@ class RewardOutput:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-Status = Literal["ok", "none", "error", "timeout"]
+Status = Literal["ok", "none", "error", "timeout", "crash", "skipped"]
+FAILED: tuple[Status, ...] = ("error", "timeout", "crash", "skipped")
 
 
 @dataclass
 class ComponentScore:
     """One component's verdict on one sample.
 
-    status: "ok" (scored), "none" (function returned None: not applicable), "error" (raised, bad return
-    value, or its worker died), "timeout". score: the function's raw score; on failure 0.0 (on_error="zero")
-    or None (on_error="skip"); None for "none". elapsed_s: time inside the function (timeouts: the limit).
+    status: "ok" (scored), "none" (function returned None: not applicable), "error" (raised or returned a
+    bad value), "timeout" (overran its timeout_s, or the batch limit), "crash" (its worker process died
+    during the call), "skipped" (not called: the component's circuit breaker had tripped in this batch).
+    score: the function's raw score; on failure 0.0 (on_error="zero") or None (on_error="skip"); None for
+    "none". elapsed_s: time inside the function (timeouts: the limit; skipped: 0).
     """
 
     status: Status
@@ -69,20 +72,22 @@ class ComponentScore:
 
     @property
     def failed(self) -> bool:
-        return self.status in ("error", "timeout")
+        return self.status in FAILED
 
 
 @dataclass
 class RewardBatchResult:
     """Scores for a batch. totals[i] = sum over components of weight * score (None counts 0): the RAW reward,
-    before any shaping (overlong, KL). failed[i]: some component errored or timed out on sample i.
-    metrics: `reward/<name>/{mean,std,count,none,errors,timeouts,time_mean_s,<metric>}`, `reward/total/{mean,std}`,
-    `reward/wall_s`."""
+    before any shaping (overlong, KL). failed[i]: some component failed on sample i (see `FAILED`).
+    metrics: `reward/<name>/{mean,std,count,none,errors,timeouts,crashes,skipped,breaker_tripped,time_mean_s,
+    <metric>}`, `reward/total/{mean,std}`, `reward/wall_s`. breaker_trips: component name -> why its breaker
+    tripped in this batch (the first failure of the run of failures that tripped it)."""
 
     totals: list[float]
     components: dict[str, list[ComponentScore]]
     failed: list[bool]
     metrics: dict[str, float]
+    breaker_trips: dict[str, str] = field(default_factory=dict)
 
     def scores(self, name: str) -> list[float | None]:
         """Raw per-sample scores of component `name`."""

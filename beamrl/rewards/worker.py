@@ -1,17 +1,22 @@
-"""The body of a reward worker process: preload the functions, then answer calls until told to stop.
+"""The body of a reward worker process: load one component's function, then answer calls until told to stop.
 
-Protocol over a Pipe (parent -> worker): ("call", task_id, ref, call_kwargs) or None (stop).
+Protocol over a Pipe (parent -> worker): ("call", task_id, call_kwargs, timeout_s) or None (stop).
 Worker -> parent: ("ready", error_or_None) once, then ("result", task_id, CallOutcome) per call.
+
+With max_concurrency 1 calls run one at a time (the parent kills the worker when one overruns). Otherwise
+the function is async and up to max_concurrency calls run at once on one event loop; each is cancelled at its
+own timeout here (the parent kills the worker only when the loop itself stops answering).
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 import time
 from multiprocessing.connection import Connection
 
-from beamrl.rewards.invoke import invoke, resolve
+from beamrl.rewards.invoke import invoke, invoke_async, resolve
 
 
 def _exit_when_orphaned(parent_pid: int) -> None:
@@ -23,26 +28,65 @@ def _exit_when_orphaned(parent_pid: int) -> None:
             os._exit(1)
 
 
-def worker_main(conn: Connection, preload: tuple[str, ...], parent_pid: int) -> None:
+def _serve_one_at_a_time(conn: Connection, ref: str) -> None:
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError, KeyboardInterrupt):  # parent gone or interrupted: exit quietly
+            return
+        if msg is None:
+            return
+        _, task_id, call_kwargs, _timeout_s = msg
+        conn.send(("result", task_id, invoke(ref, call_kwargs)))
+
+
+async def _serve_concurrently(conn: Connection, ref: str) -> None:
+    loop = asyncio.get_running_loop()
+    inbox: asyncio.Queue = asyncio.Queue()
+
+    def read() -> None:  # a blocking recv must not stall the loop: read on a thread, hand over to the loop
+        while True:
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                msg = None
+            loop.call_soon_threadsafe(inbox.put_nowait, msg)
+            if msg is None:
+                return
+
+    async def answer(task_id: int, call_kwargs: dict, timeout_s: float) -> None:
+        outcome = await invoke_async(ref, call_kwargs, timeout_s)
+        conn.send(("result", task_id, outcome))  # only this thread sends
+
+    threading.Thread(target=read, daemon=True, name="beamrl-reward-reader").start()
+    running: set[asyncio.Task] = set()  # strong references: the loop keeps only weak ones
+    while True:
+        msg = await inbox.get()
+        if msg is None:
+            return
+        _, task_id, call_kwargs, timeout_s = msg
+        task = asyncio.create_task(answer(task_id, call_kwargs, timeout_s))
+        running.add(task)
+        task.add_done_callback(running.discard)
+
+
+def worker_main(conn: Connection, ref: str, max_concurrency: int, parent_pid: int) -> None:
     # Own process group: the pool's kill then also ends subprocesses a reward function started (sandboxes),
     # and a terminal's Ctrl-C goes to the trainer, which shuts the pool down in order.
     os.setpgrp()
     threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()
-    try:
-        for ref in preload:  # import (and warm up) now so the first call's timeout does not pay for it
-            warmup = getattr(resolve(ref), "warmup", None)
-            if callable(warmup):
-                warmup()
+    try:  # import (and warm up) now so the first call's timeout does not pay for it
+        warmup = getattr(resolve(ref), "warmup", None)
+        if callable(warmup):
+            warmup()
     except Exception as e:
         conn.send(("ready", f"{type(e).__name__}: {e}"))
         return
     conn.send(("ready", None))
-    while True:
+    if max_concurrency == 1:
+        _serve_one_at_a_time(conn, ref)
+    else:
         try:
-            msg = conn.recv()
-        except (EOFError, KeyboardInterrupt):  # parent gone or interrupted: exit quietly
+            asyncio.run(_serve_concurrently(conn, ref))
+        except KeyboardInterrupt:
             return
-        if msg is None:
-            return
-        _, task_id, ref, call_kwargs = msg
-        conn.send(("result", task_id, invoke(ref, call_kwargs)))

@@ -1,1 +1,1 @@
-"""Rollout engines: the protocol, SGLang engines and the embedded `native` engine."""
+"""Rollout engines: SGLang engines and the embedded `native` engine (the protocol is `beamrl.protocols.rollout`)."""

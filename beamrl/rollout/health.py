@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from beamrl.rollout.protocol import RolloutEngine
+from beamrl.protocols.rollout import RolloutEngine
 from beamrl.rollout.router import EngineRouter
 
 

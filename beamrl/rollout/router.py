@@ -15,7 +15,7 @@ import threading
 from collections.abc import Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 
-from beamrl.rollout.protocol import EngineError, GenerateRequest, GenerateResult, RolloutEngine
+from beamrl.protocols.rollout import EngineError, GenerateRequest, GenerateResult, RolloutEngine
 
 POLICIES = ("least_outstanding", "round_robin")
 

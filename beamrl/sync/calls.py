@@ -11,7 +11,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from beamrl.sync.protocol import WeightSyncError
+from beamrl.protocols.weights import WeightSyncError
 
 
 class ReceiverCallError(WeightSyncError):
@@ -19,11 +19,11 @@ class ReceiverCallError(WeightSyncError):
 
     def __init__(self, what: str, failures: dict[str, str]) -> None:
         self.failures = dict(failures)
-        detail = "; ".join(f"{who}: {msg}" for who, msg in failures.items())
+        detail = "; ".join(f"{who}: {msg.removeprefix(f'{who}: ')}" for who, msg in failures.items())
         super().__init__(f"{what} failed on {len(failures)} engine(s): {detail}")
 
 
-def _check_reply(reply: object) -> None:
+def check_reply(reply: object) -> None:
     """SGLang-style `(success, message)` replies: any `success=False` is an error, never ignored."""
     if isinstance(reply, tuple) and len(reply) == 2 and isinstance(reply[0], bool) and not reply[0]:
         raise WeightSyncError(str(reply[1]))
@@ -31,10 +31,12 @@ def _check_reply(reply: object) -> None:
         raise WeightSyncError(str(reply.get("message", reply)))
 
 
-def run_concurrently(what: str, calls: Sequence[tuple[str, Callable[[], object]]], timeout: float) -> None:
+def run_concurrently(what: str, calls: Sequence[tuple[str, Callable[[], object]]], timeout: float,
+                     fail_fast: bool = True) -> None:
     """Run every `(who, fn)` concurrently; raise `ReceiverCallError` if any fail or are still running after
-    `timeout` s. Returns early once one call has failed (the sync is lost anyway; a dead engine must not cost
-    the whole timeout): calls still running then are reported as abandoned."""
+    `timeout` s. With `fail_fast` it returns once one call has failed (the sync is lost anyway; a dead engine must
+    not cost the whole timeout): calls still running then are reported as abandoned. Without, it waits for every
+    call (e.g. aborting sessions: each engine's own outcome matters)."""
     if timeout <= 0:
         raise ValueError(f"timeout for {what} must be > 0 s, got {timeout}")
     errors: dict[str, str] = {}
@@ -43,7 +45,7 @@ def run_concurrently(what: str, calls: Sequence[tuple[str, Callable[[], object]]
 
     def target(who: str, fn: Callable[[], object]) -> None:
         try:
-            _check_reply(fn())
+            check_reply(fn())
         except BaseException as exc:  # reported to the caller, never swallowed
             with done:
                 errors[who] = str(exc) if isinstance(exc, WeightSyncError) else f"{type(exc).__name__}: {exc}"
@@ -58,7 +60,7 @@ def run_concurrently(what: str, calls: Sequence[tuple[str, Callable[[], object]]
         t.start()
     deadline = time.monotonic() + timeout
     with done:
-        while len(completed) < len(threads) and not errors:
+        while len(completed) < len(threads) and not (errors and fail_fast):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break

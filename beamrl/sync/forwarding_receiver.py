@@ -1,10 +1,12 @@
 """A `WeightReceiver` that stands for an engine living elsewhere (a child process, a Ray actor).
 
 Every protocol call becomes the engine's `<method>(*args, timeout)` on the other side (the Ray actor passes
-`timeout` by keyword); a subclass only says how a call travels there (`_forward`) and who it is (`name`,
-`tp_size`). The two proxies (`sync.process_receiver` over a
-pipe, `loop.weight_sync.ActorReceiver` over Ray) share this one list of forwarded methods, so a method added to
-the protocol cannot be forwarded by one and forgotten by the other.
+`timeout` by keyword); a subclass only says how a call travels there (`_submit`, returning a `PendingCall`) and
+who it is (`name`, `tp_size`). `call_async` issues a call without waiting (the per-bucket calls of a sync are
+pipelined this way; calls run in issue order on the other side). It also forwards the `RolloutEngine` calls a sync
+makes (`abort_all` to pause, `score` to verify, `resume_memory` for colocated GPUs). The two proxies
+(`sync.process_receiver` over a pipe, `loop.weight_sync.ActorReceiver` over Ray) share this one list of forwarded
+methods, so a method added to the protocol cannot be forwarded by one and forgotten by the other.
 """
 
 from __future__ import annotations
@@ -12,19 +14,26 @@ from __future__ import annotations
 import abc
 from typing import Any
 
-from beamrl.sync.protocol import WeightReceiver
+from beamrl.protocols.weights import PendingCall, WeightReceiver
 
 
 class ForwardingReceiver(WeightReceiver):
-    """Forwards each `WeightReceiver` method by name with its arguments; `_forward` raises `WeightSyncError`."""
+    """Forwards each `WeightReceiver` method by name with its arguments; failures raise `WeightSyncError`."""
 
     @abc.abstractmethod
-    def _forward(self, method: str, timeout: float, *args: Any) -> Any:
-        """Run `method(*args, timeout)` on the remote engine; give up (raising `WeightSyncError`) after `timeout`
-        seconds plus whatever slack the transport needs (Ray adds some, the pipe none)."""
+    def _submit(self, method: str, timeout: float, *args: Any) -> PendingCall:
+        """Send `method(*args, timeout)` to the remote engine and return at once; the `PendingCall` gives up
+        (raising `WeightSyncError`) after `timeout` seconds plus whatever slack the channel needs."""
 
-    def begin_weight_update(self, timeout: float) -> None:
-        self._forward("begin_weight_update", timeout)
+    def _forward(self, method: str, timeout: float, *args: Any) -> Any:
+        return self._submit(method, timeout, *args).wait(timeout)
+
+    def call_async(self, method: str, timeout: float, *args: Any) -> PendingCall:
+        return self._submit(method, timeout, *args)
+
+    # -- WeightReceiver --------------------------------------------------------------------------------------
+    def begin_weight_update(self, manifest, timeout: float) -> None:
+        self._forward("begin_weight_update", timeout, manifest)
 
     def update_weights_from_tensor(self, bucket, timeout: float) -> None:
         self._forward("update_weights_from_tensor", timeout, bucket)
@@ -34,8 +43,8 @@ class ForwardingReceiver(WeightReceiver):
         self._forward("init_weights_update_group", timeout, master_address, master_port, rank_offset, world_size,
                       group_name, backend)
 
-    def update_weights_from_distributed(self, names, dtypes, shapes, group_name: str, timeout: float) -> None:
-        self._forward("update_weights_from_distributed", timeout, names, dtypes, shapes, group_name)
+    def update_weights_from_distributed(self, index: int, checksum, group_name: str, timeout: float) -> None:
+        self._forward("update_weights_from_distributed", timeout, index, checksum, group_name)
 
     def destroy_weights_update_group(self, group_name: str, timeout: float) -> None:
         self._forward("destroy_weights_update_group", timeout, group_name)
@@ -48,3 +57,35 @@ class ForwardingReceiver(WeightReceiver):
 
     def end_weight_update(self, new_version: int, timeout: float) -> None:
         self._forward("end_weight_update", timeout, new_version)
+
+    def abort_weight_update(self, reason: str, timeout: float) -> str:
+        return self._forward("abort_weight_update", timeout, reason)
+
+    def served_weight_version(self, timeout: float) -> int:
+        return int(self._forward("served_weight_version", timeout))
+
+    def staging_supported(self, timeout: float) -> bool:
+        return bool(self._forward("staging_supported", timeout))
+
+    def attach_staging(self, slots: list, timeout: float) -> list:
+        return self._forward("attach_staging", timeout, slots)
+
+    def load_staged_bucket(self, slot: int, index: int, timeout: float) -> None:
+        self._forward("load_staged_bucket", timeout, slot, index)
+
+    def detach_staging(self, timeout: float) -> None:
+        self._forward("detach_staging", timeout)
+
+    # -- the RolloutEngine calls a sync makes ----------------------------------------------------------------
+    def abort_all(self, timeout: float) -> None:
+        self._forward("abort_all", timeout)
+
+    def score(self, sequences: list[list[int]], timeout: float) -> list[list[float]]:
+        return self._forward("score", timeout, sequences)
+
+    def resume_memory(self, tags: list[str] | None, timeout: float) -> None:
+        self._forward("resume_memory", timeout, tags)
+
+    def weights_checksum(self, timeout: float) -> str:
+        """The engine's own checksum of every parameter it computes with (tests, benchmarks)."""
+        return self._forward("weights_checksum", timeout)

@@ -1,10 +1,11 @@
-"""Host a weight receiver in a child process and drive it from the trainer with timeouts.
+"""Host a weight receiver (or a whole engine) in a child process and drive it from the trainer with timeouts.
 
-The child builds its receiver with `factory(*args)` (module-level, picklable) and serves method calls over a
-`torch.multiprocessing` pipe: CPU tensors cross through shared memory and CUDA tensors as CUDA-IPC handles
-(torch's pickler reductions), which is exactly the colocated path (the sender keeps the buffer alive because
-every call is synchronous). Used by the GPU benchmark and by tests; engines with their own process
-(SGLang, the native engine) implement `WeightReceiver` themselves.
+The child builds its object with `factory(*args)` (module-level, picklable) and serves method calls over a
+`torch.multiprocessing` pipe, in order. Calls can be pipelined (`call_async`): the request is written at once and
+its reply read when it is waited for (replies arrive in request order). Staged buckets cross as their small
+`(slot, index)` messages; a `FlatBucket` crosses as a shared-memory (CPU) or CUDA-IPC (GPU) tensor (torch's
+pickler reductions). `HostedEngine` is the native engine hosted this way, which is how `beamrl bench sync` and
+`benchmarks/sync_h200.py` run it: in its own process, as in training.
 
 A call that does not answer within its timeout, or a child that dies, raises `WeightSyncError` naming the
 receiver; after a timeout the pipe is out of step, so the proxy refuses further calls (restart it).
@@ -20,8 +21,8 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
+from beamrl.protocols.weights import PendingCall, WeightSyncError
 from beamrl.sync.forwarding_receiver import ForwardingReceiver
-from beamrl.sync.protocol import WeightSyncError
 
 _POLL_S = 0.05
 
@@ -51,6 +52,15 @@ def _serve(conn, factory: Callable[..., Any], args: tuple) -> None:
             conn.send(("error", f"{type(exc).__name__}: {exc}"))
 
 
+class _PipeCall(PendingCall):
+    def __init__(self, proxy: "ProcessReceiver", seq: int, what: str) -> None:
+        super().__init__()
+        self._proxy, self._seq, self._what = proxy, seq, what
+
+    def wait(self, timeout: float) -> Any:
+        return self._proxy._reply(self._seq, self._what, timeout)
+
+
 class ProcessReceiver(ForwardingReceiver):
     """`WeightReceiver` proxy for a receiver living in a spawned child process."""
 
@@ -64,7 +74,9 @@ class ProcessReceiver(ForwardingReceiver):
         child.close()
         self._lock = threading.Lock()
         self._broken: str | None = None
-        self._tp = int(self._wait("start", start_timeout))
+        self._sent = self._read = 0
+        self._replies: dict[int, tuple[str, Any]] = {}
+        self._tp = int(self._read_one("start", time.monotonic() + start_timeout, start_timeout)[1])
 
     @property
     def name(self) -> str:
@@ -74,8 +86,8 @@ class ProcessReceiver(ForwardingReceiver):
     def tp_size(self) -> int:
         return self._tp
 
-    def _wait(self, what: str, timeout: float) -> Any:
-        deadline = time.monotonic() + timeout
+    def _read_one(self, what: str, deadline: float, timeout: float) -> tuple[str, Any]:
+        """Read the next reply from the pipe (any call's), watching the child's liveness."""
         while True:
             try:
                 ready = self._conn.poll(_POLL_S)
@@ -86,20 +98,33 @@ class ProcessReceiver(ForwardingReceiver):
                     status, value = self._conn.recv()
                 except (EOFError, OSError):
                     status, value = "dead", None
-                if status == "ok":
-                    return value
-                if status == "error":
-                    raise WeightSyncError(f"{self._name}: {what}: {value}")
+                if status in ("ok", "error"):
+                    if status == "error" and what == "start":
+                        raise WeightSyncError(f"{self._name}: start: {value}")
+                    return status, value
             if not self.process.is_alive():
                 self._broken = f"process exited with code {self.process.exitcode}"
                 raise WeightSyncError(f"{self._name}: {what}: receiver process is dead "
                                       f"(exit code {self.process.exitcode})")
             if time.monotonic() > deadline:
                 self._broken = f"{what} timed out"
-                raise WeightSyncError(f"{self._name}: no reply to {what} within {timeout:g} s (wedged?)")
+                raise WeightSyncError(f"{self._name}: no reply to {what} within {round(timeout, 1):g} s (wedged?)")
 
-    def call(self, method: str, *args: Any, timeout: float, **kwargs: Any) -> Any:
-        """Call `method` on the hosted object; its exceptions come back as `WeightSyncError` with its message."""
+    def _reply(self, seq: int, what: str, timeout: float) -> Any:
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while seq not in self._replies:
+                if self._broken:
+                    raise WeightSyncError(f"{self._name}: unusable after an earlier failure ({self._broken}); "
+                                          f"restart it")
+                self._replies[self._read] = self._read_one(what, deadline, timeout)
+                self._read += 1
+            status, value = self._replies.pop(seq)
+        if status == "error":
+            raise WeightSyncError(f"{self._name}: {what}: {value}")
+        return value
+
+    def _send(self, method: str, args: tuple, kwargs: dict) -> int:
         with self._lock:
             if self._broken:
                 raise WeightSyncError(f"{self._name}: unusable after an earlier failure ({self._broken}); restart it")
@@ -108,10 +133,19 @@ class ProcessReceiver(ForwardingReceiver):
             except (BrokenPipeError, OSError) as exc:
                 self._broken = f"pipe closed ({exc})"
                 raise WeightSyncError(f"{self._name}: {method}: receiver process is gone ({exc})") from exc
-            return self._wait(method, timeout)
+            seq, self._sent = self._sent, self._sent + 1
+            return seq
 
-    def _forward(self, method: str, timeout: float, *args: Any) -> Any:
-        return self.call(method, *args, timeout, timeout=timeout)
+    def call(self, method: str, *args: Any, timeout: float, **kwargs: Any) -> Any:
+        """Call `method` on the hosted object and wait; its exceptions come back as `WeightSyncError` with its
+        message."""
+        return _PipeCall(self, self._send(method, args, kwargs), method).wait(timeout)
+
+    def _submit(self, method: str, timeout: float, *args: Any) -> PendingCall:
+        try:
+            return _PipeCall(self, self._send(method, (*args, timeout), {}), method)
+        except WeightSyncError as exc:
+            return PendingCall(error=exc)
 
     # -- lifecycle ---------------------------------------------------------------------------------------
     def kill(self) -> None:
@@ -124,8 +158,12 @@ class ProcessReceiver(ForwardingReceiver):
         """Ask the child to exit; kill it if it does not within `timeout`."""
         if self.process.is_alive() and not self._broken:
             try:
-                self._conn.send(None)
-                self._wait("shutdown", timeout)
+                with self._lock:
+                    self._conn.send(None)
+                    deadline = time.monotonic() + timeout
+                    while self._read <= self._sent:  # drain replies of calls nobody waited for, then the goodbye
+                        self._read_one("shutdown", deadline, timeout)
+                        self._read += 1
             except (WeightSyncError, OSError):
                 pass
         self.process.join(timeout)
@@ -134,15 +172,9 @@ class ProcessReceiver(ForwardingReceiver):
 
 
 class HostedEngine(ProcessReceiver):
-    """A `ProcessReceiver` whose child hosts a whole engine (e.g. `NativeEngine(config)`), also forwarding the
-    `RolloutEngine` calls a sync uses: `score` (verification), `abort_all` (pause) and `weight_version`."""
-
-    def score(self, sequences: list[list[int]], timeout: float) -> list[list[float]]:
-        return self.call("score", sequences, timeout, timeout=timeout)
-
-    def abort_all(self, timeout: float) -> None:
-        self.call("abort_all", timeout, timeout=timeout)
+    """A `ProcessReceiver` whose child hosts a whole engine (e.g. `NativeEngine(config)`): the `RolloutEngine`
+    calls a sync makes are forwarded too (`ForwardingReceiver`), and `weight_version` reads the served version."""
 
     @property
     def weight_version(self) -> int:
-        return int(self.call("weight_version", timeout=60))
+        return self.served_weight_version(60)

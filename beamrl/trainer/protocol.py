@@ -79,10 +79,11 @@ class PackedBatch:
                                  f"got {getattr(value, 'shape', type(value))}")
         if self.routes is not None:
             r = torch.as_tensor(self.routes)
-            if r.dim() != 3 or r.shape[0] != T or r.dtype.is_floating_point:
+            if r.dim() != 3 or r.shape[0] != T or r.dtype.is_floating_point or r.dtype == torch.bool:
                 raise BatchError(f"PackedBatch.routes must be an integer tensor [T={T}, num_layers, top_k], "
                                  f"got {tuple(r.shape)} {r.dtype}")
-            self.routes = r.to(torch.int64)
+            # Kept in its integer dtype (the engines' int32 is half the bytes to ship); the trainer widens it.
+            self.routes = r
 
     @property
     def num_tokens(self) -> int:
@@ -169,16 +170,6 @@ class TrainStepResult:
 
 
 @dataclass(frozen=True)
-class HFBucket:
-    """A group of full HF tensors (names as in the Beam checkpoint format) from a streaming export."""
-
-    tensors: dict[str, torch.Tensor]
-
-    @property
-    def num_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
-
-
 class TrainerWorker(abc.ABC):
     """One rank of a policy trainer. All ranks must receive the same calls in the same order."""
 
@@ -196,19 +187,29 @@ class TrainerWorker(abc.ABC):
         logprobs given to `loss_fn` are taken at `temperature` (the rollout's sampling temperature)."""
 
     @abc.abstractmethod
-    def save_checkpoint(self, directory: str | Path) -> Path:
-        """Save model, optimizer, scheduler and RNG state so that `load_checkpoint` resumes exactly."""
+    def save_checkpoint(self, directory: str | Path, async_save: bool = False) -> Path:
+        """Save model, optimizer, scheduler and RNG state so that `load_checkpoint` resumes exactly. With
+        `async_save` the files are written in the background until `finalize_checkpoint`."""
+
+    @abc.abstractmethod
+    def finalize_checkpoint(self, blocking: bool = True, timeout_s: float | None = None) -> Path | None:
+        """Complete the save in flight: its directory once complete, else None (nothing in flight, or still being
+        written with `blocking=False`)."""
 
     @abc.abstractmethod
     def load_checkpoint(self, directory: str | Path) -> None:
-        """Restore a checkpoint written by `save_checkpoint` with the same parallel layout."""
+        """Restore a checkpoint written by `save_checkpoint`, also at another parallel layout of the same model."""
 
     @abc.abstractmethod
-    def export_hf(self, bucket_bytes: int) -> Iterator[HFBucket]:
-        """Stream the current weights as full HF tensors in buckets of about `bucket_bytes`.
+    def export_hf(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Stream the current weights as full HF tensors, one list per export unit (no size budget: the weight
+        sync buckets them). Collective: every rank must iterate it to the end; the tensors arrive on global
+        rank 0, other ranks get empty lists."""
 
-        Collective: every rank must iterate it to the end; the tensors arrive on global rank 0, other ranks
-        get empty buckets."""
+    @abc.abstractmethod
+    def export_hf_layout(self) -> list[list[tuple[str, tuple[int, ...], torch.dtype]]]:
+        """(name, shape, dtype) of every tensor `export_hf` yields, per unit and in the same order; known on
+        every rank without communication."""
 
     @abc.abstractmethod
     def set_routing_replay(self, enabled: bool) -> None:

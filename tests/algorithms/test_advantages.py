@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from beamrl.algorithms import ADVANTAGES, GRPOAdvantageConfig, per_token
+from beamrl.algorithms import ADVANTAGES, AlgorithmConfig, per_token
 from beamrl.registry import RegistryError
 
 
@@ -27,8 +27,8 @@ def test_grpo_matches_brute_force_with_group_ids(scale_by_std, unbiased):
     gen = torch.Generator().manual_seed(0)
     groups = torch.tensor([7, 3, 7, 3, 3, 9, 7, 3, 5])  # unequal sizes, one singleton (5)
     scores = torch.randint(0, 3, (len(groups),), generator=gen).double()
-    cfg = GRPOAdvantageConfig(eps=1e-6, scale_by_std=scale_by_std, unbiased_std=unbiased)
-    adv = ADVANTAGES.get("grpo")(scores, groups, cfg)
+    cfg = AlgorithmConfig(normalize_std=scale_by_std)
+    adv = ADVANTAGES.get("grpo")(scores, groups, cfg, eps=1e-6, unbiased_std=unbiased)
     expected = brute_force_grpo(scores.tolist(), groups.tolist(), 1e-6, scale_by_std, unbiased)
     torch.testing.assert_close(adv, torch.tensor(expected, dtype=torch.float64))
 
@@ -40,7 +40,7 @@ def test_grpo_2d_layout_equals_group_id_layout():
     assert adv2d.shape == scores.shape
     torch.testing.assert_close(adv2d.flatten(), adv1d)
     assert torch.all(adv2d[1] == 0)  # all-equal group: no signal, no NaN
-    assert torch.isfinite(ADVANTAGES.get("grpo")(scores, cfg=GRPOAdvantageConfig(eps=0.0))).all()
+    assert torch.isfinite(ADVANTAGES.get("grpo")(scores, eps=0.0)).all()
 
 
 def test_registry_errors_and_bad_inputs():
@@ -49,7 +49,7 @@ def test_registry_errors_and_bad_inputs():
     with pytest.raises(ValueError, match="group_ids"):
         ADVANTAGES.get("grpo")(torch.zeros(4))
     with pytest.raises(ValueError, match="eps"):
-        GRPOAdvantageConfig(eps=-1)
+        ADVANTAGES.get("grpo")(torch.zeros(2, 2), eps=-1)
 
 
 def test_per_token_broadcast():

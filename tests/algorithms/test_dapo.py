@@ -7,8 +7,8 @@ from beamrl.algorithms import OverlongConfig, filter_groups, overlong_penalty, o
 def test_dynamic_sampling_filters_on_raw_not_shaped():
     raw = torch.tensor([[1.0, 1.0, 1.0], [0.0, 1.0, 0.0], [0.0, 0.0, 0.0]])
     lengths = torch.tensor([[5, 15, 16], [5, 5, 5], [4, 4, 4]])
-    cfg = OverlongConfig(max_response_len=16, overlong_buffer=4)
-    shaped = overlong_shaped_rewards(raw, lengths, cfg)
+    cfg = OverlongConfig(enabled=True, buffer=4)
+    shaped = overlong_shaped_rewards(raw, lengths, cfg, max_response_len=16)
     assert len(set(shaped[0].tolist())) == 3  # shaped differs inside group 0 ...
     assert raw[0].tolist() == [1.0, 1.0, 1.0]  # ... raw is untouched
     res = filter_groups(raw_scores=raw, target_num_groups=2)
@@ -35,16 +35,16 @@ def test_dynamic_sampling_bookkeeping():
 
 
 def test_overlong_penalty_at_buffer_edges():
-    cfg = OverlongConfig(max_response_len=100, overlong_buffer=20, penalty_factor=0.5)
+    cfg = OverlongConfig(enabled=True, buffer=20, penalty=0.5)
     lengths = torch.tensor([0, 80, 81, 90, 99, 100, 120])
     expected = [0.0, 0.0, -0.5 / 20, -0.5 * 10 / 20, -0.5 * 19 / 20, -0.5, -0.5]
-    torch.testing.assert_close(overlong_penalty(lengths, cfg), torch.tensor(expected))
+    torch.testing.assert_close(overlong_penalty(lengths, cfg, max_response_len=100), torch.tensor(expected))
 
 
 def test_overlong_config_validation():
-    with pytest.raises(ValueError, match="overlong_buffer"):
-        OverlongConfig(max_response_len=10, overlong_buffer=0)
-    with pytest.raises(ValueError, match="overlong_buffer"):
-        OverlongConfig(max_response_len=10, overlong_buffer=11)
+    with pytest.raises(ValueError, match="buffer"):
+        OverlongConfig(buffer=0)
+    with pytest.raises(ValueError, match="buffer=11 must be in \\[1, max_response_len=10\\]"):
+        overlong_penalty(torch.zeros(3), OverlongConfig(buffer=11), max_response_len=10)
     with pytest.raises(ValueError, match="shape"):
-        overlong_shaped_rewards(torch.zeros(3), torch.zeros(2), OverlongConfig(10, 2))
+        overlong_shaped_rewards(torch.zeros(3), torch.zeros(2), OverlongConfig(buffer=2), max_response_len=10)

@@ -50,7 +50,7 @@ def test_k2_loss_gradient_equals_kl_gradient():
 
 
 def test_kl_config_validation_and_clamp():
-    with pytest.raises(KeyError, match="allowed: k1, k2, k3"):
+    with pytest.raises(ValueError, match="unknown KL estimator 'k4'; allowed: k1, k2, k3"):
         KLConfig(estimator="k4")
     with pytest.raises(ValueError, match="coef"):
         KLConfig(coef=-1)

@@ -6,7 +6,7 @@ from beamrl.algorithms import (
     ImportanceConfig,
     KLConfig,
     LossInputs,
-    PolicyLossConfig,
+    AlgorithmConfig,
     loss_normalizer,
 )
 
@@ -30,7 +30,7 @@ def test_ppo_clip_value_and_gradient_by_hand():
     old = torch.tensor([-1.5, -0.5, -1.0, -1.0, -1.6, -3.0], dtype=D)
     adv = torch.tensor([1.0, -0.7, -1.3, 0.4, 2.0, 5.0], dtype=D)
     mask = torch.tensor([True, True, True, True, True, False])
-    cfg = PolicyLossConfig(eps_low=0.2, eps_high=0.28)
+    cfg = AlgorithmConfig(eps_clip_low=0.2, eps_clip_high=0.28)
     x = lp.clone().requires_grad_()
     out = POLICY_LOSSES.get("ppo_clip")(LossInputs(x, old, adv, mask, torch.zeros(6, dtype=torch.long)), cfg)
     out.loss.backward()
@@ -50,14 +50,16 @@ def test_clip_higher_is_asymmetric():
     grads = {}
     for eps_high in (0.2, 0.28):
         x = lp.clone().requires_grad_()
-        POLICY_LOSSES.get("ppo_clip")(LossInputs(x, old, adv, *args), PolicyLossConfig(0.2, eps_high)).loss.backward()
+        cfg = AlgorithmConfig(eps_clip_low=0.2, eps_clip_high=eps_high)
+        POLICY_LOSSES.get("ppo_clip")(LossInputs(x, old, adv, *args), cfg).loss.backward()
         grads[eps_high] = x.grad.item()
     assert grads[0.2] == 0.0 and grads[0.28] == pytest.approx(-1.25, rel=1e-6)
     # Lower side unaffected by eps_high: ratio 0.75 with A<0 is clipped for both.
     old_low = torch.tensor([0.2876820725], dtype=D)
     for eps_high in (0.2, 0.28):
         x = lp.clone().requires_grad_()
-        out = POLICY_LOSSES.get("ppo_clip")(LossInputs(x, old_low, -adv, *args), PolicyLossConfig(0.2, eps_high))
+        cfg = AlgorithmConfig(eps_clip_low=0.2, eps_clip_high=eps_high)
+        out = POLICY_LOSSES.get("ppo_clip")(LossInputs(x, old_low, -adv, *args), cfg)
         out.loss.backward()
         assert x.grad.item() == 0.0 and out.metrics["clip_fraction_low"].item() == 1.0
 
@@ -86,12 +88,12 @@ def _random_step(seed, n_seqs=7):
 @pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
 def test_three_micro_batches_equal_full_batch(aggregation, relabel):
     s = _random_step(1)
-    cfg = PolicyLossConfig(
-        eps_low=0.2,
-        eps_high=0.28,
-        aggregation=aggregation,
-        importance=ImportanceConfig(method="tis", cap=1.5),
-        kl=KLConfig(coef=0.1, estimator="k3"),
+    cfg = AlgorithmConfig(
+        eps_clip_low=0.2,
+        eps_clip_high=0.28,
+        loss_agg=aggregation,
+        importance=ImportanceConfig(mode="tis", cap=1.5),
+        kl=KLConfig(coef=0.1, estimator="k3", reference=True),
     )
     loss_fn = POLICY_LOSSES.get("ppo_clip")
 
@@ -137,7 +139,7 @@ def test_aggregation_modes_differ_as_defined():
     res = {}
     for agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"):
         res[agg] = POLICY_LOSSES.get("ppo_clip")(
-            LossInputs(lp, lp, adv, mask, seq_ids), PolicyLossConfig(aggregation=agg)
+            LossInputs(lp, lp, adv, mask, seq_ids), AlgorithmConfig(loss_agg=agg)
         ).loss.item()
     assert res == pytest.approx(
         {"token-mean": 10 / 4, "seq-mean-token-mean": (1 + 3) / 2, "seq-mean-token-sum": (1 + 9) / 2}
@@ -154,15 +156,16 @@ def test_missing_inputs_and_bad_config_are_clear():
         seq_ids=torch.zeros(2, dtype=torch.long),
     )
     with pytest.raises(ValueError, match="rollout_logprobs"):
-        POLICY_LOSSES.get("ppo_clip")(LossInputs(**base), PolicyLossConfig(importance=ImportanceConfig()))
+        POLICY_LOSSES.get("ppo_clip")(
+            LossInputs(**base), AlgorithmConfig(importance=ImportanceConfig(mode="tis", cap=2.0)))
     with pytest.raises(ValueError, match="ref_logprobs"):
-        POLICY_LOSSES.get("ppo_clip")(LossInputs(**base), PolicyLossConfig(kl=KLConfig(coef=0.1)))
+        POLICY_LOSSES.get("ppo_clip")(LossInputs(**base), AlgorithmConfig(kl=KLConfig(coef=0.1, reference=True)))
     with pytest.raises(ValueError, match="advantages"):
         LossInputs(**{**base, "advantages": torch.zeros(3)})
-    with pytest.raises(ValueError, match="aggregation"):
-        PolicyLossConfig(aggregation="mean")
-    with pytest.raises(ValueError, match="eps_low"):
-        PolicyLossConfig(eps_low=1.5)
+    with pytest.raises(ValueError, match="loss_agg"):
+        AlgorithmConfig(loss_agg="mean")
+    with pytest.raises(ValueError, match="eps_clip_low"):
+        AlgorithmConfig(eps_clip_low=1.5)
 
 
 def test_all_masked_micro_batch_gives_zero_loss_with_graph():
@@ -176,7 +179,7 @@ def test_all_masked_micro_batch_gives_zero_loss_with_graph():
             torch.zeros(3, dtype=torch.long),
             normalizer=5.0,
         ),
-        PolicyLossConfig(),
+        AlgorithmConfig(),
     )
     out.loss.backward()
     assert out.loss.item() == 0.0 and torch.all(x.grad == 0)
@@ -192,7 +195,8 @@ def test_garbage_in_masked_positions_never_reaches_loss_or_gradient():
         old=[-1.1, float("nan"), -1.9, 0.0],
         adv=[1.0, float("nan"), -1.0, float("inf")],
     )
-    cfg = PolicyLossConfig(importance=ImportanceConfig(method="tis"), kl=KLConfig(coef=0.1, estimator="k3"))
+    cfg = AlgorithmConfig(importance=ImportanceConfig(mode="tis", cap=2.0),
+                          kl=KLConfig(coef=0.1, estimator="k3", reference=True))
     results = []
     for v, junk in ((clean, -1.0), (dirty, -float("inf"))):
         x = torch.tensor(v["lp"], dtype=D, requires_grad=True)

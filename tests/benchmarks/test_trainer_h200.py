@@ -20,7 +20,11 @@ def test_cpu_tiny_smoke_run(tmp_path):
     results = json.loads((tmp_path / "trainer_h200.json").read_text())
     for name in ("parity_tiny", "parity_real_width_2l"):
         assert results[name]["tokens"] > 0
-        assert results[name]["max_abs_dlogprob"] < 0.1  # bf16 Megatron vs the bf16 reference
+        # bf16 Megatron vs the bf16 reference. Measured here (CPU): max 4.8e-7 (tiny) and 9.5e-7 (2 layers, real
+        # width, toy size); on the H200: 9.5e-7 and 1.9e-6 (docs/benchmarks.md). Bound: 4x the CPU max, 2x the GPU
+        # max. A differing BF16 rounding anywhere gives ~1e-3.
+        assert results[name]["max_abs_dlogprob"] < 4e-6
+        assert results[name]["mean_abs_dlogprob"] < 1e-6
     assert results["train_small"]["fwd_bwd_tokens_per_s"] > 0 and len(results["train_small"]["losses"]) == 3
     assert "skipped" in results["train_small_fused"]  # no CUDA here
     assert "parity_tiny" in proc.stdout and "train_small" in proc.stdout

@@ -90,7 +90,36 @@ def test_parse_sft_seconds_reads_beamrl_log():
     log = ("[beamrl] SFT step 1/20: nll 3.0800 (2 s)\nnoise\n"
            "[beamrl] SFT step 20/20: nll 1.1303 (41 s)\n[beamrl] rollout: ready\n")
     assert bench.parse_sft_seconds(log) == (41.0, 1.1303)
+    assert bench.parse_sft_seconds("[beamrl] SFT step 15/15: nll 0.5615 (2.4 s)\n") == (2.4, 0.5615)
     assert bench.parse_sft_seconds("no sft here") == (None, None)
+
+
+def test_parse_args_repeat():
+    assert bench.parse_args(["--repeat", "3"]).repeat == 3
+    assert bench.parse_args([]).repeat == 1
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--repeat", "0"])
+
+
+def _row(fw, run, step_s, sft_s, first, last, wall):
+    return {"framework": fw, "run": run, "params": 1, "grpo_s_per_step": step_s, "sft_s": sft_s,
+            "reward_first_20pct": first, "reward_last_20pct": last, "total_wall_s": wall}
+
+
+def test_aggregate_medians_spreads_and_ratio():
+    rows = [_row("beamrl", 1, 0.30, 2.5, 0.3, 0.7, 60.0), _row("trl", 1, 0.20, 1.9, 0.5, 0.8, 26.0),
+            _row("beamrl", 2, 0.50, 2.1, 0.4, 0.6, 70.0), _row("trl", 2, 0.22, 1.7, 0.5, 0.7, 27.0),
+            _row("beamrl", 3, 0.28, None, 0.2, 0.8, 65.0), _row("trl", 3, 0.19, 1.8, 0.4, 0.9, 25.0)]
+    agg = bench.aggregate(rows)
+    assert agg["beamrl"]["runs"] == 3 and agg["beamrl"]["grpo_s_per_step"] == (0.30, 0.28, 0.50)
+    assert agg["beamrl"]["sft_s"] == (2.3, 2.1, 2.5)  # a run without the SFT line is left out
+    assert agg["trl"]["reward_last_20pct"] == (0.8, 0.7, 0.9)
+    text = bench.format_summary(agg)
+    assert "| beamrl | 3 | 0.300 (0.280-0.500) |" in text
+    assert "median GRPO s/step: 1.50x" in text and "median SFT s: 1.28x" in text
+    assert "beamrl / trl" not in bench.format_summary(bench.aggregate(rows[::2]))  # one side: no ratio
+    table = bench.format_table(rows).splitlines()
+    assert table[2].startswith("| beamrl run 1 |") and table[3].startswith("| trl run 1 |")
 
 
 def test_run_logged_kills_a_silent_side_at_its_limit(tmp_path):

@@ -43,7 +43,7 @@ def test_reward_test_on_dapo_rows(tmp_path, capsys):
     assert rc == 0, out
     lines = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
     assert [row[2] for row in lines[:3]] == ["1.0000", "-1.0000", "1.0000"]
-    assert "rows 3, scored 3" in out and "errors 0, timeouts 0; mean score 0.3333" in out
+    assert "rows 3, scored 3" in out and "errors 0, timeouts 0, crashes 0, skipped 0; mean score 0.3333" in out
 
 
 def test_reward_test_counts_failures_and_continues(tmp_path, capsys, monkeypatch):
@@ -61,6 +61,19 @@ def test_reward_test_counts_failures_and_continues(tmp_path, capsys, monkeypatch
     assert rc == 1
     assert "errors 1" in captured.out and "mean score 2.5000" in captured.out
     assert "no boom please" in captured.out and "RuntimeError" in captured.err
+
+
+def test_reward_test_breaker_skips_the_rest_after_consecutive_timeouts(tmp_path, capsys, monkeypatch):
+    (tmp_path / "my_stuck_plugin.py").write_text("import time\n\ndef stuck(completion):\n    time.sleep(600)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    data = write_jsonl(tmp_path / "rows.jsonl", [{"completion": str(i)} for i in range(6)])
+    rc = main(["reward", "test", "my_stuck_plugin:stuck", "--data", str(data), "--timeout", "1", "--workers", "2",
+               "--breaker-after", "2"])
+    captured = capsys.readouterr()
+    assert rc == 1
+    # both workers time out together, the breaker trips, the other 4 rows are skipped (not 4 more seconds)
+    assert "errors 0, timeouts 2, crashes 0, skipped 4" in captured.out
+    assert "circuit breaker tripped after 2" in captured.err and "did not return within 1 s" in captured.err
 
 
 @pytest.mark.parametrize(
@@ -82,6 +95,8 @@ def test_reward_test_counts_failures_and_continues(tmp_path, capsys, monkeypatch
         ),
         (lambda d: ["no_such_mod_q:fn", "--data", str(d / "ok.jsonl")], "cannot import module 'no_such_mod_q'"),
         (lambda d: ["exact_match", "--data", str(d / "ok.jsonl"), "--limit", "0"], "--limit 0 must be >= 1"),
+        (lambda d: ["exact_match", "--data", str(d / "ok.jsonl"), "--timeout", "0"], "--timeout: Input should be"),
+        (lambda d: ["exact_match", "--data", str(d / "ok.jsonl"), "--breaker-after", "-1"], "--breaker-after: Input"),
     ],
 )
 def test_bad_input_exits_2_with_a_clear_message(tmp_path, capsys, make_args, message):

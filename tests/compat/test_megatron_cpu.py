@@ -1,12 +1,14 @@
 """`beamrl.compat.megatron_cpu`: a stock Megatron GPTModel builds and trains one step on CPU (world 1, gloo)."""
 
 import os
-import socket
 
 import pytest
 import torch
 
 from beamrl.compat import megatron_cpu
+
+# In-process Megatron on CPU: the compatibility layer for this module only (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("megatron_cpu_shim")
 
 
 @pytest.fixture(scope="module")
@@ -18,9 +20,7 @@ def world1():
     created = False
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+        os.environ["MASTER_PORT"] = "0"  # one rank hosts the store: the OS picks the port as it binds
         dist.init_process_group("gloo", rank=0, world_size=1)
         created = True
     parallel_state.destroy_model_parallel()
@@ -46,10 +46,56 @@ def test_cuda_requests_land_on_cpu():
     assert torch.ones(2).to("cuda:0", torch.float64).dtype == torch.float64
     assert torch.ones(2, dtype=torch.bfloat16).type() == "torch.cuda.BFloat16Tensor"
     assert torch.ones(2).type(torch.float64).dtype == torch.float64  # casts unchanged
-    with torch.cuda.stream(torch.cuda.Stream()):
+    # W2: streams and events are no-ops that report completion (CPU work is synchronous)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
         ev = torch.cuda.Event()
         ev.record()
-    torch.cuda.current_stream().wait_event(ev)
+    assert ev.query() and stream.query() and torch.cuda.current_stream().query()
+    assert torch.cuda.current_stream().wait_event(ev) is None and torch.cuda.synchronize() is None
+    assert torch.cuda.current_stream() == torch.cuda.default_stream() == stream
+    t = torch.ones(2)
+    t.record_stream(stream)  # a no-op, not "requires CUDA"
+    assert torch.cuda.current_device() == 0
+
+
+def test_deactivate_restores_torch_and_megatron():
+    """The layer can be scoped: deactivate() puts back every patched attribute and the CUDA redirect is gone."""
+    from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.transformer import torch_norm
+
+    megatron_cpu.activate()
+    patched = [(obj, name, getattr(obj, name)) for obj, name, _ in megatron_cpu._saved]
+    assert len(patched) >= 20
+    megatron_cpu.deactivate()
+    try:
+        assert not megatron_cpu.is_active() and not megatron_cpu._saved
+        for obj, name, value in patched:
+            assert getattr(obj, name) is not value, f"{obj}.{name} is still patched"
+        assert "type" not in vars(torch.Tensor)  # an inherited method is deleted again, not shadowed
+        assert isinstance(vars(torch_norm.WrappedTorchNorm)["__new__"], staticmethod)
+        assert mrandom._get_cuda_rng_state.__module__ == mrandom.__name__
+        assert torch.ones(2).type() == "torch.FloatTensor"
+        with pytest.raises((AssertionError, RuntimeError)):  # no CUDA here: the request is no longer redirected
+            torch.zeros(1, device="cuda")
+        megatron_cpu.deactivate()  # idempotent
+    finally:
+        megatron_cpu.activate()  # the rest of this module runs with the layer (megatron_cpu_shim)
+    assert torch.zeros(1, device="cuda").device.type == "cpu"
+
+
+def test_device_rewrites_cover_every_form_without_a_torch_function_mode():
+    megatron_cpu.activate()
+    # No process-wide mode: it would run a Python handler for every torch op (W3 in the module docstring).
+    assert torch._C._len_torch_function_stack() == 0
+    x = torch.ones(3)
+    for t in (torch.arange(3, device="cuda:0"), torch.empty(2, device=torch.device("cuda")),
+              torch.tensor([1.0], device=0), torch.zeros_like(x, device="cuda"), torch.full((2,), 1.0, device="cuda"),
+              x.new_zeros(2, device="cuda"), x.new_tensor([1.0], device=torch.cuda.current_device()),
+              x.to(device="cuda"), x.to(torch.device("cuda", 0), torch.float64), x.to(0)):
+        assert t.device.type == "cpu"
+    assert x.to(torch.float64).dtype == torch.float64 and x.to(x).dtype == x.dtype  # non-device calls unchanged
+    assert torch.zeros(2, device="meta").device.type == "meta"  # other devices untouched
 
 
 def test_refuses_when_cuda_is_available(monkeypatch):

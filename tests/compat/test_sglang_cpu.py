@@ -36,11 +36,15 @@ def test_sgl_kernel_stub_imports_but_raises_when_called():
 
 def test_torchvision_stub_is_inert():
     sglang_cpu.activate()
+    import torchvision
     import torchvision.transforms as T
     from torchvision.transforms import InterpolationMode
 
+    assert torchvision.__version__ == "0.0.0+beamrl.cpu.stub"  # the stub, never PyPI's CUDA-only wheel
     pipeline = T.Compose([T.Resize(4, interpolation=InterpolationMode.BICUBIC), T.ToTensor()])
-    assert pipeline("image") is not None
+    out = pipeline("image")  # a real Compose would try to resize a string and raise
+    assert isinstance(out, sglang_cpu._Inert) and isinstance(out.anything(1, k=2), sglang_cpu._Inert)
+    assert issubclass(InterpolationMode.BICUBIC, sglang_cpu._Inert)
 
 
 @pytest.mark.slow

@@ -3,7 +3,8 @@ import json
 import pytest
 
 from beamrl.data import PromptLoader, PromptSample, build_prompt_loader
-from beamrl.recipe import load_recipe
+from beamrl.data.config import DataConfig
+from beamrl.data.prompts import load_tokenizer
 
 
 def _samples(n):
@@ -52,7 +53,10 @@ def test_empty_loader_is_an_error():
 
 
 def test_build_from_quickstart_recipe():
-    loader = build_prompt_loader(load_recipe("quickstart"))
+    from beamrl.recipe import load_recipe
+
+    recipe = load_recipe("quickstart")
+    loader = build_prompt_loader(recipe.data, recipe.rollout.prompts_per_step, load_tokenizer("digit", None))
     batch = loader.next_batch()
     assert len(batch) == 8 and len(loader) == 1000
     for s in batch:
@@ -64,10 +68,8 @@ def test_build_from_jsonl_drops_long_prompts(tmp_path, caplog):
     path = tmp_path / "d.jsonl"
     rows = [{"prompt": "1+2=", "answer": "3"}, {"prompt": "11+22=", "answer": "33"}]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    recipe = load_recipe("quickstart", ["data.format=jsonl-prompt-answer", f"data.source={path}", "data.synthetic=null",
-                                       "data.max_prompt_len=4", "rollout.prompts_per_step=1",
-                                       "trainer.global_batch_size=8", "trainer.micro_batch_size=8"])
-    loader = build_prompt_loader(recipe, cache_dir=str(tmp_path / "cache"))
+    data = DataConfig(format="jsonl-prompt-answer", source=str(path), tokenizer="digit", max_prompt_len=4)
+    loader = build_prompt_loader(data, 1, load_tokenizer("digit", None), cache_dir=str(tmp_path / "cache"))
     assert len(loader) == 1 and loader.next_batch()[0].ground_truth == "3"
     assert "dropped 1 of 2" in caplog.text
 

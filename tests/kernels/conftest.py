@@ -1,17 +1,10 @@
-"""Kernel tests: run Triton kernels on the CPU interpreter when no GPU is present.
-
-TRITON_INTERPRET is Triton's own switch and is read when a kernel module is imported (`@triton.jit`), so it
-is set here, before any test imports `beamrl.kernels.<kernel>`; on a CUDA machine the real kernels run.
+"""Kernel tests: Triton kernels run on the CPU interpreter when no GPU is present (on a CUDA machine the real
+kernels run). The interpreter is switched on for each test of this folder only (`triton_interpreter`, see
+tests/triton_interpreter.py), never for the whole session.
 """
 
-import os
-
+import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import pytest  # noqa: E402
 
 BF16_EPS = 2.0 ** -8
 
@@ -48,6 +41,11 @@ class Checks:
         max_abs = float((a.float() - b.float()).abs().max())
         assert n <= max_frac * b.numel(), f"{n} of {b.numel()} elements differ"
         assert max_abs <= scale * 2 * BF16_EPS, f"max |diff| {max_abs} above one BF16 ulp at the scale {scale}"
+
+
+@pytest.fixture(autouse=True)
+def _kernels_on_the_interpreter(triton_interpreter):
+    return triton_interpreter
 
 
 @pytest.fixture

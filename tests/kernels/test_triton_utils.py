@@ -6,14 +6,21 @@ import triton.language as tl
 
 import pytest
 
-from beamrl.kernels._triton_utils import ROUND_BITS, ROUND_CVT, kernel_flags, rne_bf16
+from beamrl.kernels import _triton_utils
+from beamrl.kernels._triton_utils import ROUND_BITS, ROUND_CVT, kernel_flags
 
 
-@triton.jit
-def _round_kernel(x_ptr, y_ptr, N, BLOCK: tl.constexpr, ROUND_BF16: tl.constexpr, INTERPRET: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + offs, mask=offs < N, other=0.0)
-    tl.store(y_ptr + offs, rne_bf16(x, ROUND_BF16), mask=offs < N)
+def _make_round_kernel():
+    """Decorated inside the test, where the interpreter switch is on (see tests/triton_interpreter.py); the
+    helper is read from the module, which the switch re-imports interpreted."""
+
+    @triton.jit
+    def _round_kernel(x_ptr, y_ptr, N, BLOCK: tl.constexpr, ROUND_BF16: tl.constexpr, INTERPRET: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + offs, mask=offs < N, other=0.0)
+        tl.store(y_ptr + offs, _triton_utils.rne_bf16(x, ROUND_BF16), mask=offs < N)
+
+    return _round_kernel
 
 
 ROUNDINGS = [ROUND_BITS] + ([ROUND_CVT] if torch.cuda.is_available() else [])
@@ -34,6 +41,7 @@ def test_rne_bf16_matches_torch_cast(kernel_device, rounding):
     ])
     x = hard.to(kernel_device)
     y = torch.empty_like(x)
+    _round_kernel = _make_round_kernel()
     _round_kernel[(triton.cdiv(x.numel(), 256),)](x, y, x.numel(), BLOCK=256, **kernel_flags(torch.bfloat16, rounding))
     ref = x.to(torch.bfloat16).float()
     assert torch.equal(y.view(torch.int32), ref.view(torch.int32))

@@ -6,7 +6,7 @@ import torch
 
 from beamrl.loop.rollouts import Rollout, build_packed_batch, moe_routes_for_trainer, split_micro_batches
 from beamrl.models.beam import preset
-from beamrl.rollout.protocol import GenerateResult
+from beamrl.protocols.rollout import GenerateResult
 
 
 def _rollout(cfg, prompt, out, adv, seed=0, routes=True):
@@ -28,7 +28,8 @@ def test_packed_batch_aligns_response_tokens(tiny_config):
     assert batch.fields["advantages"].tolist() == [1.5] * 5 + [-0.5] * 5
     assert batch.routes.shape == (10, tiny_config.num_hidden_layers, tiny_config.num_experts_per_tok)
     # row t of the engine's routes is token t's forward; the last token repeats the previous row
-    assert torch.equal(batch.routes[:4], torch.from_numpy(a.result.routed_experts).long())
+    assert batch.routes.dtype == torch.int32  # shipped to the trainer as the engine returned them
+    assert torch.equal(batch.routes[:4], torch.from_numpy(a.result.routed_experts))
     assert torch.equal(batch.routes[4], batch.routes[3])
 
 
@@ -66,3 +67,26 @@ def test_aborted_or_empty_groups_are_dropped_whole(tiny_config):
     assert kept == [ok] and n == 1
     with pytest.raises(RuntimeError, match="aborted"):
         drop_aborted([aborted])
+
+
+def test_packed_batch_equals_packing_each_rollout_separately(tiny_config):
+    """The flat one-tensor-per-field build equals packing rollout by rollout (the way it was built before)."""
+    from beamrl.trainer.protocol import PackedBatch
+
+    rollouts = [_rollout(tiny_config, [1 + i] * (2 + i % 3), [7] * (1 + i % 2), 0.25 * i - 1, seed=i)
+                for i in range(7)]
+    batch = build_packed_batch(rollouts, tiny_config, with_routes=True)
+    res = [r.result for r in rollouts]
+    want = PackedBatch.from_sequences(
+        [x.prompt_ids + x.output_ids for x in res],
+        loss_masks=[[0.0] * len(x.prompt_ids) + [1.0] * len(x.output_ids) for x in res],
+        fields={"advantages": [[r.advantage] * (len(r.result.prompt_ids) + len(r.result.output_ids))
+                               for r in rollouts],
+                "rollout_logprobs": [[0.0] * len(x.prompt_ids) + x.output_logprobs for x in res]},
+        routes=[moe_routes_for_trainer(x.routed_experts, tiny_config, len(x.prompt_ids) + len(x.output_ids))
+                for x in res])
+    for name in ("tokens", "cu_seqlens", "loss_mask", "routes"):
+        assert torch.equal(getattr(batch, name), getattr(want, name)), name
+    assert batch.fields.keys() == want.fields.keys()  # only what the loss reads travels to the trainer
+    for name in want.fields:
+        assert torch.equal(batch.fields[name], want.fields[name]), name

@@ -1,6 +1,45 @@
+import json
+import struct
+import time
+from pathlib import Path
+
 import pytest
 
 from beamrl.metrics.wandb_backend import WandbLogger
+
+
+def read_wandb_records(path: Path) -> list:
+    """The records of a `.wandb` transaction log, read without wandb's writer: a 7-byte file header, then
+    32 KiB blocks of chunks (crc32 u32, length u16, type u8: 1 full, 2 first, 3 middle, 4 last), each record a
+    `wandb_internal_pb2.Record`."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B", f"{path} is not a wandb transaction log"
+    records, pos, pending = [], 7, b""
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:  # a block tail too short for a chunk header is padding
+            pos += 32768 - pos % 32768
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        if kind in (1, 2):
+            pending = chunk
+        elif kind in (3, 4):
+            pending += chunk
+        if kind in (1, 4):
+            record = pb.Record()
+            record.ParseFromString(pending)
+            records.append(record)
+    return records
+
+
+def history(records) -> list[dict]:
+    rows = []
+    for r in records:
+        if r.WhichOneof("record_type") == "history":
+            rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item})
+    return rows
 
 
 def test_offline_run_dir_without_network(tmp_path, monkeypatch):
@@ -10,12 +49,19 @@ def test_offline_run_dir_without_network(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     lg = WandbLogger("beamrl-test", "unit", tmp_path / "run", mode="offline", config={"a": 1})
     lg.log(0, {"reward/mean": 0.5})
-    lg.log(1, {"reward/mean": 0.75})
+    lg.log(3, {"reward/mean": 0.75, "train/kl": 0.125})
     run_dir = lg.run_dir
     lg.close()
     assert run_dir.parent == tmp_path / "run" / "wandb" and run_dir.name.startswith("offline-run-")
-    files = list(run_dir.glob("run-*.wandb"))
-    assert len(files) == 1 and files[0].stat().st_size > 0
+    (log_file,) = run_dir.glob("run-*.wandb")
+    # wandb's service process writes the log: wait (bounded) for its final record, then read back what was logged
+    deadline = time.monotonic() + 60
+    while not any(r.WhichOneof("record_type") == "exit" for r in read_wandb_records(log_file)):
+        assert time.monotonic() < deadline, f"{log_file} has no exit record 60 s after close()"
+        time.sleep(0.1)
+    rows = [{k: v for k, v in row.items() if not k.startswith("_") or k == "_step"}
+            for row in history(read_wandb_records(log_file))]
+    assert rows == [{"_step": 0, "reward/mean": 0.5}, {"_step": 3, "reward/mean": 0.75, "train/kl": 0.125}]
 
 
 def test_bad_mode(tmp_path):

@@ -20,7 +20,7 @@ def test_a_layout_the_model_cannot_take_exits_2_before_spawning(tmp_path, capsys
 
     ckpt = write_variant("tiny", tmp_path / "ckpt")
     assert main(["parity", "--checkpoint", str(ckpt), "--trainer", "megatron", "--engine", "none", "--tp", "2"]) == 2
-    assert "sp must be True" in capsys.readouterr().err
+    assert "sp=False: a MoE model with tp > 1 requires sp: true" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -2,7 +2,7 @@ import pytest
 
 from beamrl.models.beam import preset
 from beamrl.recipe import RecipeError, apply_override, validate_recipe
-from beamrl.recipe.layout import check_model_fit, plan_layout, stage_layers
+from beamrl.recipe.layout import check_model_fit, plan_layout
 
 
 def _recipe(raw, *overrides):
@@ -64,13 +64,6 @@ def test_engine_kv_heads(base_raw):
     with pytest.raises(RecipeError) as e:
         check_model_fit(r, preset("beam-501b"))
     assert e.value.path == "rollout.engine_tp" and "KV heads" in str(e.value)
-
-
-def test_stage_layers_plain_and_interleaved():
-    assert stage_layers(8, 2, None) == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    # interleaved: rank p holds chunks p and p + pp
-    assert stage_layers(8, 2, 2) == [[0, 1, 4, 5], [2, 3, 6, 7]]
-    assert sorted(sum(stage_layers(52, 4, None), [])) == list(range(52))
 
 
 def test_plan_layout(base_raw):

@@ -7,7 +7,7 @@ from beamrl.recipe.schema import Recipe
 
 def test_base_recipe_is_valid(base_raw):
     r = validate_recipe(base_raw)
-    assert r.trainer.dp == 4 and r.trainer.expert_tp == 1 and r.rollout.num_gpus == 8
+    assert r.trainer.dp == 4 and r.trainer.etp == 1 and r.rollout.num_gpus == 8
 
 
 def test_to_yaml_round_trip(base_raw):
@@ -62,23 +62,26 @@ def test_wrong_type(base_raw):
     assert e.value.path == "trainer.tp"
 
 
-def test_loss_agg_names_match_algorithms():
-    from beamrl.algorithms.aggregation import AGGREGATIONS
-    from beamrl.recipe.schema import AlgorithmSection
-    from typing import get_args
+def test_reward_sections_are_the_reward_packages_own_configs(base_raw):
+    """No mirror: the recipe's `rewards` items and `reward_pool` are beamrl.rewards' config classes, so a
+    field added there is a recipe field with the same name."""
+    from beamrl.rewards.config import RewardComponentConfig, RewardPoolConfig
 
-    assert get_args(AlgorithmSection.model_fields["loss_agg"].annotation) == AGGREGATIONS
+    r = validate_recipe(base_raw)
+    assert type(r.rewards[0]) is RewardComponentConfig and type(r.reward_pool) is RewardPoolConfig
+    base_raw["reward_pool"] = {"num_workers": 0}
+    with pytest.raises(RecipeError) as e:
+        validate_recipe(base_raw)
+    assert e.value.path == "reward_pool.num_workers"
+    del base_raw["reward_pool"]
+    base_raw["rewards"][0]["kwargs"] = {"completion": 1}
+    with pytest.raises(RecipeError) as e:
+        validate_recipe(base_raw)
+    assert e.value.path == "rewards[0].kwargs" and "shadow" in str(e.value)
 
 
-def test_reward_components_build_the_reward_config():
-    """Contract with beamrl.rewards: every recipe reward component is a valid RewardComponentConfig."""
-    from typing import get_args
-
-    from beamrl.recipe import load_recipe
-    from beamrl.recipe.schema import RewardComponent
-    from beamrl.rewards.config import OnError, RewardComponentConfig
-
-    assert get_args(RewardComponent.model_fields["on_error"].annotation) == get_args(OnError)
-    for name in ("quickstart", "grpo_dapo_math"):
-        for comp in load_recipe(name).rewards:
-            RewardComponentConfig(**comp.model_dump())
+def test_moved_reward_timeout_names_its_new_place(base_raw):
+    base_raw["timeouts"] = {"reward_s": 60}
+    with pytest.raises(RecipeError) as e:
+        validate_recipe(base_raw)
+    assert "reward_pool.batch_timeout_s" in str(e.value)

@@ -6,7 +6,9 @@ import importlib
 import pytest
 
 
-@pytest.mark.parametrize("name", ["beamrl.rewards.math", "beamrl.rewards.exact", "beamrl.rewards.loading"])
+@pytest.mark.parametrize(
+    "name", ["beamrl.rewards.math", "beamrl.rewards.exact", "beamrl.rewards.loading", "beamrl.rewards.breaker"]
+)
 def test_docstring_examples(name):
     result = doctest.testmod(importlib.import_module(name))
     assert result.failed == 0 and result.attempted > 0

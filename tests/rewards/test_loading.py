@@ -1,3 +1,5 @@
+import sys
+
 import pytest
 
 from beamrl.rewards import FIELDS, REWARDS, RewardLoadError, load_reward_fn, reward
@@ -77,3 +79,28 @@ def test_entry_point_group(tmp_path, monkeypatch):
 def test_async_is_detected():
     assert load_reward_fn(f"{M}:async_len").is_async
     assert not load_reward_fn(f"{M}:only_completion").is_async
+
+
+def test_a_name_a_module_registers_is_found_through_the_module(tmp_path, monkeypatch):
+    """`module:name` imports the module (which runs its @reward decorators), then takes its attribute `name`
+    or, failing that, the function it registered as `name`; a bare name needs the module imported first."""
+    (tmp_path / "cwd_registering_rewards.py").write_text(
+        "from beamrl.rewards import reward\n\n"
+        "@reward('cwd-digit-match')\n"
+        "def digit_match(completion, ground_truth):\n"
+        "    return float(completion.strip() == str(ground_truth))\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    with pytest.raises(RewardLoadError, match="cannot import module 'cwd_registering_rewards'.*working directory"):
+        load_reward_fn("cwd_registering_rewards:cwd-digit-match")
+    from beamrl.rewards.loading import importable_working_directory
+
+    importable_working_directory()
+    with pytest.raises(RewardLoadError, match="unknown reward 'cwd-digit-match'.*'your_module:cwd-digit-match'"):
+        load_reward_fn("cwd-digit-match")  # the module was never imported: nothing registered that name yet
+    f = load_reward_fn("cwd_registering_rewards:cwd-digit-match")
+    assert f.ref == "cwd_registering_rewards:digit_match" and f.params == ("completion", "ground_truth")
+    assert load_reward_fn("cwd_registering_rewards:digit_match").ref == "cwd_registering_rewards:digit_match"
+    assert load_reward_fn("cwd-digit-match").ref == f.ref  # once imported, the bare name works too
+    with pytest.raises(RewardLoadError, match="has no attribute 'exact_match'"):
+        load_reward_fn("cwd_registering_rewards:exact_match")  # registered, but by another module

@@ -2,7 +2,7 @@ import time
 
 import pytest
 
-from beamrl.rewards import RewardComponentConfig, RewardError, RewardManager, RewardSample
+from beamrl.rewards import RewardComponentConfig, RewardError, RewardManager, RewardPoolConfig, RewardSample
 
 from . import sample_reward_fns as fns
 
@@ -11,6 +11,10 @@ M = fns.__name__
 
 def comp(name, fn, **kw):
     return RewardComponentConfig(name=name, fn=f"{M}:{fn}", **kw)
+
+
+def pool(workers):
+    return RewardPoolConfig(num_workers=workers)
 
 
 def samples(*completions):
@@ -25,7 +29,7 @@ def test_weighted_components_none_metrics_and_async():
         comp("m", "with_metrics", weight=1.0),
         comp("scaled", "with_scale", kwargs={"scale": 3.0}),
     ]
-    with RewardManager(comps, num_workers=2) as rm:
+    with RewardManager(comps, pool(1)) as rm:  # one worker per component
         res = rm.score(samples("ab", "", "abcd"))
     n = [2, 0, 4]
     expected = [0.5 * k + 2.0 * k + (10.0 if k else 0.0) + 0.5 + 3.0 * k for k in n]
@@ -49,7 +53,7 @@ def test_exceptions_and_bad_returns_are_counted_and_the_run_continues():
         comp("str", "returns_string"),
         comp("die", "dies_on_die"),
     ]
-    with RewardManager(comps, num_workers=2) as rm:
+    with RewardManager(comps, pool(1)) as rm:
         res = rm.score(samples("ok", "bad", "die", "ok"))
         again = rm.score(samples("ok"))  # the pool still works after failures and a dead worker
     assert res.scores("zero") == [1.0, 0.0, 1.0, 1.0]
@@ -58,37 +62,38 @@ def test_exceptions_and_bad_returns_are_counted_and_the_run_continues():
     assert res.metrics["reward/skip/errors"] == 1.0 and res.metrics["reward/skip/mean"] == 1.0
     assert res.metrics["reward/str/errors"] == 4.0
     assert "must return a finite float" in res.components["str"][0].message
-    assert res.components["die"][2].status == "error" and "died" in res.components["die"][2].message
+    assert res.components["die"][2].status == "crash" and "died (exit code 3)" in res.components["die"][2].message
+    assert res.metrics["reward/die/crashes"] == 1.0 and res.metrics["reward/die/errors"] == 0.0
     assert res.failed == [True, True, True, True]  # returns_string fails everywhere
     assert again.scores("zero") == [1.0]
 
 
 def test_on_error_raise_stops():
-    with RewardManager([comp("strict", "raises_on_bad", on_error="raise")], num_workers=1) as rm:
+    with RewardManager([comp("strict", "raises_on_bad", on_error="raise")], pool(1)) as rm:
         with pytest.raises(RewardError, match=r"'strict'.*sample 1.*cannot grade 'bad'"):
             rm.score(samples("ok", "bad"))
 
 
 def test_hanging_function_is_killed_quickly_and_pool_shuts_down():
-    with RewardManager([comp("hang", "sleeps_on_hang", timeout_s=1.0)], num_workers=2) as rm:
-        procs = [w.proc for w in rm.pool._workers]
+    with RewardManager([comp("hang", "sleeps_on_hang", timeout_s=1.0)], pool(2)) as rm:
+        procs = rm.pool.processes()
         t0 = time.monotonic()
         res = rm.score(samples("hang", "ok", "ok", "hang", "ok"))
         took = time.monotonic() - t0
-        procs += [w.proc for w in rm.pool._workers]
-    assert took < 20, f"a 60 s hang with a 1 s timeout took {took:.1f} s"  # generous: shared 2-core CI box
+        procs += rm.pool.processes()
+    assert took < 120, f"a 600 s hang with a 1 s timeout took {took:.1f} s"  # generous: shared 2-core CI box
     assert [c.status for c in res.components["hang"]] == ["timeout", "ok", "ok", "timeout", "ok"]
     assert res.metrics["reward/hang/timeouts"] == 2.0 and res.scores("hang")[0] == 0.0
     assert "did not return within 1 s" in res.components["hang"][0].message
-    assert rm.pool.restarts >= 2
+    assert rm.pool.restarts["hang"] >= 2
     assert not any(p.is_alive() for p in procs)  # clean shutdown: no worker left behind
 
 
 def test_batch_timeout_bounds_the_whole_batch():
-    with RewardManager([comp("hang", "sleeps_on_hang", timeout_s=30.0)], num_workers=1) as rm:
+    with RewardManager([comp("hang", "sleeps_on_hang", timeout_s=500.0)], pool(1)) as rm:
         t0 = time.monotonic()
-        res = rm.score(samples("hang", "ok"), timeout_s=1.0)
-        assert time.monotonic() - t0 < 15
+        res = rm.score(samples("hang", "ok"), batch_timeout_s=1.0)
+        assert time.monotonic() - t0 < 120  # the 1 s batch bound, not the 500 s per-call one
     assert [c.status for c in res.components["hang"]] == ["timeout", "timeout"]
 
 
@@ -105,11 +110,11 @@ def test_bad_component_fails_at_construction():
 
 def test_timeout_also_kills_subprocesses_of_the_function(tmp_path):
     pid_file = tmp_path / "child.pid"
-    with RewardManager([comp("sandbox", "hangs_in_subprocess", timeout_s=1.0)], num_workers=1) as rm:
+    with RewardManager([comp("sandbox", "hangs_in_subprocess", timeout_s=1.0)], pool(1)) as rm:
         res = rm.score([RewardSample(completion="x", metadata={"pid_file": str(pid_file)})])
     assert res.components["sandbox"][0].status == "timeout"
     child = int(pid_file.read_text())
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while time.monotonic() < deadline and _alive(child):
         time.sleep(0.05)
     assert not _alive(child), "the function's subprocess outlived its killed worker"

@@ -13,8 +13,8 @@ import zlib
 import numpy as np
 
 from beamrl.models.beam.config import BeamConfig
-from beamrl.rollout.protocol import EngineError, GenerateRequest, GenerateResult, RolloutEngine
-from beamrl.sync.protocol import WeightReceiver, WeightSyncError
+from beamrl.protocols.rollout import EngineError, GenerateRequest, GenerateResult, RolloutEngine
+from beamrl.protocols.weights import WeightReceiver, WeightSyncError
 
 
 class FakeEngine(RolloutEngine, WeightReceiver):
@@ -28,6 +28,7 @@ class FakeEngine(RolloutEngine, WeightReceiver):
         self._hang = False
         self._lock = threading.Lock()
         self.calls = 0
+        self.last_timeout: float | None = None  # the timeout of the latest call (what a caller allowed it)
 
     @property
     def name(self) -> str:
@@ -44,6 +45,7 @@ class FakeEngine(RolloutEngine, WeightReceiver):
         if timeout <= 0:
             raise ValueError(f"timeout must be > 0, got {timeout}")
         self.calls += 1
+        self.last_timeout = timeout
         if self._dead:
             raise error_cls(f"fake engine {self.name} is dead")
         if self._hang:
@@ -126,7 +128,7 @@ class FakeEngine(RolloutEngine, WeightReceiver):
         if not self._in_session:
             raise WeightSyncError(f"fake engine: {what} must run between begin_weight_update() and end_weight_update()")
 
-    def begin_weight_update(self, timeout: float) -> None:
+    def begin_weight_update(self, manifest, timeout: float) -> None:
         self._enter(timeout, WeightSyncError)
         if self._in_session:
             raise WeightSyncError("fake engine: a weight-update session is already open")
@@ -140,7 +142,7 @@ class FakeEngine(RolloutEngine, WeightReceiver):
                                   timeout: float) -> None:
         self._enter(timeout, WeightSyncError)
 
-    def update_weights_from_distributed(self, names, dtypes, shapes, group_name, timeout: float) -> None:
+    def update_weights_from_distributed(self, index, checksum, group_name, timeout: float) -> None:
         self._enter(timeout, WeightSyncError)
         self._need_session("update_weights_from_distributed")
 
@@ -155,3 +157,8 @@ class FakeEngine(RolloutEngine, WeightReceiver):
         self._need_session("end_weight_update")
         self._in_session = False
         self._version = int(new_version)
+
+    def abort_weight_update(self, reason: str, timeout: float) -> str:
+        self._enter(timeout, WeightSyncError)
+        was, self._in_session = self._in_session, False
+        return "unhealthy" if was else "untouched"

@@ -5,7 +5,7 @@ import threading
 import pytest
 
 from beamrl.models.beam import preset
-from beamrl.rollout.protocol import EngineError, GenerateRequest, SamplingParams
+from beamrl.protocols.rollout import EngineError, GenerateRequest, SamplingParams
 from beamrl.rollout.router import EngineRouter
 
 from .fake_engine import FakeEngine
@@ -18,8 +18,10 @@ class CountingEngine(FakeEngine):
         super().__init__(preset("tiny"), name=name)
         self.served = []
         self.gate = gate
+        self.entered = threading.Event()  # set once a generate call has reached the engine
 
     def generate(self, requests, timeout):
+        self.entered.set()
         if self.gate is not None:
             self.gate.wait(timeout)
         self.served += [tuple(r.prompt_ids) for r in requests]
@@ -47,12 +49,13 @@ def test_least_outstanding_prefers_idle_engine():
     router = EngineRouter([busy, idle], policy="least_outstanding")
     t = threading.Thread(target=router.generate, args=(_group([1], 3), 10))
     t.start()
-    while router.outstanding()[0] == 0:
-        pass
+    assert busy.entered.wait(60), "the first group never reached the busy engine"
+    assert router.outstanding()[0] == 3  # its requests are in flight there
     router.generate(_group([2], 2), timeout=10)
     assert idle.served == [(2,), (2,)]
     gate.set()
-    t.join()
+    t.join(60)
+    assert not t.is_alive()
     assert busy.served == [(1,)] * 3
 
 

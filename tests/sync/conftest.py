@@ -56,21 +56,26 @@ class WedgedReceiver(LocalWeightReceiver):
     """A receiver that never answers `wedge_on` (blocks until the test releases it), like a hung engine."""
 
     def __init__(self, model: torch.nn.Module, wedge_on: str, name: str = "wedged"):
-        super().__init__(model.load_hf_tensors, name=name)
+        super().__init__(model, name=name)
         self.release = threading.Event()
         self.wedge_on = wedge_on
 
     def _maybe_wedge(self, op: str) -> None:
         if op == self.wedge_on:
-            self.release.wait(600)
+            with self._lock:  # stuck inside the engine: every later call waits too
+                self.release.wait(600)
 
-    def begin_weight_update(self, timeout):
+    def begin_weight_update(self, manifest, timeout):
         self._maybe_wedge("begin_weight_update")
-        super().begin_weight_update(timeout)
+        super().begin_weight_update(manifest, timeout)
 
-    def update_weights_from_tensor(self, bucket, timeout):
-        self._maybe_wedge("update_weights_from_tensor")
-        super().update_weights_from_tensor(bucket, timeout)
+    def load_staged_bucket(self, slot, index, timeout):
+        self._maybe_wedge("load_staged_bucket")
+        super().load_staged_bucket(slot, index, timeout)
+
+    def abort_weight_update(self, reason, timeout):
+        self._maybe_wedge("abort_weight_update")
+        return super().abort_weight_update(reason, timeout)
 
     def init_weights_update_group(self, *args):
         self._maybe_wedge("init_weights_update_group")
@@ -79,6 +84,9 @@ class WedgedReceiver(LocalWeightReceiver):
 
 class RefusingReceiver(LocalWeightReceiver):
     """Replies like SGLang does when a load fails: `(False, message)`, which must raise."""
+
+    def staging_supported(self, timeout):
+        return False
 
     def update_weights_from_tensor(self, bucket, timeout):
         return False, "Failed to update parameter online: shape mismatch for model.norm.weight"

@@ -18,13 +18,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from beamrl.dtypes import torch_dtype
 from beamrl.models.beam.config import BeamConfig, BeamConfigError
 from beamrl.models.beam.weights import TensorSpec, expected_tensors, packed_expert_names
 
 EXPERT_LAYOUTS = ("per_expert", "packed")
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
 class CheckpointError(ValueError):
@@ -32,7 +32,7 @@ class CheckpointError(ValueError):
 
 
 def model_dtype(config: BeamConfig) -> torch.dtype:
-    return _DTYPES[config.dtype]
+    return torch_dtype(config.dtype)
 
 
 def output_specs(config: BeamConfig, expert_layout: str) -> dict[str, TensorSpec]:
@@ -153,12 +153,17 @@ def _check_names(names: set[str], expected: Mapping[str, TensorSpec]) -> None:
 
 
 def _check_tensor(name: str, tensor: torch.Tensor, spec: TensorSpec, dtype: torch.dtype) -> None:
-    if tuple(tensor.shape) != spec.shape:
-        raise CheckpointError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {spec.shape}")
+    _check_spec(name, tuple(tensor.shape), tensor.dtype, spec, dtype)
+
+
+def _check_spec(name: str, shape: tuple[int, ...], stored: torch.dtype | str, spec: TensorSpec,
+                dtype: torch.dtype) -> None:
+    if shape != spec.shape:
+        raise CheckpointError(f"tensor {name!r} has shape {shape}, expected {spec.shape}")
     want = spec.dtype(dtype)
-    if tensor.dtype != want:
+    if stored != want:
         why = " (router weights and correction biases are always float32)" if spec.fp32 else " (config dtype)"
-        raise CheckpointError(f"tensor {name!r} has dtype {tensor.dtype}, expected {want}{why}")
+        raise CheckpointError(f"tensor {name!r} has dtype {stored}, expected {want}{why}")
 
 
 def checkpoint_files(directory: Path) -> dict[str, Path]:
@@ -213,6 +218,57 @@ def load_checkpoint(directory: str | Path) -> tuple[BeamConfig, dict[str, torch.
     state = _unpack_experts(config, state)
     _check_names(set(state), per_expert)
     return config, state
+
+
+# safetensors header dtype names -> torch dtypes (anything else is reported under its header name)
+_HEADER_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
+
+
+def check_checkpoint(directory: str | Path) -> BeamConfig:
+    """`load_checkpoint`'s checks (every tensor present, none foreign, shapes and dtypes) from the safetensors
+    headers alone: no tensor data is read, so a 1 TB checkpoint is checked in seconds. Returns the config."""
+    d = Path(directory)
+    if not d.is_dir():
+        raise CheckpointError(f"checkpoint directory {d} does not exist")
+    try:
+        config = BeamConfig.from_json_file(d / "config.json")
+    except TypeError as e:  # unexpected keyword etc. surfaces as TypeError from the dataclass
+        raise BeamConfigError("config.json", str(d / "config.json"), str(e)) from None
+    dtype = model_dtype(config)
+    per_expert = expected_tensors(config)
+    packed = output_specs(config, "packed")
+    by_file: dict[Path, list[str]] = {}
+    for name, f in checkpoint_files(d).items():
+        by_file.setdefault(f, []).append(name)
+    covered: list[str] = []
+    for f, names in by_file.items():
+        with safe_open(str(f), framework="pt") as handle:
+            present = set(handle.keys())
+            for name in names:
+                if name not in present:
+                    raise CheckpointError(f"tensor {name!r} listed in the index is missing from {f.name}")
+                spec = per_expert.get(name) or packed.get(name)
+                if spec is None:
+                    raise CheckpointError(f"unexpected tensor {name!r} in {f.name}: not in the Beam weight table")
+                header = handle.get_slice(name)
+                stored = header.get_dtype()
+                _check_spec(name, tuple(header.get_shape()), _HEADER_DTYPES.get(stored, stored), spec, dtype)
+                covered += _per_expert_names(config, name)
+    if len(covered) != len(set(covered)):
+        twice = next(n for n in covered if covered.count(n) > 1)
+        raise CheckpointError(f"tensor {twice!r} given both packed and per expert")
+    _check_names(set(covered), per_expert)
+    return config
+
+
+def _per_expert_names(config: BeamConfig, name: str) -> list[str]:
+    """The per-expert names a stored tensor stands for (a packed tensor covers every expert of its layer)."""
+    for packed, parts in (("mlp.experts.gate_up_proj", ("gate_proj", "up_proj")), ("mlp.experts.down_proj",
+                                                                                    ("down_proj",))):
+        if name.endswith(packed):
+            p = name[: -len(packed)] + "mlp.experts."
+            return [f"{p}{e}.{part}.weight" for e in range(config.num_experts) for part in parts]
+    return [name]
 
 
 def _unpack_experts(config: BeamConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from beamrl.dtypes import DTYPES
+
 SLIDING = "sliding_attention"
 FULL = "full_attention"
 DENSE = "dense"
@@ -136,8 +138,8 @@ class BeamConfig:
         cap = self.final_logit_softcapping
         if cap is not None and (not isinstance(cap, (int, float)) or isinstance(cap, bool) or cap <= 0):
             raise BeamConfigError("final_logit_softcapping", cap, "must be a positive number or null")
-        if self.dtype not in ("bfloat16", "float32", "float16"):
-            raise BeamConfigError("dtype", self.dtype, "allowed: 'bfloat16', 'float32', 'float16'")
+        if self.dtype not in DTYPES:
+            raise BeamConfigError("dtype", self.dtype, f"allowed: {', '.join(map(repr, DTYPES))}")
 
     def validate(self) -> None:
         """Apply SGLang's Beam rules (configs/beam.py:141-212); raise `BeamConfigError` naming the field."""

@@ -2,7 +2,7 @@
 
 One typed config for every side: the Megatron trainer builds its adapters from it, the engines merge with its
 scale, and the PEFT export writes it as `adapter_config.json`. Field names are the recipe's (the `lora:` section
-maps 1:1 onto this dataclass).
+`trainer.lora` section is this class).
 
 Targets are HF module paths inside a decoder layer, so they cannot be ambiguous (Beam has a `gate_proj` in the
 attention *and* in the MLP):
@@ -24,23 +24,28 @@ attention *and* in the MLP):
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+import struct
+from typing import Any
+
+from pydantic import Field, model_validator
+
+from beamrl.config import ConfigError, Section
 
 ATTENTION_TARGETS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.gate_proj",
                      "self_attn.o_proj")
 DENSE_MLP_TARGETS = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 EXPERT_TARGETS = ("mlp.experts.gate_proj", "mlp.experts.up_proj", "mlp.experts.down_proj")
 ALL_TARGETS = ATTENTION_TARGETS + DENSE_MLP_TARGETS + EXPERT_TARGETS
+FIELDS = ("rank", "alpha", "targets", "share_expert_a", "dropout", "seed")
 
 
-class LoRAConfigError(ValueError):
-    """A LoRA setting is invalid; the message names the field (`LoRAConfig.<field>`)."""
+class LoRAConfigError(ConfigError):
+    """A LoRA setting is invalid; `path` is the field inside `LoRAConfig` (the recipe prefixes `trainer.lora.`)."""
 
 
-@dataclass(frozen=True)
-class LoRAConfig:
-    """Low-rank adapters `W' = W0 + (alpha / rank) * B @ A` on the chosen targets (docs/lora.md).
+class LoRAConfig(Section):
+    """Low-rank adapters `W' = W0 + (alpha / rank) * B @ A` on the chosen targets (docs/lora.md): the recipe's
+    `trainer.lora` section, read under these names by the trainer, the engines and the PEFT export.
 
     rank: r, the inner dimension of B [out, r] and A [r, in].
     alpha: the scale is `alpha / rank` (PEFT's default, non-rsLoRA scaling), rounded once to FP32.
@@ -52,43 +57,41 @@ class LoRAConfig:
         starts from the same adapter); B starts at zero.
     """
 
-    rank: int = 16
-    alpha: float = 32.0
+    model_config = {**Section.model_config, "frozen": True}
+
+    rank: int = Field(16, description="LoRA rank r")
+    alpha: float = Field(32.0, description="scale = fp32(alpha / rank)")
     targets: tuple[str, ...] = ATTENTION_TARGETS
     share_expert_a: bool = False
     dropout: float = 0.0
     seed: int = 0
-    _scale: float = field(init=False, repr=False, compare=False, default=0.0)
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "targets", tuple(self.targets))
-        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
-            raise LoRAConfigError(f"LoRAConfig.rank={self.rank!r} must be an integer >= 1")
-        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not math.isfinite(self.alpha) \
-                or self.alpha <= 0:
-            raise LoRAConfigError(f"LoRAConfig.alpha={self.alpha!r} must be a positive finite number")
+    @model_validator(mode="after")
+    def _check(self) -> "LoRAConfig":
+        if self.rank < 1:
+            raise LoRAConfigError("rank", self.rank, "must be an integer >= 1")
+        if not (self.alpha > 0 and self.alpha != float("inf")):
+            raise LoRAConfigError("alpha", self.alpha, "must be a positive finite number")
         if not self.targets:
-            raise LoRAConfigError(f"LoRAConfig.targets is empty; choose from {list(ALL_TARGETS)}")
+            raise LoRAConfigError("targets", [], f"is empty; choose from {list(ALL_TARGETS)}")
         for i, t in enumerate(self.targets):
             if t not in ALL_TARGETS:
-                raise LoRAConfigError(f"LoRAConfig.targets[{i}]={t!r} is not a Beam LoRA target; allowed: "
-                                      f"{list(ALL_TARGETS)}")
+                raise LoRAConfigError(f"targets[{i}]", t, f"is not a Beam LoRA target; allowed: {list(ALL_TARGETS)}")
         if len(set(self.targets)) != len(self.targets):
-            raise LoRAConfigError(f"LoRAConfig.targets={list(self.targets)} lists a target twice")
+            raise LoRAConfigError("targets", list(self.targets), "lists a target twice")
         if self.dropout != 0.0:
-            raise LoRAConfigError(f"LoRAConfig.dropout={self.dropout!r}: only 0.0 is supported (with dropout the "
-                                  f"trainer's forward would differ from the engine's merged weights)")
+            raise LoRAConfigError("dropout", self.dropout, "only 0.0 is supported (with dropout the trainer's "
+                                  "forward would differ from the engine's merged weights)")
         if self.share_expert_a and not self.expert_targets:
-            raise LoRAConfigError("LoRAConfig.share_expert_a=True needs an expert target (mlp.experts.*) in "
-                                  "LoRAConfig.targets")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise LoRAConfigError(f"LoRAConfig.seed={self.seed!r} must be an integer >= 0")
-        object.__setattr__(self, "_scale", float(_fp32(self.alpha / self.rank)))
+            raise LoRAConfigError("share_expert_a", True, "needs an expert target (mlp.experts.*) in targets")
+        if self.seed < 0:
+            raise LoRAConfigError("seed", self.seed, "must be an integer >= 0")
+        return self
 
     @property
     def scale(self) -> float:
         """`fp32(alpha / rank)` as a Python float (exactly representable in FP32)."""
-        return self._scale
+        return struct.unpack("<f", struct.pack("<f", self.alpha / self.rank))[0]
 
     @property
     def attention_targets(self) -> tuple[str, ...]:
@@ -103,19 +106,11 @@ class LoRAConfig:
         return tuple(t for t in EXPERT_TARGETS if t in self.targets)
 
     def to_dict(self) -> dict:
-        """The recipe form (also what travels in the adapter manifest)."""
-        return {"rank": self.rank, "alpha": self.alpha, "targets": list(self.targets),
-                "share_expert_a": self.share_expert_a, "dropout": self.dropout, "seed": self.seed}
+        """The recipe form (also what the PEFT export's `beamrl_lora.json` and the SGLang launch carry)."""
+        return {"rank": self.rank, "alpha": float(self.alpha), "targets": list(self.targets),
+                "share_expert_a": self.share_expert_a, "dropout": float(self.dropout), "seed": self.seed}
 
     @classmethod
-    def from_dict(cls, data: dict) -> "LoRAConfig":
-        unknown = set(data) - {"rank", "alpha", "targets", "share_expert_a", "dropout", "seed"}
-        if unknown:
-            raise LoRAConfigError(f"LoRAConfig has no field {sorted(unknown)[0]!r}")
+    def from_dict(cls, data: dict[str, Any]) -> "LoRAConfig":
+        """Build from the recipe form; `pydantic.ValidationError` (a `ValueError`) names a bad or unknown field."""
         return cls(**data)
-
-
-def _fp32(x: float) -> float:
-    import struct
-
-    return struct.unpack("<f", struct.pack("<f", x))[0]

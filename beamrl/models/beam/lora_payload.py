@@ -1,104 +1,77 @@
-"""The adapter payload: what an adapter-only weight sync sends, and its checks (docs/lora.md "Adapter sync").
+"""What an adapter-only weight sync sends (docs/lora.md "Adapter sync"): the apply mode, the tensor names, the
+scale tensor and the payload layout, shared by the trainer's export source and every receiver.
 
-A payload is a list of named tensors, so it travels through every weight-sync transport unchanged:
+A sync in apply mode `adapter` (`ADAPTER`) carries, through the one orchestrator and its transports:
 
-1. `beamrl.lora.manifest` (uint8): UTF-8 JSON + a newline + the SHA-256 hex of the JSON bytes. The JSON holds
-   the format tag, the adapter id, the `LoRAConfig` (recipe form), the FP32 scale (`float.hex`), and for every
-   adapter tensor its shape, dtype and SHA-256 of its raw bytes;
+1. `beamrl.lora.scale` (`SCALE_NAME`): FP32 [1], `fp32(alpha / rank)`; always the first tensor of the first
+   bucket, it starts a new adapter on the receiver (which refuses a scale other than its own config's);
 2. every adapter tensor, full (TP/EP-gathered), named as in `beamrl.models.beam.lora` (`...lora_A.weight` /
-   `...lora_B.weight`), in any order and any number of buckets; the manifest travels in the first bucket
-   (anywhere in it: a receiver takes it first).
+   `...lora_B.weight`), in the model's dtype.
 
-Receivers (`lora_receiver.AdapterReceiver`) check the manifest's own checksum, that its tensor set is exactly the
-adapter table of their model and LoRA config, and each tensor's shape, dtype and SHA-256 on arrival.
+Every name, shape and dtype is announced in the session manifest at `begin` and checked against the receiver's
+table (`adapter_table`: the receiver's model and LoRA config), and every bucket's bytes are checked by the
+session's raw-bit checksum before anything is merged, so a wrong or corrupted adapter is refused whole.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-from dataclasses import dataclass
-
 import torch
 
+from beamrl.models.beam.config import BeamConfig
+from beamrl.models.beam.lora import adapted_weights, adapter_tensor_shapes
 from beamrl.models.beam.lora_config import LoRAConfig
 
-MANIFEST_NAME = "beamrl.lora.manifest"
-FORMAT = "beamrl-lora/1"
+#: The apply mode of an adapter-only sync (`beamrl.protocols.manifest`; `full` is the ordinary sync).
+ADAPTER = "adapter"
+SCALE_NAME = "beamrl.lora.scale"
 _ADAPTER_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
 
 
 class AdapterPayloadError(ValueError):
-    """An adapter payload is malformed or fails a check; the message names the tensor and the check."""
+    """An adapter payload fails a check; the message names the tensor and the check."""
 
 
 def is_adapter_tensor_name(name: str) -> bool:
-    """True for the manifest and for adapter tensor names (the receivers route these away from base loading)."""
-    return name == MANIFEST_NAME or name.endswith(_ADAPTER_SUFFIXES)
+    """True for the scale and the adapter tensor names (receivers route these away from base loading)."""
+    return name == SCALE_NAME or name.endswith(_ADAPTER_SUFFIXES)
 
 
-def tensor_sha256(t: torch.Tensor) -> str:
-    """SHA-256 hex of a tensor's raw bytes (row-major, its own dtype; copied to host memory for hashing)."""
-    flat = t.detach().contiguous().reshape(-1)
-    return hashlib.sha256(flat.cpu().view(torch.uint8).numpy().tobytes()).hexdigest()
+def scale_tensor(lora: LoRAConfig) -> torch.Tensor:
+    return torch.tensor([lora.scale], dtype=torch.float32)
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+def adapter_table(config: BeamConfig, lora: LoRAConfig, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...],
+                                                                                              torch.dtype]]:
+    """name -> (shape, dtype) of every tensor an adapter sync sends for this model and LoRA config: the scale
+    first, then the adapter tensors layer by layer (the trainer's export order)."""
+    shapes = adapter_tensor_shapes(config, lora)
+    names = [n for layer in adapter_layers(config, lora).values() for n in layer]
+    return {SCALE_NAME: ((1,), torch.float32), **{n: (tuple(shapes[n]), dtype) for n in names}}
 
 
-@dataclass(frozen=True)
-class AdapterManifest:
-    """The decoded manifest. `tensors`: name -> (shape, dtype name, sha256 hex)."""
-
-    adapter_id: str
-    lora: LoRAConfig
-    scale: float
-    tensors: dict[str, tuple[tuple[int, ...], str, str]]
-    digest: str  # SHA-256 of the manifest JSON: identifies this exact adapter
-
-    def check_tensor(self, name: str, t: torch.Tensor) -> None:
-        """Raise `AdapterPayloadError` unless `t` is exactly the tensor the manifest announced under `name`."""
-        if name not in self.tensors:
-            raise AdapterPayloadError(f"adapter tensor {name!r} is not in the manifest of adapter {self.adapter_id!r}")
-        shape, dtype, sha = self.tensors[name]
-        if tuple(t.shape) != tuple(shape) or _dtype_name(t.dtype) != dtype:
-            raise AdapterPayloadError(f"adapter tensor {name!r} arrived as {_dtype_name(t.dtype)} {tuple(t.shape)}, "
-                                      f"the manifest says {dtype} {tuple(shape)}")
-        got = tensor_sha256(t)
-        if got != sha:
-            raise AdapterPayloadError(f"adapter tensor {name!r} failed its SHA-256 check (expected {sha[:16]}..., "
-                                      f"got {got[:16]}...): corrupted in transit; adapter {self.adapter_id!r} refused")
+def adapter_layers(config: BeamConfig, lora: LoRAConfig) -> dict[int, list[str]]:
+    """Adapter tensor names per layer, in export order (the export's units)."""
+    by_layer: dict[int, list[str]] = {}
+    seen: set[str] = set()
+    for w in adapted_weights(config, lora):
+        names = by_layer.setdefault(w.layer, [])
+        for n in (w.a, w.b):
+            if n not in seen:
+                seen.add(n)
+                names.append(n)
+    return by_layer
 
 
-def build_adapter_payload(tensors: dict[str, torch.Tensor], lora: LoRAConfig,
-                          adapter_id: str) -> list[tuple[str, torch.Tensor]]:
-    """[manifest, *tensors]: the payload of one adapter (checksums computed here, on the sender)."""
-    body = {"format": FORMAT, "adapter_id": str(adapter_id), "lora": lora.to_dict(), "scale": float.hex(lora.scale),
-            "tensors": {n: {"shape": list(t.shape), "dtype": _dtype_name(t.dtype), "sha256": tensor_sha256(t)}
-                        for n, t in tensors.items()}}
-    raw = json.dumps(body, sort_keys=True).encode()
-    blob = raw + b"\n" + hashlib.sha256(raw).hexdigest().encode()
-    manifest = torch.frombuffer(bytearray(blob), dtype=torch.uint8).clone()
-    return [(MANIFEST_NAME, manifest)] + list(tensors.items())
+def adapter_payload(tensors: dict[str, torch.Tensor], lora: LoRAConfig) -> list[tuple[str, torch.Tensor]]:
+    """[scale, *tensors]: every tensor of one adapter as an adapter sync sends it."""
+    return [(SCALE_NAME, scale_tensor(lora))] + list(tensors.items())
 
 
-def decode_manifest(t: torch.Tensor) -> AdapterManifest:
-    """Parse and verify a manifest tensor (its own SHA-256 first)."""
-    blob = t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
-    raw, sep, digest = blob.rpartition(b"\n")
-    if not sep or hashlib.sha256(raw).hexdigest().encode() != digest:
-        raise AdapterPayloadError(f"{MANIFEST_NAME} failed its SHA-256 check: corrupted in transit; adapter refused")
-    try:
-        body = json.loads(raw)
-    except ValueError as e:
-        raise AdapterPayloadError(f"{MANIFEST_NAME} is not valid JSON: {e}") from None
-    if body.get("format") != FORMAT:
-        raise AdapterPayloadError(f"{MANIFEST_NAME} has format {body.get('format')!r}, expected {FORMAT!r}")
-    lora = LoRAConfig.from_dict(body["lora"])
-    scale = float.fromhex(body["scale"])
-    if scale != lora.scale:
-        raise AdapterPayloadError(f"{MANIFEST_NAME}: scale {scale!r} does not match alpha/rank of its LoRAConfig "
-                                  f"({lora.scale!r})")
-    tensors = {n: (tuple(v["shape"]), v["dtype"], v["sha256"]) for n, v in body["tensors"].items()}
-    return AdapterManifest(body["adapter_id"], lora, scale, tensors, digest.decode())
+def check_scale(t: torch.Tensor, lora: LoRAConfig) -> None:
+    """Refuse a scale tensor that is not bit for bit this receiver's `fp32(alpha / rank)`."""
+    want = scale_tensor(lora)
+    if t.dtype != torch.float32 or tuple(t.shape) != (1,) or \
+            not torch.equal(t.detach().cpu().view(torch.int32), want.view(torch.int32)):
+        raise AdapterPayloadError(f"{SCALE_NAME} arrived as {t.detach().cpu().tolist()} ({t.dtype}), this engine's "
+                                  f"LoRA config has scale alpha/rank = {lora.alpha}/{lora.rank} = {lora.scale!r}: "
+                                  f"the trainer and the engine disagree on trainer.lora; adapter refused")

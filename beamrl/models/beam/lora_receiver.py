@@ -1,12 +1,11 @@
-"""`AdapterReceiver`: the engine side of an adapter-only sync, shared by the embedded engine and the SGLang
-model class (docs/lora.md "Adapter sync").
+"""`AdapterMerger`: the engine side of an adapter-only sync, shared by the embedded engine and the SGLang model
+class (docs/lora.md "Adapter sync").
 
-It takes the payload's named tensors in any number of calls (`receive`), checks each on arrival against the
-manifest (`lora_payload`), stages them, and when the last announced tensor has arrived merges every targeted
-weight from its kept W0 with `merge_lora_weight` and hands the merged HF-named weights to the engine's writer.
-Nothing is written before every tensor of the adapter has arrived and passed its checks, so a refused adapter
-leaves the engine's weights as they were. Weights the previous adapter merged but the new one does not target
-are written back to W0.
+It stages the tensors of one adapter (`stage`; the scale tensor starts a new adapter and is checked against the
+engine's own LoRA config), and on `commit` merges every targeted weight from its kept W0 with
+`merge_lora_weight` and hands the merged HF-named weights to the engine's writer. Every merge is computed before
+anything is written, so a refused or incomplete adapter leaves the weights as they were. Weights the previous
+adapter merged but the new one does not target are written back to W0.
 
 The engine supplies two callables:
 - `base(name) -> W0`: the unmerged HF weight `name` (the embedded engine keeps a copy taken before its first
@@ -21,87 +20,81 @@ from typing import Callable, Iterable
 import torch
 
 from beamrl.models.beam.config import BeamConfig
-from beamrl.models.beam.lora import adapted_weights, adapter_tensor_shapes, merge_lora_weight
-from beamrl.models.beam.lora_payload import MANIFEST_NAME, AdapterManifest, AdapterPayloadError, decode_manifest
+from beamrl.models.beam.lora import adapted_weights, merge_lora_weight
+from beamrl.models.beam.lora_config import LoRAConfig
+from beamrl.models.beam.lora_payload import SCALE_NAME, AdapterPayloadError, adapter_table, check_scale
 
 
 class AdapterRejected(AdapterPayloadError):
-    """An adapter payload was refused; the engine's weights are unchanged."""
+    """An adapter was refused; the engine's weights are unchanged."""
 
 
-class AdapterReceiver:
-    """Checks, stages and applies adapter payloads for one model (module docstring)."""
+class AdapterMerger:
+    """Stages, checks and applies adapters of one LoRA config for one model (module docstring)."""
 
-    def __init__(self, config: BeamConfig, base: Callable[[str], torch.Tensor],
+    def __init__(self, config: BeamConfig, lora: LoRAConfig, base: Callable[[str], torch.Tensor],
                  write: Callable[[list[tuple[str, torch.Tensor]]], None],
                  owns: Callable[[str], bool] | None = None):
         """owns(name): whether this engine holds the HF weight `name` (e.g. its pipeline stage's layers); weights
         it does not hold are neither merged nor written. Default: all."""
-        self.config = config
+        self.config, self.lora = config, lora
         self._base, self._write = base, write
         self._owns = owns or (lambda name: True)
-        self._manifest: AdapterManifest | None = None
-        self._staged: dict[str, torch.Tensor] = {}
+        self.names = set(adapter_table(config, lora, torch.float32))  # every tensor of an adapter, with the scale
+        self.staged: dict[str, torch.Tensor] = {}
         self._merged: set[str] = set()
-        self.applied: AdapterManifest | None = None  # the adapter now merged into the weights
-        self._applied_tensors: dict[str, torch.Tensor] = {}
+        self.applied: dict[str, torch.Tensor] | None = None  # the adapter now merged into the weights
+        self.num_applied = 0  # adapters applied so far (receivers compare it across a session)
 
     @property
     def merged_weights(self) -> set[str]:
         """HF names of the weights that now hold a merged W' (not W0)."""
         return set(self._merged)
 
-    def receive(self, named: Iterable[tuple[str, torch.Tensor]]) -> bool:
-        """Check and stage adapter tensors (a manifest starts a new adapter); returns True when this call
-        completed and applied an adapter. Raises `AdapterRejected` (and forgets the staged adapter) on any failed
-        check; the weights are then untouched."""
-        named = list(named)
-        # A manifest in this call is taken first (buckets reorder tensors by element size for alignment).
-        named.sort(key=lambda nt: nt[0] != MANIFEST_NAME)
-        try:
-            for name, t in named:
-                if name == MANIFEST_NAME:
-                    self._start(decode_manifest(t))
-                    continue
-                if self._manifest is None:
-                    raise AdapterPayloadError(f"adapter tensor {name!r} arrived before {MANIFEST_NAME}")
-                self._manifest.check_tensor(name, t)
-                self._staged[name] = t.detach().clone()
-        except AdapterPayloadError as e:
-            self._manifest, self._staged = None, {}
-            raise AdapterRejected(str(e)) from None
-        if self._manifest is not None and len(self._staged) == len(self._manifest.tensors):
-            self._apply()
-            return True
-        return False
+    @property
+    def complete(self) -> bool:
+        return len(self.staged) == len(self.names)
 
-    def _start(self, manifest: AdapterManifest) -> None:
-        expected = adapter_tensor_shapes(self.config, manifest.lora)
-        announced = {n: shape for n, (shape, _, _) in manifest.tensors.items()}
-        if announced != {n: tuple(s) for n, s in expected.items()}:
-            extra = sorted(set(announced) - set(expected))
-            missing = sorted(set(expected) - set(announced))
-            wrong = sorted(n for n in set(announced) & set(expected) if announced[n] != tuple(expected[n]))
-            raise AdapterPayloadError(
-                f"adapter {manifest.adapter_id!r} does not fit this model: unexpected {extra[:2]}, missing "
-                f"{missing[:2]}, wrong shape {wrong[:2]}")
-        self._manifest, self._staged = manifest, {}
+    def stage(self, named: Iterable[tuple[str, torch.Tensor]], copy: bool = True) -> None:
+        """Keep adapter tensors until `commit`; the scale starts a new adapter (forgetting a partial one). Raises
+        `AdapterRejected` for a scale that is not this config's or a name outside the adapter."""
+        named = sorted(named, key=lambda nt: nt[0] != SCALE_NAME)  # buckets reorder tensors by element size
+        for name, t in named:
+            if name == SCALE_NAME:
+                self.staged = {}
+                try:
+                    check_scale(t, self.lora)
+                except AdapterPayloadError as e:
+                    raise AdapterRejected(str(e)) from None
+            elif name not in self.names:
+                self.staged = {}
+                raise AdapterRejected(f"{name!r} is not an adapter tensor of this engine's LoRA config")
+            self.staged[name] = t.detach().clone() if copy else t
 
-    def _apply(self) -> None:
-        manifest, staged = self._manifest, self._staged
-        self._manifest, self._staged = None, {}
+    def discard(self) -> None:
+        self.staged = {}
+
+    def commit(self) -> None:
+        """Merge the staged adapter into the weights (all of it computed before anything is written)."""
+        if not self.complete:
+            missing = sorted(self.names - set(self.staged))
+            self.staged = {}
+            raise AdapterRejected(f"incomplete adapter: {len(missing)} tensor(s) missing (e.g. {missing[:2]}); "
+                                  f"nothing was merged")
+        staged, self.staged = self.staged, {}
         merged: list[tuple[str, torch.Tensor]] = []
         names: set[str] = set()
-        for w in adapted_weights(self.config, manifest.lora):
+        for w in adapted_weights(self.config, self.lora):
             if not self._owns(w.weight):
                 continue
-            w0 = self._base(w.weight)
-            merged.append((w.weight, merge_lora_weight(w0, staged[w.a], staged[w.b], manifest.scale)))
+            merged.append((w.weight, merge_lora_weight(self._base(w.weight), staged[w.a], staged[w.b],
+                                                       self.lora.scale)))
             names.add(w.weight)
         restored = [(n, self._base(n)) for n in sorted(self._merged - names)]
         self._write(merged + restored)
         self._merged = names
-        self.applied, self._applied_tensors = manifest, staged
+        self.applied = staged
+        self.num_applied += 1
 
     def reapply(self, weight_names: Iterable[str]) -> None:
         """After the engine loaded new base weights `weight_names` (so their W0 changed and they no longer hold a
@@ -109,8 +102,8 @@ class AdapterReceiver:
         if self.applied is None:
             return
         wanted = set(weight_names) & self._merged
-        t = self._applied_tensors
-        out = [(w.weight, merge_lora_weight(self._base(w.weight), t[w.a], t[w.b], self.applied.scale))
-               for w in adapted_weights(self.config, self.applied.lora) if w.weight in wanted and self._owns(w.weight)]
+        t = self.applied
+        out = [(w.weight, merge_lora_weight(self._base(w.weight), t[w.a], t[w.b], self.lora.scale))
+               for w in adapted_weights(self.config, self.lora) if w.weight in wanted and self._owns(w.weight)]
         if out:
             self._write(out)

@@ -19,21 +19,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from beamrl.dtypes import dtype_name
 from beamrl.models.beam import numerics
 from beamrl.models.beam.config import BeamConfig
 from beamrl.models.beam.kv_cache import KVCache
 from beamrl.models.beam.weights import expected_tensors, packed_expert_names, random_state_dict
 
 _FP32_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
-_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """config.json spelling of a torch dtype ("bfloat16", "float32", "float16")."""
-    for name, dt in _DTYPES.items():
-        if dt == dtype:
-            return name
-    raise ValueError(f"unsupported Beam dtype {dtype}; allowed: {list(_DTYPES)}")
 
 
 @dataclass
@@ -144,15 +136,11 @@ class BeamMoE(nn.Module):
         order = flat.argsort(stable=True)
         counts = torch.bincount(flat, minlength=c.num_experts).tolist()
         xs, ws = x[order // k], weights.reshape(-1)[order]
-        outs = torch.empty(n * k, x.shape[1], dtype=x.dtype, device=x.device)
-        start = 0
-        for e, cnt in enumerate(counts):
-            if cnt:
-                ex = self.experts[e]
-                seg = slice(start, start + cnt)
-                outs[seg] = numerics.expert_output(xs[seg], ex.gate_proj.weight, ex.up_proj.weight,
-                                                   ex.down_proj.weight, ws[seg])
-                start += cnt
+        experts = list(self.experts)
+        outs = numerics.grouped_expert_outputs(
+            xs, counts, torch.stack([ex.gate_proj.weight for ex in experts]),
+            torch.stack([ex.up_proj.weight for ex in experts]), torch.stack([ex.down_proj.weight for ex in experts]),
+            ws)
         per_expert = torch.empty_like(outs)
         per_expert[order] = outs
         return numerics.moe_combine(per_expert.view(n, k, -1), c.routed_scaling_factor), ids

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-DTYPES = ("float32", "bfloat16")
+from beamrl.dtypes import RUN_DTYPES
+from beamrl.models.beam.lora_config import LoRAConfig
 
 
 class NativeEngineConfigError(ValueError):
@@ -17,7 +18,9 @@ class NativeEngineConfig:
     on CPUs without native bf16 GEMMs, faster). max_batch_size: requests decoded together. seed: source of the
     per-request seeds of requests that give none. name: labels errors and weight-sync reports. num_threads: if
     set, `torch.set_num_threads` for this (engine) process: tiny models decode fastest with 1 intra-op thread,
-    and an oversubscribed CPU makes more threads much slower."""
+    and an oversubscribed CPU makes more threads much slower. rollback: undo a failed weight-update session from
+    host copies of what it overwrote (None: on CPU only; docs/weight-sync.md, "Failures"). lora: the trainer's
+    `trainer.lora`: the engine then accepts adapter-only syncs for it (docs/lora.md); None: full syncs only."""
 
     model_path: str
     dtype: str = "float32"
@@ -27,17 +30,21 @@ class NativeEngineConfig:
     name: str = "native-0"
     weight_version: int = 0
     num_threads: int | None = None
+    rollback: bool | None = None
+    lora: LoRAConfig | None = None
 
     def __post_init__(self) -> None:
         if not self.model_path:
             raise NativeEngineConfigError("NativeEngineConfig.model_path is empty")
-        if self.dtype not in DTYPES:
-            raise NativeEngineConfigError(f"NativeEngineConfig.dtype={self.dtype!r}; allowed: {list(DTYPES)}")
+        if self.dtype not in RUN_DTYPES:
+            raise NativeEngineConfigError(f"NativeEngineConfig.dtype={self.dtype!r}; allowed: {list(RUN_DTYPES)}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise NativeEngineConfigError(f"NativeEngineConfig.device={self.device!r}; allowed: 'cpu', 'cuda[:i]'")
         if self.max_batch_size < 1:
             raise NativeEngineConfigError(f"NativeEngineConfig.max_batch_size={self.max_batch_size} must be >= 1")
         if self.num_threads is not None and self.num_threads < 1:
             raise NativeEngineConfigError(f"NativeEngineConfig.num_threads={self.num_threads} must be >= 1 or None")
+        if self.lora is not None and not isinstance(self.lora, LoRAConfig):
+            raise NativeEngineConfigError(f"NativeEngineConfig.lora must be a LoRAConfig, got {type(self.lora).__name__}")
         if self.weight_version < 0:
             raise NativeEngineConfigError(f"NativeEngineConfig.weight_version={self.weight_version} must be >= 0")

@@ -3,8 +3,9 @@
 It implements `RolloutEngine` and `WeightReceiver` with SGLang's semantics (docs/native-engine.md): logprobs
 before truncation, routed experts in SGLang's row layout, weight-update sessions, versions. Calls are
 serialised by one lock (as SGLang's scheduler serialises them); each waits for it at most `timeout` seconds.
-A failed weight update marks the engine as not serving until a full `update_weights_from_disk` succeeds, so a
-half-updated model never serves silently.
+Weight updates go through `LocalWeightReceiver` (manifest, per-bucket checksums, staged buckets): a failed session
+is rolled back (on CPU by default) or marks the engine as not serving until a full `update_weights_from_disk`
+succeeds (GPU), so a half-updated model never serves silently.
 """
 
 from __future__ import annotations
@@ -17,18 +18,20 @@ from typing import Iterator
 
 import torch
 
-from beamrl.models.beam.lora_payload import is_adapter_tensor_name
-from beamrl.models.beam.lora_receiver import AdapterReceiver, AdapterRejected
+from beamrl.dtypes import dtype_name, torch_dtype
+from beamrl.models.beam.lora_config import LoRAConfig
+from beamrl.models.beam.lora_payload import ADAPTER
 from beamrl.models.beam.model import BeamForCausalLM
 from beamrl.rollout.native.config import NativeEngineConfig
 from beamrl.rollout.native.generation import generate_batch, routes_array
-from beamrl.rollout.protocol import EngineError, GenerateRequest, GenerateResult, RolloutEngine
-from beamrl.sync.flat_bucket import FlatBucket, aligned_order
+from beamrl.protocols.rollout import EngineError, GenerateRequest, GenerateResult, RolloutEngine
+from beamrl.protocols.flat_bucket import FlatBucket
+from beamrl.protocols.manifest import FULL, SyncManifest
+from beamrl.rollout.native.lora_target import AdapterTarget, LoRABaseWeights
 from beamrl.sync.local_receiver import LocalWeightReceiver
-from beamrl.sync.protocol import WeightReceiver, WeightSyncError
+from beamrl.protocols.weights import WeightReceiver, WeightSyncError
 
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class NativeEngine(RolloutEngine, WeightReceiver):
@@ -40,31 +43,31 @@ class NativeEngine(RolloutEngine, WeightReceiver):
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         if model is None:
-            model = BeamForCausalLM.from_pretrained(config.model_path, dtype=_DTYPES[config.dtype], device=config.device)
+            model = BeamForCausalLM.from_pretrained(config.model_path, dtype=torch_dtype(config.dtype),
+                                                    device=config.device)
         self.model = model.eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
         self._lock = threading.Lock()
         self._abort_epoch = 0
         self._seeds = random.Random(config.seed)
-        self._failure: str | None = None  # why the engine does not serve (failed update)
         self._host_weights: dict[str, torch.Tensor] | None = None  # set while 'weights' are released
         self._closed = False
-        self._in_session = False
-        self._groups: list[str] = []
-        self._receiver = LocalWeightReceiver(self._load_tensors, name=config.name, device=self.model.device,
-                                             initial_version=config.weight_version)
-        # LoRA (docs/lora.md): adapter payloads merge into the targeted weights from W0 copies kept here.
-        self._lora_w0: dict[str, torch.Tensor] = {}
-        self._lora = AdapterReceiver(self.model.config, self._lora_base, self.model.load_hf_tensors)
-        self._session_loaded_base = False
+        targets = {}
+        self._adapter: AdapterTarget | None = None
+        if config.lora is not None:  # adapter-only syncs (docs/lora.md): merged into the weights at commit
+            self._adapter = AdapterTarget(self.model, config.lora)
+            targets = {ADAPTER: self._adapter, FULL: LoRABaseWeights(self.model, self._adapter)}
+        self._receiver = LocalWeightReceiver(self.model, name=config.name, initial_version=config.weight_version,
+                                             rollback=config.rollback, targets=targets)
 
     @classmethod
     def from_model(cls, model: BeamForCausalLM, name: str = "native-0", max_batch_size: int = 64, seed: int = 0,
-                   weight_version: int = 0) -> "NativeEngine":
-        dtype = "bfloat16" if model.dtype == torch.bfloat16 else "float32"
-        cfg = NativeEngineConfig(model_path="<in-memory>", dtype=dtype, device=str(model.device),
-                                 max_batch_size=max_batch_size, seed=seed, name=name, weight_version=weight_version)
+                   weight_version: int = 0, rollback: bool | None = None,
+                   lora: LoRAConfig | None = None) -> "NativeEngine":
+        cfg = NativeEngineConfig(model_path="<in-memory>", dtype=dtype_name(model.dtype), device=str(model.device),
+                                 max_batch_size=max_batch_size, seed=seed, name=name, weight_version=weight_version,
+                                 rollback=rollback, lora=lora)
         return cls(cfg, model)
 
     @property
@@ -84,12 +87,12 @@ class NativeEngine(RolloutEngine, WeightReceiver):
             self._lock.release()
 
     def _require_serving(self, what: str) -> None:
-        if self._failure is not None:
-            raise EngineError(f"{self.name}: not serving ({self._failure}); reload the full weights with "
+        if self._receiver.failure is not None:
+            raise EngineError(f"{self.name}: not serving ({self._receiver.failure}); reload the full weights with "
                               f"update_weights_from_disk or restart the engine")
         if self._host_weights is not None:
             raise EngineError(f"{self.name}: {what} while the weights are released; call resume_memory(['weights'])")
-        if self._in_session:
+        if self._receiver.in_session:
             raise EngineError(f"{self.name}: {what} during an open weight-update session; end it first")
 
     # ------------------------------------------------------------------ generation
@@ -149,7 +152,7 @@ class NativeEngine(RolloutEngine, WeightReceiver):
             return out
 
     def health(self, timeout: float) -> bool:
-        return not self._closed and self._failure is None
+        return not self._closed and self._receiver.failure is None
 
     def abort_all(self, timeout: float) -> None:
         """Running requests finish with 'abort' at their next decode step (never waits for the lock)."""
@@ -199,122 +202,104 @@ class NativeEngine(RolloutEngine, WeightReceiver):
     def tp_size(self) -> int:
         return 1
 
-    def _load_tensors(self, named: list[tuple[str, torch.Tensor]]) -> None:
-        base = [(n, t) for n, t in named if not is_adapter_tensor_name(n)]
-        if base:
-            self._session_loaded_base = True
-            updated = self.model.load_hf_tensors(base)
-            params = dict(self.model.named_parameters())
-            for n in set(updated) & set(self._lora_w0):  # a new W0: keep it, then re-merge the applied adapter
-                self._lora_w0[n] = params[n].detach().clone()
-            self._lora.reapply(updated)
-        adapter = [(n, t) for n, t in named if is_adapter_tensor_name(n)]
-        if adapter:
-            self._lora.receive(adapter)
-
-    def _lora_base(self, name: str) -> torch.Tensor:
-        """W0 of a targeted weight: copied from the parameter before its first merge."""
-        if name not in self._lora_w0:
-            self._lora_w0[name] = dict(self.model.named_parameters())[name].detach().clone()
-        return self._lora_w0[name]
-
-    def apply_lora_adapter(self, payload: list[tuple[str, torch.Tensor]], new_version: int, timeout: float) -> None:
-        """Adapter-only update in one session: `payload` from `lora_payload.build_adapter_payload` (manifest +
-        full adapter tensors). A refused payload (failed checksum, wrong tensor set) raises `WeightSyncError`,
-        leaves the weights and the version unchanged and the engine serving."""
-        self.begin_weight_update(timeout)
-        try:
-            self.update_weights_from_tensor(FlatBucket.from_named_tensors(aligned_order(payload)), timeout)
-        except BaseException:
-            with self._locked("end_weight_update", timeout, WeightSyncError):
-                self._receiver.end_weight_update(self.weight_version, timeout)
-                self._in_session = False
-            raise
-        self.end_weight_update(new_version, timeout)
-
     @property
-    def lora_adapter_id(self) -> str | None:
-        """Id of the adapter now merged into the weights (None: base weights only)."""
-        return None if self._lora.applied is None else self._lora.applied.adapter_id
+    def adapters_applied(self) -> int:
+        """LoRA: how many adapter syncs were committed (0: base weights only, or no LoRA config)."""
+        return 0 if self._adapter is None else self._adapter.adapter_version
 
     def _require_weights(self, what: str) -> None:
         if self._host_weights is not None:
             raise WeightSyncError(f"{self.name}: {what} while the weights are released; call "
                                   f"resume_memory(['weights']) first")
 
-    def _session_update(self, what: str, timeout: float, call) -> None:
-        """Run a bucket update inside the open session. Any failure may leave earlier buckets applied, so it
-        stops the engine from serving (a call outside a session is refused first and changes nothing)."""
+    def _weights_call(self, what: str, timeout: float, call, needs_weights: bool = True):
+        """Run one weight-update call of the receiver under the engine lock (`LocalWeightReceiver` holds the
+        session, its checks and the failure policy: docs/weight-sync.md)."""
         with self._locked(what, timeout, WeightSyncError):
-            if not self._in_session:
-                raise WeightSyncError(f"{self.name}: {what} must run between begin_weight_update() and "
-                                      f"end_weight_update()")
-            self._require_weights(what)
-            try:
-                call()
-            except Exception as exc:
-                # A refused adapter was checked before anything was written: the engine keeps serving, unless this
-                # session had already loaded base weights.
-                rejected = isinstance(exc, AdapterRejected) or isinstance(exc.__cause__, AdapterRejected)
-                if not rejected or self._session_loaded_base:
-                    self._failure = f"{what} failed: {exc}"
-                raise exc if isinstance(exc, WeightSyncError) else WeightSyncError(f"{self.name}: {exc}") from exc
+            if needs_weights:
+                self._require_weights(what)
+            return call()
 
-    def begin_weight_update(self, timeout: float) -> None:
-        with self._locked("begin_weight_update", timeout, WeightSyncError):
-            self._receiver.begin_weight_update(timeout)
-            self._in_session = True
-            self._session_loaded_base = False
+    def begin_weight_update(self, manifest: SyncManifest, timeout: float) -> None:
+        self._weights_call("begin_weight_update", timeout,
+                           lambda: self._receiver.begin_weight_update(manifest, timeout))
 
     def update_weights_from_tensor(self, bucket: FlatBucket, timeout: float) -> None:
-        self._session_update("update_weights_from_tensor", timeout,
-                             lambda: self._receiver.update_weights_from_tensor(bucket, timeout))
+        self._weights_call("update_weights_from_tensor", timeout,
+                           lambda: self._receiver.update_weights_from_tensor(bucket, timeout))
 
-    def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                                        group_name: str, timeout: float) -> None:
-        """Receive one uint8 broadcast laid out by (names, dtypes, shapes); the group's own timeout (set at
+    def update_weights_from_distributed(self, index: int, checksum: tuple[int, int], group_name: str,
+                                        timeout: float) -> None:
+        """Receive bucket `index` as one uint8 broadcast; the group's own timeout (set at
         `init_weights_update_group`) bounds the wait for the sender."""
-        self._session_update("update_weights_from_distributed", timeout,
-                             lambda: self._receiver.update_weights_from_distributed(names, dtypes, shapes,
-                                                                                    group_name, timeout))
+        self._weights_call("update_weights_from_distributed", timeout,
+                           lambda: self._receiver.update_weights_from_distributed(index, checksum, group_name,
+                                                                                  timeout))
+
+    def staging_supported(self, timeout: float) -> bool:
+        return True
+
+    def attach_staging(self, slots: list, timeout: float) -> list:
+        return self._weights_call("attach_staging", timeout, lambda: self._receiver.attach_staging(slots, timeout),
+                                  needs_weights=False)
+
+    def detach_staging(self, timeout: float) -> None:
+        self._weights_call("detach_staging", timeout, lambda: self._receiver.detach_staging(timeout),
+                           needs_weights=False)
+
+    def load_staged_bucket(self, slot: int, index: int, timeout: float) -> None:
+        self._weights_call("load_staged_bucket", timeout,
+                           lambda: self._receiver.load_staged_bucket(slot, index, timeout))
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
                                   group_name: str, backend: str, timeout: float) -> None:
         """Join a new process group (TCP rendezvous at master_address:master_port) as `rank_offset`; the trainer
         (rank 0) must join concurrently. Collectives of the group time out after `timeout` s."""
-        with self._locked("init_weights_update_group", timeout, WeightSyncError):
-            self._receiver.init_weights_update_group(master_address, master_port, rank_offset, world_size,
-                                                     group_name, backend, timeout)
-            self._groups.append(group_name)
+        self._weights_call("init_weights_update_group", timeout, lambda: self._receiver.init_weights_update_group(
+            master_address, master_port, rank_offset, world_size, group_name, backend, timeout), needs_weights=False)
 
     def destroy_weights_update_group(self, group_name: str, timeout: float) -> None:
-        with self._locked("destroy_weights_update_group", timeout, WeightSyncError):
-            self._receiver.destroy_weights_update_group(group_name, timeout)
-            self._groups.remove(group_name)
+        self._weights_call("destroy_weights_update_group", timeout,
+                           lambda: self._receiver.destroy_weights_update_group(group_name, timeout),
+                           needs_weights=False)
 
     def update_weights_from_disk(self, path: str, timeout: float) -> None:
         """Load a full checkpoint (no session needed, as in SGLang). Every tensor is validated before any is
         copied, so a failure leaves the weights unchanged; success also clears an earlier update failure."""
-        with self._locked("update_weights_from_disk", timeout, WeightSyncError):
-            self._require_weights("update_weights_from_disk")
-            self._receiver.update_weights_from_disk(path, timeout)
-            self._failure = None
+        self._weights_call("update_weights_from_disk", timeout,
+                           lambda: self._receiver.update_weights_from_disk(path, timeout))
 
     def end_weight_update(self, new_version: int, timeout: float) -> None:
-        """Close the session and serve `new_version`. After a failed update in the session, the session is closed
-        without bumping the version and `WeightSyncError` is raised (the engine stays not serving)."""
+        """Commit the session and serve `new_version`; a failed commit is rolled back or leaves the engine not
+        serving (the receiver's policy) and raises."""
         if int(new_version) < 0:
             raise WeightSyncError(f"{self.name}: weight version must be >= 0, got {new_version}")
-        with self._locked("end_weight_update", timeout, WeightSyncError):
-            failed = self._failure
-            self._receiver.end_weight_update(self.weight_version if failed else int(new_version), timeout)
-            self._in_session = False
-            if failed:
-                raise WeightSyncError(f"{self.name}: session closed without serving version {new_version}: {failed}")
+        self._weights_call("end_weight_update", timeout,
+                           lambda: self._receiver.end_weight_update(new_version, timeout), needs_weights=False)
+
+    def abort_weight_update(self, reason: str, timeout: float) -> str:
+        return self._weights_call("abort_weight_update", timeout,
+                                  lambda: self._receiver.abort_weight_update(reason, timeout), needs_weights=False)
 
     def update_weight_version(self, new_version: int, timeout: float) -> None:
-        with self._locked("update_weight_version", timeout, WeightSyncError):
-            self._receiver.set_weight_version(int(new_version), timeout)
+        self._weights_call("update_weight_version", timeout,
+                           lambda: self._receiver.update_weight_version(int(new_version), timeout),
+                           needs_weights=False)
+
+    def served_weight_version(self, timeout: float) -> int:
+        return self._receiver.weight_version
+
+    def weights_checksum(self, timeout: float) -> str:
+        """SHA-256 over every parameter's name and raw bytes: equal before and after a refused or rolled-back
+        sync, different after a real one (SGLang's engine answers the same question with `check_weights`)."""
+        import hashlib
+
+        with self._locked("weights_checksum", timeout):
+            h = hashlib.sha256()
+            for name, p in self.model.named_parameters():
+                h.update(name.encode())
+                h.update(p.detach().reshape(-1).view(torch.uint8).cpu().numpy().tobytes())
+            return h.hexdigest()
 
     def shutdown(self) -> None:
         if self._closed:
@@ -322,7 +307,7 @@ class NativeEngine(RolloutEngine, WeightReceiver):
         self._abort_epoch += 1  # a running generate stops at its next step
         locked = self._lock.acquire(timeout=60.0)
         try:
-            for group in list(self._groups) if locked else []:
+            for group in self._receiver.group_names if locked else []:
                 try:
                     self._receiver.destroy_weights_update_group(group, 10.0)
                 except WeightSyncError:

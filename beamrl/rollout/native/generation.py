@@ -13,7 +13,7 @@ import torch
 from beamrl.models.beam.kv_cache import KVCache
 from beamrl.models.beam.model import BeamForCausalLM
 from beamrl.rollout.native.sampler import RowSampling, sample
-from beamrl.rollout.protocol import EngineError, GenerateRequest
+from beamrl.protocols.rollout import EngineError, GenerateRequest
 
 
 @dataclass
@@ -22,7 +22,7 @@ class RowState:
 
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
-    routes: list[torch.Tensor] = field(default_factory=list)  # int32 [n, L, k] chunks, in token order
+    routes: list[np.ndarray] = field(default_factory=list)  # int32 [n, L, k] chunks (views), in token order
     finish_reason: str | None = None
 
 
@@ -57,11 +57,9 @@ def generate_batch(model: BeamForCausalLM, requests: list[GenerateRequest], seed
     lengths = [len(r.prompt_ids) for r in requests]
     T = max(lengths)
     max_new = max(r.sampling.max_new_tokens for r in requests)
-    ids = torch.zeros(n, T, dtype=torch.long)
-    mask = torch.zeros(n, T, dtype=torch.bool)
-    for i, r in enumerate(requests):
-        ids[i, T - lengths[i]:] = torch.tensor(r.prompt_ids, dtype=torch.long)
-        mask[i, T - lengths[i]:] = True
+    # Left padding, built as lists and turned into tensors once (not four tensor ops per row).
+    ids = torch.tensor([[0] * (T - k) + list(r.prompt_ids) for r, k in zip(requests, lengths)], dtype=torch.long)
+    mask = torch.tensor([[False] * (T - k) + [True] * k for k in lengths], dtype=torch.bool)
     want_routes = any(r.return_routed_experts for r in requests)
     params = row_sampling(requests, seeds, c.vocab_size)
     stops = [_stop_ids(r, c.eos_token_id) for r in requests]
@@ -70,10 +68,11 @@ def generate_batch(model: BeamForCausalLM, requests: list[GenerateRequest], seed
     cache = KVCache(c, n, T + max_new, model.dtype, dev)
     out = model(ids.to(dev), attention_mask=mask.to(dev), kv_cache=cache, return_routes=want_routes,
                 last_logits_only=True)
-    if want_routes:
+    if want_routes:  # one host copy per forward; rows are numpy views of it (no per-row tensor ops)
+        prefill = out.routes.cpu().numpy()
         for i, r in enumerate(requests):
             if r.return_routed_experts:
-                states[i].routes.append(out.routes[i, mask[i].to(dev)].cpu())
+                states[i].routes.append(prefill[i, T - lengths[i]:])  # left padding: the last lengths[i] slots
     logits = out.logits[:, -1]
     active = list(range(n))  # request index of each cache row
     step = 0
@@ -88,11 +87,10 @@ def generate_batch(model: BeamForCausalLM, requests: list[GenerateRequest], seed
         rows = torch.tensor(active, dtype=torch.long)
         tokens, logprobs = sample(logits.cpu(), params.select(rows), torch.full((len(active),), step))
         keep: list[int] = []
-        for j, i in enumerate(active):
-            tok = int(tokens[j])
+        for j, (i, tok, lp) in enumerate(zip(active, tokens.tolist(), logprobs.tolist())):
             st = states[i]
             st.output_ids.append(tok)
-            st.output_logprobs.append(float(logprobs[j]))
+            st.output_logprobs.append(lp)
             if tok in stops[i]:
                 st.finish_reason = "stop"
             elif len(st.output_ids) >= requests[i].sampling.max_new_tokens:
@@ -107,9 +105,10 @@ def generate_batch(model: BeamForCausalLM, requests: list[GenerateRequest], seed
         nxt = tokens[torch.tensor(keep)].view(-1, 1).to(dev)
         out = model(nxt, kv_cache=cache, return_routes=want_routes)
         if want_routes:
+            decoded = out.routes.cpu().numpy()
             for j, i in enumerate(active):
                 if requests[i].return_routed_experts:
-                    states[i].routes.append(out.routes[j].cpu())
+                    states[i].routes.append(decoded[j])
         logits = out.logits[:, -1]
         step += 1
     return states
@@ -119,4 +118,4 @@ def routes_array(state: RowState, prompt_len: int) -> np.ndarray:
     """int32 [prompt_len + output_len - 1, L, k]: row t is token t's forward; the last sampled token is never
     forwarded (an aborted request did forward it; that row is dropped to keep SGLang's shape)."""
     rows = max(prompt_len + len(state.output_ids) - 1, prompt_len if not state.output_ids else 0)
-    return torch.cat(state.routes)[:rows].numpy().astype(np.int32, copy=False)
+    return np.concatenate(state.routes)[:rows].astype(np.int32, copy=False)

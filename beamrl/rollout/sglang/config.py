@@ -2,6 +2,9 @@
 
 One config builds both the in-process `sglang.Engine(**kwargs)` and the `python -m sglang.launch_server ...`
 command line, so the two adapters can never be launched differently. See docs/sglang.md.
+
+Fields that are also recipe fields (`rollout.engine_tp`, `rollout.mem_fraction`, ...) carry the recipe's names;
+`SGLANG_NAMES` is the one place where they become SGLang's own argument names (`tp_size`, ...).
 """
 
 from __future__ import annotations
@@ -11,14 +14,32 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# SGLang 0.5.23 refuses deterministic inference with any other backend (srt/arg_groups/choices.py:113-120).
-DETERMINISTIC_ATTENTION_BACKENDS = ("ascend", "fa3", "fa4", "flashinfer", "intel_xpu", "triton")
+from beamrl.dtypes import DTYPES as DTYPE_NAMES
+from beamrl.models.beam.lora_config import LoRAConfig
+
+# SGLang 0.5.23's deterministic-inference backends on the devices beamrl runs on (srt/arg_groups/choices.py:113-120;
+# its other two, ascend and intel_xpu, are other vendors' devices). Beam's default on sm90+, trtllm_mha, is not one.
+DETERMINISTIC_ATTENTION_BACKENDS = ("fa3", "fa4", "flashinfer", "triton")
+# The attention backends a recipe may name: the deterministic ones, Beam's default and the CPU engine's.
+ATTENTION_BACKENDS = DETERMINISTIC_ATTENTION_BACKENDS + ("trtllm_mha", "torch_native")
 DEVICES = ("cuda", "cpu")
+DTYPES = ("auto", *DTYPE_NAMES)  # "auto": the checkpoint's own dtype
+
+
+# beamrl name -> SGLang ServerArgs name, for the fields whose names differ (the others are passed as they are).
+SGLANG_NAMES = {"engine_tp": "tp_size", "mem_fraction": "mem_fraction_static",
+                "return_routed_experts": "enable_return_routed_experts",
+                "deterministic": "enable_deterministic_inference"}
+# The CPU engine (CI, laptops, `beamrl parity` without a GPU): SGLang's torch_native attention and a small pool
+# (sglang-integration.md §3). `SGLangEngineConfig.on_cpu` starts from these.
+CPU_SETTINGS: dict[str, Any] = dict(
+    device="cpu", attention_backend="torch_native", sampling_backend="pytorch", disable_overlap_schedule=True,
+    max_total_tokens=2048, max_running_requests=4, chunked_prefill_size=256, mem_fraction=0.3,
+    return_routed_experts=True)
 #: The package of beamrl's out-of-tree SGLang model classes (`beamrl/rollout/sglang/models/`).
 EXTERNAL_MODEL_PACKAGE = "beamrl.rollout.sglang.models"
-#: The HF config field that tells that class its LoRA targets (set through `json_model_override_args`).
-LORA_TARGETS_FIELD = "beamrl_lora_targets"
-DTYPES = ("auto", "bfloat16", "float32", "float16")
+#: The HF config field that tells that class the LoRA config (set through `json_model_override_args`).
+LORA_FIELD = "beamrl_lora"
 
 
 class SGLangConfigError(ValueError):
@@ -29,20 +50,20 @@ class SGLangConfigError(ValueError):
 class SGLangEngineConfig:
     """Launch arguments of one SGLang engine (sglang-integration.md §3-§7).
 
-    `extra_args` are passed through verbatim (`{"context_length": 4096}` -> `context_length=4096` /
+    `server_args` are passed through verbatim (`{"context_length": 4096}` -> `context_length=4096` /
     `--context-length 4096`; `True` -> a bare flag) for options beamrl does not model; they may not override a
     modelled field."""
 
     model_path: str
-    tp_size: int = 1
-    mem_fraction_static: float | None = None
+    engine_tp: int = 1
+    mem_fraction: float | None = None
     dtype: str = "auto"
     device: str = "cuda"
     attention_backend: str | None = None
     sampling_backend: str | None = None
-    enable_return_routed_experts: bool = True
+    return_routed_experts: bool = True
     enable_memory_saver: bool = False
-    enable_deterministic_inference: bool = False
+    deterministic: bool = False
     # SGLang's Beam keeps lm_head in BF16 and, by default, runs the head GEMM in BF16 even in a float32
     # engine; this flag makes the head GEMM FP32 (the weight itself stays BF16-rounded).
     enable_fp32_lm_head: bool = False
@@ -53,13 +74,13 @@ class SGLangEngineConfig:
     chunked_prefill_size: int | None = None
     disable_overlap_schedule: bool = False
     weight_version: int = 0
-    #: LoRA targets (`LoRAConfig.targets`) this engine accepts adapter payloads for (docs/lora.md): launches
-    #: beamrl's out-of-tree Beam class, which keeps W0 of these weights. None = SGLang's own Beam class.
-    lora_targets: tuple[str, ...] | None = None
+    #: The trainer's LoRA config (`trainer.lora`): this engine accepts adapter-only syncs for it (docs/lora.md),
+    #: served by beamrl's out-of-tree Beam class, which keeps W0 of the targeted weights. None = SGLang's own class.
+    lora: LoRAConfig | None = None
     log_level: str = "warning"
     host: str = "127.0.0.1"
     port: int = 30000
-    extra_args: dict[str, Any] = field(default_factory=dict)
+    server_args: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -67,11 +88,10 @@ class SGLangEngineConfig:
     def validate(self) -> None:
         if not self.model_path:
             raise SGLangConfigError("SGLangEngineConfig.model_path is empty")
-        if self.tp_size < 1:
-            raise SGLangConfigError(f"SGLangEngineConfig.tp_size={self.tp_size} must be >= 1")
-        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
-            raise SGLangConfigError(
-                f"SGLangEngineConfig.mem_fraction_static={self.mem_fraction_static} must be in (0, 1)")
+        if self.engine_tp < 1:
+            raise SGLangConfigError(f"SGLangEngineConfig.engine_tp={self.engine_tp} must be >= 1")
+        if self.mem_fraction is not None and not 0 < self.mem_fraction < 1:
+            raise SGLangConfigError(f"SGLangEngineConfig.mem_fraction={self.mem_fraction} must be in (0, 1)")
         if self.dtype not in DTYPES:
             raise SGLangConfigError(f"SGLangEngineConfig.dtype={self.dtype!r}; allowed: {list(DTYPES)}")
         if self.device not in DEVICES:
@@ -81,75 +101,62 @@ class SGLangEngineConfig:
                 f"SGLangEngineConfig.swa_full_tokens_ratio={self.swa_full_tokens_ratio} must be in (0, 1]")
         if self.weight_version < 0:
             raise SGLangConfigError(f"SGLangEngineConfig.weight_version={self.weight_version} must be >= 0")
-        if self.enable_deterministic_inference:
+        if self.deterministic:
             # Beam's model override picks trtllm_mha when no backend is given, and SGLang then refuses
             # deterministic mode deep inside launch (sglang-integration.md §7): refuse here, by name.
             if self.attention_backend not in DETERMINISTIC_ATTENTION_BACKENDS:
                 raise SGLangConfigError(
-                    "SGLangEngineConfig.enable_deterministic_inference=True needs an explicit attention_backend "
+                    "SGLangEngineConfig.deterministic=True needs an explicit attention_backend "
                     f"in {list(DETERMINISTIC_ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
             if self.device == "cpu":
                 raise SGLangConfigError(
-                    "SGLangEngineConfig.enable_deterministic_inference=True is not available on device='cpu' "
+                    "SGLangEngineConfig.deterministic=True is not available on device='cpu' "
                     "(the CPU engine only has the torch_native attention backend)")
         if self.enable_memory_saver and self.device == "cpu":
             raise SGLangConfigError(
                 "SGLangEngineConfig.enable_memory_saver=True needs CUDA (torch_memory_saver); device is 'cpu'")
-        if self.lora_targets is not None:
-            from beamrl.models.beam.lora_config import LoRAConfig, LoRAConfigError
-
-            try:
-                LoRAConfig(targets=tuple(self.lora_targets))
-            except LoRAConfigError as e:
-                raise SGLangConfigError(f"SGLangEngineConfig.lora_targets: {e}") from None
-        clash = set(self.extra_args) & set(self._modelled_kwargs())
+        clash = set(self.server_args) & set(self._modelled_kwargs())
         if clash:
-            raise SGLangConfigError(f"SGLangEngineConfig.extra_args must not override modelled fields: {sorted(clash)}")
+            raise SGLangConfigError(f"SGLangEngineConfig.server_args must not override modelled fields: "
+                                    f"{sorted(clash)}")
 
     @classmethod
-    def cpu_test(cls, model_path: str | Path, **overrides: Any) -> "SGLangEngineConfig":
-        """The small-pool CPU engine recipe (sglang-integration.md §3) used by CI and `beamrl parity`."""
-        base: dict[str, Any] = dict(
-            model_path=str(model_path), device="cpu", attention_backend="torch_native", sampling_backend="pytorch",
-            disable_overlap_schedule=True, max_total_tokens=2048, max_running_requests=4, chunked_prefill_size=256,
-            mem_fraction_static=0.3, enable_return_routed_experts=True)
-        base.update(overrides)
-        return cls(**base)
+    def on_cpu(cls, model_path: str | Path, **overrides: Any) -> "SGLangEngineConfig":
+        """The CPU engine (`CPU_SETTINGS`, then `overrides`): what the RL loop, CI and `beamrl parity` run on CPU."""
+        return cls(model_path=str(model_path), **{**CPU_SETTINGS, **overrides})
 
     # ------------------------------------------------------------------ rendering
     def _modelled_kwargs(self) -> dict[str, Any]:
         kw: dict[str, Any] = dict(
-            model_path=self.model_path, tp_size=self.tp_size, dtype=self.dtype, device=self.device,
+            model_path=self.model_path, engine_tp=self.engine_tp, dtype=self.dtype, device=self.device,
             random_seed=self.random_seed, skip_tokenizer_init=True, log_level=self.log_level,
-            weight_version=str(self.weight_version),
-            enable_return_routed_experts=self.enable_return_routed_experts,
-            enable_memory_saver=self.enable_memory_saver,
-            enable_deterministic_inference=self.enable_deterministic_inference,
-            enable_fp32_lm_head=self.enable_fp32_lm_head,
-            disable_overlap_schedule=self.disable_overlap_schedule)
-        optional = dict(mem_fraction_static=self.mem_fraction_static, attention_backend=self.attention_backend,
+            weight_version=str(self.weight_version), return_routed_experts=self.return_routed_experts,
+            enable_memory_saver=self.enable_memory_saver, deterministic=self.deterministic,
+            enable_fp32_lm_head=self.enable_fp32_lm_head, disable_overlap_schedule=self.disable_overlap_schedule)
+        optional = dict(mem_fraction=self.mem_fraction, attention_backend=self.attention_backend,
                         sampling_backend=self.sampling_backend, swa_full_tokens_ratio=self.swa_full_tokens_ratio,
                         max_total_tokens=self.max_total_tokens, max_running_requests=self.max_running_requests,
                         chunked_prefill_size=self.chunked_prefill_size)
         kw.update({k: v for k, v in optional.items() if v is not None})
-        if self.lora_targets is not None:
-            kw["json_model_override_args"] = json.dumps({LORA_TARGETS_FIELD: list(self.lora_targets)})
+        kw = {SGLANG_NAMES.get(k, k): v for k, v in kw.items()}
+        if self.lora is not None:
+            kw["json_model_override_args"] = json.dumps({LORA_FIELD: self.lora.to_dict()})
         return kw
 
     def launch_env(self) -> dict[str, str]:
         """Environment variables the engine's own processes need (SGLang's hook for out-of-tree model classes,
         set only when this engine serves LoRA adapters)."""
-        if self.lora_targets is None:
+        if self.lora is None:
             return {}
         return {"SGLANG_EXTERNAL_MODEL_PACKAGE": EXTERNAL_MODEL_PACKAGE}
 
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of the in-process `sglang.Engine` (always token ids in/out: skip_tokenizer_init)."""
-        return {**self._modelled_kwargs(), **self.extra_args}
+        return {**self._modelled_kwargs(), **self.server_args}
 
-    def server_args(self) -> list[str]:
+    def launch_argv(self) -> list[str]:
         """Arguments after `python -m sglang.launch_server` (host/port included)."""
-        kw = {**self._modelled_kwargs(), "host": self.host, "port": self.port, **self.extra_args}
+        kw = {**self._modelled_kwargs(), "host": self.host, "port": self.port, **self.server_args}
         argv: list[str] = []
         for key, value in kw.items():
             flag = "--" + key.replace("_", "-")

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import json
 import os
 import signal
 import tempfile
@@ -32,11 +31,12 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from beamrl.models.beam.config import BeamConfig
-from beamrl.rollout.protocol import EngineError, GenerateRequest, GenerateResult, RolloutEngine
+from beamrl.protocols.rollout import EngineError, GenerateRequest, GenerateResult, RolloutEngine
 from beamrl.rollout.sglang import payloads
 from beamrl.rollout.sglang.config import SGLangEngineConfig
-from beamrl.rollout.sglang.models import STATUS_NAME
-from beamrl.sync.protocol import WeightReceiver, WeightSyncError
+from beamrl.protocols.weights import UNTOUCHED, WeightReceiver, WeightSyncError
+from beamrl.rollout.sglang.sync_guard import SGLangSyncGuard
+from beamrl.rollout.sglang.lora_status import STATUS_NAME, check_adapter_applied, decode_status
 
 _LIVE_ENGINES: "weakref.WeakSet[SGLangEngine]" = weakref.WeakSet()
 PAUSE_MODES = ("abort", "retract", "in_place")
@@ -60,7 +60,9 @@ class SGLangEngine(RolloutEngine, WeightReceiver):
     """In-process SGLang engine. `start()` launches it (also done by the constructor unless `start=False`)."""
 
     def __init__(self, config: SGLangEngineConfig, start_timeout: float = 600.0, log_path: str | Path | None = None,
-                 start: bool = True) -> None:
+                 start: bool = True, rollback: bool | None = None) -> None:
+        """`rollback`: undo a failed weight-update session from a host mirror of the weights (None: on CPU only;
+        `SGLangSyncGuard`)."""
         self.config = config
         self.beam_config = BeamConfig.from_json_file(config.model_path)
         self.start_timeout = start_timeout
@@ -71,6 +73,10 @@ class SGLangEngine(RolloutEngine, WeightReceiver):
         self._lock = threading.Lock()
         self._version = config.weight_version
         self._in_session = False
+        self._guard = SGLangSyncGuard(self.name, self.beam_config, config.dtype, config.model_path,
+                                      rollback=config.device == "cpu" if rollback is None else rollback,
+                                      lora=config.lora)
+        self._adapters_before = 0  # LoRA: adapters the model class had applied when this adapter session began
         if start:
             self.start()
 
@@ -140,7 +146,7 @@ class SGLangEngine(RolloutEngine, WeightReceiver):
         atexit.register(self.shutdown)
         _LIVE_ENGINES.add(self)
         self.startup_seconds = time.monotonic() - t0
-        if self.config.lora_targets is not None:
+        if self.config.lora is not None:
             self._check_lora_class()
 
     @property
@@ -220,6 +226,7 @@ class SGLangEngine(RolloutEngine, WeightReceiver):
         return out if isinstance(out, list) else [out]
 
     def generate(self, requests: list[GenerateRequest], timeout: float) -> list[GenerateResult]:
+        self._guard.require_serving("generate", EngineError)
         c = self.beam_config
         outs = self._generate_raw(payloads.generate_payload(requests), timeout)
         if len(outs) != len(requests):
@@ -228,8 +235,9 @@ class SGLangEngine(RolloutEngine, WeightReceiver):
                 for o, r in zip(outs, requests)]
 
     def score(self, sequences: list[list[int]], timeout: float) -> list[list[float]]:
-        from beamrl.rollout.protocol import SamplingParams
+        from beamrl.protocols.rollout import SamplingParams
 
+        self._guard.require_serving("score", EngineError)
         reqs = [GenerateRequest(prompt_ids=list(s), sampling=SamplingParams(max_new_tokens=1, temperature=1.0))
                 for s in sequences]
         for i, s in enumerate(sequences):
@@ -306,21 +314,39 @@ class SGLangEngine(RolloutEngine, WeightReceiver):
     # ------------------------------------------------------------------ weight updates
     @property
     def tp_size(self) -> int:
-        return self.config.tp_size
+        return self.config.engine_tp
 
-    def begin_weight_update(self, timeout: float) -> None:
+    @property
+    def sync_failure(self) -> str | None:
+        """Why the engine does not serve after a failed weight sync (None: it serves)."""
+        return self._guard.failure
+
+    def begin_weight_update(self, manifest, timeout: float) -> None:
+        """Check the session's manifest (`SGLangSyncGuard`), then open SGLang's session."""
         from sglang.srt.managers.io_struct import BeginWeightUpdateReqInput
 
-        self._rpc("begin_weight_update", BeginWeightUpdateReqInput(selector="all"), timeout)
+        self._guard.begin(manifest, self._version)
+        try:
+            if self._guard.adapter_session:
+                self._adapters_before = self.lora_status(timeout)["applied"]
+            self._rpc("begin_weight_update", BeginWeightUpdateReqInput(selector="all"), timeout)
+        except BaseException:
+            self._guard.aborted("SGLang refused begin_weight_update", restored=False)
+            raise
         self._in_session = True
 
-    def update_weights_from_tensor(self, bucket, timeout: float) -> None:
+    def _load_flat_bucket(self, bucket, timeout: float) -> None:
         from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
 
         obj = UpdateWeightsFromTensorReqInput(
             serialized_named_tensors=payloads.flattened_bucket_payloads(bucket, self.tp_size, as_str=False),
             load_format="flattened_bucket", flush_cache=False)
         self._rpc("update_weights_from_tensor", obj, timeout)
+
+    def update_weights_from_tensor(self, bucket, timeout: float) -> None:
+        self._guard.check_tensor_bucket(bucket)  # index, layout, checksum: before SGLang sees the bytes
+        self._load_flat_bucket(bucket, timeout)
+        self._guard.tensor_bucket_loaded(bucket)
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
                                   group_name: str, backend: str, timeout: float) -> None:
@@ -331,14 +357,16 @@ class SGLangEngine(RolloutEngine, WeightReceiver):
                                              group_name=group_name, backend=backend)
         self._rpc("init_weights_update_group", obj, timeout)
 
-    def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                                        group_name: str, timeout: float) -> None:
+    def update_weights_from_distributed(self, index: int, checksum, group_name: str, timeout: float) -> None:
+        """SGLang receives the broadcast itself, laid out as the manifest announced bucket `index`."""
         from sglang.srt.managers.io_struct import UpdateWeightsFromDistributedReqInput
 
-        obj = UpdateWeightsFromDistributedReqInput(names=list(names), dtypes=list(dtypes),
-                                                   shapes=[list(s) for s in shapes], group_name=group_name,
-                                                   flush_cache=False, load_format="flattened_bucket")
+        layout = self._guard.distributed_bucket(index)
+        obj = UpdateWeightsFromDistributedReqInput(names=layout.names, dtypes=layout.dtypes, shapes=layout.shapes,
+                                                   group_name=group_name, flush_cache=False,
+                                                   load_format="flattened_bucket")
         self._rpc("update_weights_from_distributed", obj, timeout)
+        self._guard.distributed_bucket_loaded(index)
 
     def destroy_weights_update_group(self, group_name: str, timeout: float) -> None:
         from sglang.srt.managers.io_struct import DestroyWeightsUpdateGroupReqInput
@@ -349,17 +377,57 @@ class SGLangEngine(RolloutEngine, WeightReceiver):
         from sglang.srt.managers.io_struct import UpdateWeightFromDiskReqInput
 
         self._rpc("update_weights_from_disk", UpdateWeightFromDiskReqInput(model_path=str(path)), timeout)
+        self._guard.disk_loaded(str(path))
 
-    def end_weight_update(self, new_version: int, timeout: float) -> None:
-        """Close the session, then set the version and flush the prefix cache (routes/KV of old weights)."""
+    def _end_sglang_session(self, timeout: float) -> None:
         from sglang.srt.managers.io_struct import EndWeightUpdateReqInput
 
         try:
             self._rpc("end_weight_update", EndWeightUpdateReqInput(), timeout)
         finally:
             self._in_session = False
+
+    def end_weight_update(self, new_version: int, timeout: float) -> None:
+        """Commit: every announced bucket arrived intact; then close SGLang's session, set the version and flush
+        the prefix cache (routes/KV of old weights). A failed commit is aborted (rolled back or unhealthy)."""
+        try:
+            self._guard.settle(new_version)
+            if self._guard.adapter_session:
+                self._check_adapter_merged(timeout)
+        except WeightSyncError as exc:
+            outcome = self.abort_weight_update(str(exc), timeout)
+            raise WeightSyncError(f"{self.name}: session closed without serving version {new_version} "
+                                  f"({outcome}): {exc}") from None
+        self._end_sglang_session(timeout)
+        self._guard.committed()
         self.update_weight_version(new_version, timeout)
         self.flush_cache(timeout)
+
+    def abort_weight_update(self, reason: str, timeout: float) -> str:
+        """Undo the session's buckets from the host mirror where possible, then close SGLang's session without a
+        version change; otherwise the engine stops serving (`SGLangSyncGuard`)."""
+        if self._guard.session is None:
+            return UNTOUCHED
+        if self._guard.adapter_merged:
+            try:
+                if self.lora_status(timeout)["applied"] == self._adapters_before:
+                    self._guard.adapter_refused()  # nothing was merged: nothing to undo
+            except WeightSyncError:
+                pass  # cannot tell: undo as if it had been merged
+        undo = self._guard.undo_buckets()
+        restored = False
+        if undo is not None:
+            try:
+                for bucket in undo:
+                    self._load_flat_bucket(bucket, timeout)
+                restored = True
+            except WeightSyncError:
+                restored = False
+        try:
+            self._end_sglang_session(timeout)
+        except WeightSyncError:
+            restored = False
+        return self._guard.aborted(reason, restored)
 
     def update_weight_version(self, new_version: int, timeout: float) -> None:
         from sglang.srt.managers.io_struct import UpdateWeightVersionReqInput
@@ -371,21 +439,21 @@ class SGLangEngine(RolloutEngine, WeightReceiver):
         self._run(lambda: tm.update_weight_version(obj), timeout, "update_weight_version", WeightSyncError)
         self._version = int(new_version)
 
-    @contextmanager
-    def weight_update_session(self, new_version: int, timeout: float) -> Iterator[None]:
-        """begin ... end(new_version); on failure the session is still closed and the version not bumped."""
-        self.begin_weight_update(timeout)
-        try:
-            yield
-        except BaseException:
-            from sglang.srt.managers.io_struct import EndWeightUpdateReqInput
+    def served_weight_version(self, timeout: float) -> int:
+        return self._version
 
-            try:
-                self._rpc("end_weight_update", EndWeightUpdateReqInput(), timeout)
-            finally:
-                self._in_session = False
-            raise
-        self.end_weight_update(new_version, timeout)
+    def weights_checksum(self, timeout: float) -> str:
+        """SGLang's own checksum of every parameter the engine computes with (`check_weights`, action
+        'checksum'): equal before and after a refused or rolled-back sync, different after a real one."""
+        from sglang.srt.managers.io_struct import CheckWeightsReqInput
+
+        tm = self._engine.tokenizer_manager if self._engine is not None else None
+        out = self._run(lambda: tm.check_weights(CheckWeightsReqInput(action="checksum")), timeout, "check_weights",
+                        WeightSyncError)
+        ok, message, _ranks, digest = out
+        if not ok or digest is None:
+            raise WeightSyncError(f"SGLang engine: check_weights(checksum) failed: {message}")
+        return digest
 
 
     # ------------------------------------------------------------------ LoRA adapters (docs/lora.md)
@@ -401,10 +469,7 @@ class SGLangEngine(RolloutEngine, WeightReceiver):
 
     def lora_status(self, timeout: float) -> dict:
         """The LoRA state of beamrl's model class: {"adapter_id", "adapter_digest", "error", "targets", ...}."""
-        out = self._get_weights_by_name(STATUS_NAME, timeout)
-        if not out:
-            raise WeightSyncError("SGLang engine has no LoRA status: it is not serving beamrl's Beam class")
-        return json.loads(bytes(int(x) for x in out).decode())
+        return decode_status(self._get_weights_by_name(STATUS_NAME, timeout), self.name)
 
     def lora_effective_weight(self, name: str, timeout: float):
         """The HF weight `name` as the engine now computes with it (rank 0's TP shard), as an FP32 tensor."""
@@ -422,25 +487,10 @@ class SGLangEngine(RolloutEngine, WeightReceiver):
         return self._run(lambda: tm.get_weights_by_name(GetWeightsByNameReqInput(name=name, truncate_size=1 << 62),
                                                         None), timeout, "get_weights_by_name", WeightSyncError)
 
-    def apply_lora_adapter(self, payload, new_version: int, timeout: float) -> None:
-        """Adapter-only update in one session (payload: `lora_payload.build_adapter_payload`). The model class
-        checks every tensor; a refused payload raises `WeightSyncError` with its reason and leaves the weights
-        and the version unchanged."""
-        from beamrl.sync.flat_bucket import FlatBucket, aligned_order
-
-        with self.weight_update_session(new_version, timeout):
-            self.update_weights_from_tensor(FlatBucket.from_named_tensors(aligned_order(payload)), timeout)
-            status = self.lora_status(timeout)
-            manifest_id = _payload_adapter_id(payload)
-            if status["error"] or status["adapter_id"] != manifest_id:
-                raise WeightSyncError(f"SGLang engine refused adapter {manifest_id!r}: "
-                                      f"{status['error'] or 'not applied (incomplete payload)'}")
-
-
-def _payload_adapter_id(payload) -> str:
-    from beamrl.models.beam.lora_payload import MANIFEST_NAME, decode_manifest
-
-    return next(decode_manifest(t).adapter_id for n, t in payload if n == MANIFEST_NAME)
+    def _check_adapter_merged(self, timeout: float) -> None:
+        """After an adapter session's last bucket: beamrl's model class must have merged exactly one more adapter
+        and recorded no refusal (it cannot raise out of SGLang's loader)."""
+        check_adapter_applied(self.lora_status(timeout), self._adapters_before, self.name)
 
 
 @contextmanager

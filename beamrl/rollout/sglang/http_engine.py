@@ -10,19 +10,28 @@ from __future__ import annotations
 from typing import Any
 
 from beamrl.models.beam.config import BeamConfig
-from beamrl.rollout.protocol import EngineError, GenerateRequest, GenerateResult, RolloutEngine, SamplingParams
+from beamrl.models.beam.lora_config import LoRAConfig
+from beamrl.protocols.rollout import EngineError, GenerateRequest, GenerateResult, RolloutEngine, SamplingParams
 from beamrl.rollout.sglang import payloads
 from beamrl.rollout.sglang.engine import PAUSE_MODES
-from beamrl.sync.protocol import WeightReceiver, WeightSyncError
+from beamrl.protocols.weights import UNTOUCHED, WeightReceiver, WeightSyncError
+from beamrl.rollout.sglang.lora_status import STATUS_NAME, check_adapter_applied, decode_status
+from beamrl.rollout.sglang.sync_guard import SGLangSyncGuard
 
 
 class SGLangHTTPEngine(RolloutEngine, WeightReceiver):
     """Client of one SGLang server at `url`. `beam_config` gives the route layout (num layers, top-k, MLP types)."""
 
     def __init__(self, url: str, beam_config: BeamConfig, tp_size: int = 1, weight_version: int = 0,
-                 memory_saver: bool = False, server=None) -> None:
+                 memory_saver: bool = False, server=None, dtype: str = "auto", model_path: str | None = None,
+                 rollback: bool = False, lora: LoRAConfig | None = None) -> None:
+        """`dtype`: the engine's serving dtype ('auto': the checkpoint's). `rollback` (needs `model_path`, the
+        checkpoint the server started from): undo a failed weight-update session from a host mirror
+        (`SGLangSyncGuard`; off by default: GPU servers hold weights too large to mirror)."""
         import requests
 
+        if rollback and model_path is None:
+            raise ValueError("SGLangHTTPEngine(rollback=True) needs model_path (the mirror's starting point)")
         self.url = url.rstrip("/")
         self.beam_config = beam_config
         self._tp_size = tp_size
@@ -30,6 +39,9 @@ class SGLangHTTPEngine(RolloutEngine, WeightReceiver):
         self._memory_saver = memory_saver
         self.server = server
         self._session = requests.Session()
+        self._in_session = False
+        self._guard = SGLangSyncGuard(self.name, beam_config, dtype, model_path or "", rollback=rollback, lora=lora)
+        self._adapters_before = 0  # LoRA: adapters the model class had applied when this adapter session began
 
     @classmethod
     def launch(cls, config, start_timeout: float = 600.0, log_path=None) -> "SGLangHTTPEngine":
@@ -37,8 +49,9 @@ class SGLangHTTPEngine(RolloutEngine, WeightReceiver):
         from beamrl.rollout.sglang.server import SGLangServer
 
         server = SGLangServer(config, log_path=log_path).start(start_timeout)
-        return cls(server.url, BeamConfig.from_json_file(config.model_path), tp_size=config.tp_size,
-                   weight_version=config.weight_version, memory_saver=config.enable_memory_saver, server=server)
+        return cls(server.url, BeamConfig.from_json_file(config.model_path), tp_size=config.engine_tp,
+                   weight_version=config.weight_version, memory_saver=config.enable_memory_saver, server=server,
+                   dtype=config.dtype, model_path=config.model_path, lora=config.lora)
 
     @property
     def name(self) -> str:
@@ -75,6 +88,7 @@ class SGLangHTTPEngine(RolloutEngine, WeightReceiver):
         return out if isinstance(out, list) else [out]
 
     def generate(self, requests: list[GenerateRequest], timeout: float) -> list[GenerateResult]:
+        self._guard.require_serving("generate", EngineError)
         c = self.beam_config
         outs = self._generate_raw(payloads.generate_payload(requests), timeout)
         if len(outs) != len(requests):
@@ -83,6 +97,7 @@ class SGLangHTTPEngine(RolloutEngine, WeightReceiver):
                 for o, r in zip(outs, requests)]
 
     def score(self, sequences: list[list[int]], timeout: float) -> list[list[float]]:
+        self._guard.require_serving("score", EngineError)
         for i, s in enumerate(sequences):
             if len(s) < 2:
                 raise ValueError(f"score: sequence {i} has {len(s)} tokens; at least 2 are needed")
@@ -135,11 +150,24 @@ class SGLangHTTPEngine(RolloutEngine, WeightReceiver):
     def tp_size(self) -> int:
         return self._tp_size
 
-    def begin_weight_update(self, timeout: float) -> None:
-        self._post("/begin_weight_update", {"selector": "all"}, timeout, WeightSyncError)
+    @property
+    def sync_failure(self) -> str | None:
+        """Why the engine does not serve after a failed weight sync (None: it serves)."""
+        return self._guard.failure
 
-    def update_weights_from_tensor(self, bucket, timeout: float) -> None:
-        """Colocated path: the payload carries CUDA-IPC handles, so the bucket must be on a CUDA device."""
+    def begin_weight_update(self, manifest, timeout: float) -> None:
+        """Check the session's manifest (`SGLangSyncGuard`), then open the server's session."""
+        self._guard.begin(manifest, self._version)
+        try:
+            if self._guard.adapter_session:
+                self._adapters_before = self.lora_status(timeout)["applied"]
+            self._post("/begin_weight_update", {"selector": "all"}, timeout, WeightSyncError)
+        except BaseException:
+            self._guard.aborted("the server refused begin_weight_update", restored=False)
+            raise
+        self._in_session = True
+
+    def _load_flat_bucket(self, bucket, timeout: float) -> None:
         if bucket.device.type != "cuda":
             # SGLang's serializer shares a CPU tensor through a file descriptor that only processes of the
             # sender's multiprocessing family can fetch; the server's scheduler cannot (it dies on the payload).
@@ -150,29 +178,83 @@ class SGLangHTTPEngine(RolloutEngine, WeightReceiver):
                 "load_format": "flattened_bucket", "flush_cache": False}
         self._post("/update_weights_from_tensor", body, timeout, WeightSyncError)
 
+    def update_weights_from_tensor(self, bucket, timeout: float) -> None:
+        """Colocated path: the payload carries CUDA-IPC handles, so the bucket must be on a CUDA device."""
+        self._guard.check_tensor_bucket(bucket)
+        self._load_flat_bucket(bucket, timeout)
+        self._guard.tensor_bucket_loaded(bucket)
+
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
                                   group_name: str, backend: str, timeout: float) -> None:
         body = {"master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
                 "world_size": world_size, "group_name": group_name, "backend": backend}
         self._post("/init_weights_update_group", body, timeout, WeightSyncError)
 
-    def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                                        group_name: str, timeout: float) -> None:
-        body = {"names": list(names), "dtypes": list(dtypes), "shapes": [list(s) for s in shapes],
-                "group_name": group_name, "flush_cache": False, "load_format": "flattened_bucket"}
+    def update_weights_from_distributed(self, index: int, checksum, group_name: str, timeout: float) -> None:
+        layout = self._guard.distributed_bucket(index)
+        body = {"names": layout.names, "dtypes": layout.dtypes, "shapes": layout.shapes, "group_name": group_name,
+                "flush_cache": False, "load_format": "flattened_bucket"}
         self._post("/update_weights_from_distributed", body, timeout, WeightSyncError)
+        self._guard.distributed_bucket_loaded(index)
 
     def destroy_weights_update_group(self, group_name: str, timeout: float) -> None:
         self._post("/destroy_weights_update_group", {"group_name": group_name}, timeout, WeightSyncError)
 
     def update_weights_from_disk(self, path: str, timeout: float) -> None:
         self._post("/update_weights_from_disk", {"model_path": str(path)}, timeout, WeightSyncError)
+        self._guard.disk_loaded(str(path))
+
+    def _end_server_session(self, timeout: float) -> None:
+        try:
+            self._post("/end_weight_update", {}, timeout, WeightSyncError)
+        finally:
+            self._in_session = False
 
     def end_weight_update(self, new_version: int, timeout: float) -> None:
-        """Close the session, then set the version and flush the prefix cache."""
-        self._post("/end_weight_update", {}, timeout, WeightSyncError)
+        """Commit (every bucket arrived intact), close the session, then set the version and flush the cache."""
+        try:
+            self._guard.settle(new_version)
+            if self._guard.adapter_session:
+                check_adapter_applied(self.lora_status(timeout), self._adapters_before, self.name)
+        except WeightSyncError as exc:
+            outcome = self.abort_weight_update(str(exc), timeout)
+            raise WeightSyncError(f"{self.name}: session closed without serving version {new_version} "
+                                  f"({outcome}): {exc}") from None
+        self._end_server_session(timeout)
+        self._guard.committed()
         self.update_weight_version(new_version, timeout)
         self._post("/flush_cache", None, timeout, WeightSyncError)
+
+    def abort_weight_update(self, reason: str, timeout: float) -> str:
+        if self._guard.session is None:
+            return UNTOUCHED
+        if self._guard.adapter_merged:
+            try:
+                if self.lora_status(timeout)["applied"] == self._adapters_before:
+                    self._guard.adapter_refused()  # nothing was merged: nothing to undo
+            except WeightSyncError:
+                pass  # cannot tell: undo as if it had been merged
+        undo = self._guard.undo_buckets()
+        restored = False
+        if undo is not None:
+            try:
+                for bucket in undo:  # the mirror lives in host memory; the server takes CUDA-IPC payloads
+                    bucket.buffer = bucket.buffer.to("cuda")
+                    self._load_flat_bucket(bucket, timeout)
+                restored = True
+            except WeightSyncError:
+                restored = False
+        try:
+            self._end_server_session(timeout)
+        except WeightSyncError:
+            restored = False
+        return self._guard.aborted(reason, restored)
+
+    def lora_status(self, timeout: float) -> dict:
+        """The LoRA state of beamrl's model class (`lora_status.decode_status`)."""
+        out = self._post("/get_weights_by_name", {"name": STATUS_NAME, "truncate_size": 1 << 62}, timeout,
+                         WeightSyncError)
+        return decode_status(out, self.name)
 
     def update_weight_version(self, new_version: int, timeout: float) -> None:
         if int(new_version) < 0:
@@ -180,3 +262,6 @@ class SGLangHTTPEngine(RolloutEngine, WeightReceiver):
         self._post("/update_weight_version", {"new_version": str(int(new_version)), "abort_all_requests": False},
                    timeout, WeightSyncError)
         self._version = int(new_version)
+
+    def served_weight_version(self, timeout: float) -> int:
+        return self._version

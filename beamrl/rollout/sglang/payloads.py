@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from beamrl.rollout.protocol import EngineError, GenerateRequest, GenerateResult, SamplingParams
+from beamrl.protocols.rollout import EngineError, GenerateRequest, GenerateResult, SamplingParams
 
 
 def sampling_dict(params: SamplingParams) -> dict[str, Any]:
@@ -128,7 +128,7 @@ def parse_prompt_logprobs(out: dict[str, Any], seq_len: int) -> list[float]:
 
 
 def flattened_bucket_payloads(bucket, tp_size: int, as_str: bool) -> list[Any]:
-    """`beamrl.sync.flat_bucket.FlatBucket` -> SGLang `load_format="flattened_bucket"` payloads, one per TP rank.
+    """`beamrl.protocols.flat_bucket.FlatBucket` -> SGLang `load_format="flattened_bucket"` payloads, one per TP rank.
 
     Each payload is `MultiprocessingSerializer.serialize({"flattened_tensor", "metadata"})` with SGLang's own
     `FlattenedTensorMetadata`, so the engine rebuilds exactly our layout (FlatBucket is byte-compatible with

@@ -12,7 +12,7 @@ import dataclasses
 from typing import Any
 
 from beamrl.models.beam.config import BeamConfig
-from beamrl.rollout.protocol import EngineError
+from beamrl.protocols.rollout import EngineError
 from beamrl.rollout.sglang.config import SGLangEngineConfig
 from beamrl.rollout.sglang.http_engine import SGLangHTTPEngine
 
@@ -47,8 +47,8 @@ class RayEngineHandle(SGLangHTTPEngine):
     """HTTP client of an actor-owned server; also stops the actor on `shutdown()`."""
 
     def __init__(self, actor: Any, url: str, beam_config: BeamConfig, config: SGLangEngineConfig) -> None:
-        super().__init__(url, beam_config, tp_size=config.tp_size, weight_version=config.weight_version,
-                         memory_saver=config.enable_memory_saver)
+        super().__init__(url, beam_config, tp_size=config.engine_tp, weight_version=config.weight_version,
+                         memory_saver=config.enable_memory_saver, dtype=config.dtype, model_path=config.model_path)
         self.actor = actor
 
     def shutdown(self) -> None:
@@ -64,11 +64,11 @@ class RayEngineHandle(SGLangHTTPEngine):
 
 def launch_ray_engine(config: SGLangEngineConfig, start_timeout: float = 900.0, num_cpus: float = 1,
                       placement_group: Any = None, bundle_index: int | None = None) -> RayEngineHandle:
-    """Start one engine in a Ray actor (num_gpus = tp_size on CUDA) and return its handle."""
+    """Start one engine in a Ray actor (num_gpus = engine_tp on CUDA) and return its handle."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    options: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": config.tp_size if config.device == "cuda" else 0}
+    options: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": config.engine_tp if config.device == "cuda" else 0}
     if placement_group is not None:
         options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
             placement_group=placement_group, placement_group_bundle_index=bundle_index or 0)

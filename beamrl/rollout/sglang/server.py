@@ -1,6 +1,6 @@
 """`SGLangServer`: launch `python -m sglang.launch_server ...` as a subprocess and wait until it is healthy.
 
-The command line comes from `SGLangEngineConfig.server_args()`. The server's stdout/stderr go to `log_path`,
+The command line comes from `SGLangEngineConfig.launch_argv()`. The server's stdout/stderr go to `log_path`,
 whose tail is quoted in every start-up error. On a machine without CUDA the child gets the CPU shims through
 `beamrl.compat.sglang_cpu.child_env()` (never on a GPU machine: that module refuses).
 """
@@ -14,7 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from beamrl.rollout.protocol import EngineError
+from beamrl.protocols.rollout import EngineError
 from beamrl.rollout.sglang.config import SGLangEngineConfig
 from beamrl.rollout.sglang.engine import log_tail
 
@@ -34,7 +34,7 @@ class SGLangServer:
         return f"http://{self.config.host}:{self.config.port}"
 
     def command(self) -> list[str]:
-        return [self.python, "-m", "sglang.launch_server", *self.config.server_args()]
+        return [self.python, "-m", "sglang.launch_server", *self.config.launch_argv()]
 
     def _env(self) -> dict[str, str] | None:
         if self.config.device != "cpu":

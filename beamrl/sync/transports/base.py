@@ -1,47 +1,127 @@
-"""Shared session bookkeeping for transports that drive `WeightReceiver`s.
+"""The trainer side of the weight-sync seam: `WeightTransport`, and `ReceiverTransport`, its shared bookkeeping over a
+list of `WeightReceiver`s (sessions, staging buffers, pipelined calls, health).
 
-Failure policy: any failed or timed-out engine call aborts the sync. Every engine that took part is then
-marked unhealthy (it may hold a mix of old and new tensors, or sit in an open update session) and the
-transport refuses to sync to it again; the RL loop must restart it. Nothing is ever resumed half-updated.
+Lifecycle of one sync, driven by the orchestrator (`beamrl.sync.orchestrator.WeightSync`):
+`connect` (once) -> `begin(manifest)` -> per bucket `buffer(k)` (where the orchestrator packs bucket k, with
+`beamrl.sync.packing.pack_bucket`) then `send(k)` -> `finalize()` (or `abort(reason)` after any failure).
+
+`send` may return before the engines have loaded the bucket (the calls are pipelined); a transport waits for a
+buffer's earlier calls only when it hands that buffer out again, and for all of them in `finalize`.
+
+Failure policy: any failed or timed-out engine call fails the sync; the orchestrator then calls `abort`, which
+asks every engine to abort its session (`abort_weight_update`: the engine rolls back or stops serving). An engine
+that cannot answer, or reports that it stopped serving, is marked unhealthy, and the transport refuses to sync to
+it again until it is restarted. Nothing is ever resumed half-updated and silent.
 """
 
 from __future__ import annotations
 
+import abc
 import logging
+import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
-from beamrl.sync.calls import ReceiverCallError, run_concurrently
-from beamrl.sync.protocol import WeightReceiver, WeightSyncError, WeightTransport
+import torch
+
+from beamrl.protocols.checksum import bucket_checksum
+from beamrl.protocols.manifest import BucketLayout, SyncManifest
+from beamrl.protocols.weights import UNHEALTHY, PendingCall, WeightReceiver, WeightSyncError
+from beamrl.sync.calls import ReceiverCallError, check_reply, run_concurrently
+from beamrl.sync.packing import bucket_views
+from beamrl.sync.staging import StagingSlot, receiver_event
 
 log = logging.getLogger(__name__)
 
 
-class ReceiverTransport(WeightTransport):
-    """A `WeightTransport` over a fixed list of receivers, with session state and health marks."""
+@dataclass
+class PackTarget:
+    """Where bucket `index` is packed: `buffer` (uint8, exactly the bucket's bytes) and the cached packing views."""
 
-    def __init__(self, receivers: Sequence[WeightReceiver]) -> None:
+    index: int
+    buffer: torch.Tensor
+    views: list[torch.Tensor]
+
+
+class WeightTransport(abc.ABC):
+    """Moves packed buckets into one or more engines (module docstring)."""
+
+    name: str = "abstract"
+    device: torch.device = torch.device("cpu")
+
+    @abc.abstractmethod
+    def connect(self, timeout: float) -> None:
+        """Set up channels (e.g. the NCCL/gloo update group). Idempotent."""
+
+    @abc.abstractmethod
+    def begin(self, manifest: SyncManifest, timeout: float) -> None:
+        """Open the engines' weight-update session for `manifest` (engines paused and idle)."""
+
+    @abc.abstractmethod
+    def buffer(self, bucket: BucketLayout, timeout: float) -> PackTarget:
+        """The buffer to pack `bucket` into (waits until its earlier use is done)."""
+
+    @abc.abstractmethod
+    def send(self, bucket: BucketLayout, timeout: float) -> None:
+        """Ship the bucket packed into `buffer(bucket)`; raise `WeightSyncError` on any engine failure seen."""
+
+    @abc.abstractmethod
+    def finalize(self, timeout: float) -> None:
+        """Wait for every bucket, then commit the session: the engines serve the manifest's version."""
+
+    @abc.abstractmethod
+    def abort(self, reason: str, timeout: float) -> None:
+        """Leave the session after a failure; the engines roll back or stop serving (never half-updated)."""
+
+    def close(self) -> None:
+        """Tear down channels and buffers."""
+
+
+class ReceiverTransport(WeightTransport):
+    """A `WeightTransport` over a fixed list of receivers: session state, staging slots, health marks.
+
+    `staging_slots`: buffers packed in turn (2 = pack bucket k+1 while the engines load bucket k)."""
+
+    def __init__(self, receivers: Sequence[WeightReceiver], device: str | torch.device = "cpu",
+                 staging_slots: int = 2) -> None:
         if not receivers:
             raise ValueError(f"{type(self).__name__} needs at least one WeightReceiver")
+        if staging_slots < 1:
+            raise ValueError(f"staging_slots must be >= 1, got {staging_slots}")
         self.receivers = list(receivers)
         names = [r.name for r in self.receivers]
         # Labels name engines in errors and health marks; engine classes may share a default name.
         self.labels = [n if names.count(n) == 1 else f"{n}#{i}" for i, n in enumerate(names)]
-        self.unhealthy: dict[str, str] = {}  # engine name -> why it must be restarted
-        self.version: int | None = None  # version of the open session
+        self.device = torch.device(device)
+        self.num_slots = staging_slots
+        self.unhealthy: dict[str, str] = {}  # engine label -> why it must be restarted
+        self.manifest: SyncManifest | None = None  # of the open session
         self._touched = False  # whether an engine call of the open session was issued
+        self._slots: list[StagingSlot] = []
+        self._shared_slots = False  # whether receivers read the slots directly (staged buckets)
 
     # -- helpers -------------------------------------------------------------------------------------------
     def _call_all(self, what: str, call: Callable[[WeightReceiver], object], timeout: float,
                   extra: Sequence[tuple[str, Callable[[], object]]] = ()) -> None:
         """Call `call(receiver)` on every receiver concurrently (plus `extra` trainer-side calls)."""
         calls = [(label, (lambda r=r: call(r))) for label, r in zip(self.labels, self.receivers)] + list(extra)
-        try:
-            run_concurrently(what, calls, timeout)
-        except ReceiverCallError as err:
-            for who, msg in err.failures.items():
-                if who in self.labels:
-                    self.unhealthy.setdefault(who, msg)
-            raise
+        run_concurrently(what, calls, timeout)
+
+    def _issue(self, method: str, timeout: float, *args) -> list[tuple[str, PendingCall]]:
+        """Issue `method(*args, timeout)` on every receiver without waiting (pipelined, in issue order)."""
+        self._touched = True
+        return [(label, r.call_async(method, timeout, *args)) for label, r in zip(self.labels, self.receivers)]
+
+    @staticmethod
+    def _wait(what: str, pending: list[tuple[str, PendingCall]], deadline: float) -> None:
+        failures: dict[str, str] = {}
+        for label, call in pending:
+            try:
+                check_reply(call.wait(max(deadline - time.monotonic(), 1e-3)))
+            except WeightSyncError as exc:
+                failures[label] = str(exc)
+        if failures:
+            raise ReceiverCallError(what, failures)
 
     def mark_unhealthy(self, engine: str, reason: str) -> None:
         """Record that `engine` must not serve until restarted (e.g. a failed post-sync verification)."""
@@ -53,35 +133,132 @@ class ReceiverTransport(WeightTransport):
             raise WeightSyncError(f"refusing to sync: engine(s) marked unhealthy by an earlier failure must be "
                                   f"restarted first ({detail})")
 
+    def _require_session(self, op: str) -> SyncManifest:
+        if self.manifest is None:
+            raise WeightSyncError(f"{op} outside a sync session; call begin(manifest) first")
+        return self.manifest
+
+    # -- slots ---------------------------------------------------------------------------------------------
+    def _use_shared_slots(self, timeout: float) -> bool:
+        """Whether the receivers read buckets straight from shared slots (colocated staged buckets)."""
+        return False
+
+    def _ensure_slots(self, manifest: SyncManifest, timeout: float) -> None:
+        need = max(b.nbytes for b in manifest.buckets)
+        shared = self._use_shared_slots(timeout)
+        if self._slots and self._slots[0].capacity >= need and self._shared_slots == shared:
+            return
+        self._drop_slots(timeout)
+        self._slots = [StagingSlot(i, need, self.device, shared=shared) for i in range(self.num_slots)]
+        self._shared_slots = shared
+        if shared:
+            handles = [s.handle() for s in self._slots]
+            replies: dict[int, list] = {}
+
+            def attach(i: int, r: WeightReceiver) -> None:
+                replies[i] = r.attach_staging(handles, timeout)
+
+            run_concurrently("attach_staging", [(label, (lambda i=i, r=r: attach(i, r)))
+                                                for i, (label, r) in enumerate(zip(self.labels, self.receivers))],
+                             timeout)
+            for s in self._slots:
+                s.receiver_events = [receiver_event(replies[i][s.index], self.device) for i in range(len(self.receivers))]
+
+    def _drop_slots(self, timeout: float) -> None:
+        if self._shared_slots and self._slots:
+            try:
+                self._call_all("detach_staging", lambda r: r.detach_staging(timeout), timeout)
+            except WeightSyncError as err:
+                log.error("could not detach staging buffers: %s", err)
+        for s in self._slots:
+            s.close()
+        self._slots, self._shared_slots = [], False
+
+    def _slot(self, index: int) -> StagingSlot:
+        return self._slots[index % len(self._slots)]
+
+    def _wait_slot(self, slot: StagingSlot, timeout: float) -> None:
+        """Wait for the receivers' calls on `slot` (host) and for their copies out of it (device)."""
+        pending, slot.pending = slot.pending, []
+        if pending:
+            self._wait(f"bucket {slot.last_bucket}", pending, time.monotonic() + timeout)
+        if self.device.type == "cuda":
+            stream = torch.cuda.current_stream(self.device)
+            for ev in slot.receiver_events:
+                if ev is not None:
+                    stream.wait_event(ev)
+
     # -- lifecycle -------------------------------------------------------------------------------------------
-    def begin(self, version: int, timeout: float) -> None:
-        if self.version is not None:
-            raise WeightSyncError(f"begin({version}): a sync to version {self.version} is still open; "
-                                  f"finalize() or abort() it first")
+    def begin(self, manifest: SyncManifest, timeout: float) -> None:
+        if self.manifest is not None:
+            raise WeightSyncError(f"begin(version {manifest.version}): a sync to version {self.manifest.version} is "
+                                  f"still open; finalize() or abort() it first")
         self._require_healthy()
-        self.version, self._touched = version, False
-        self._begin_engines(timeout)
+        self._ensure_slots(manifest, timeout)
+        self.manifest, self._touched = manifest, False
+        self._begin_engines(manifest, timeout)
 
-    def _begin_engines(self, timeout: float) -> None:
+    def _begin_engines(self, manifest: SyncManifest, timeout: float) -> None:
         self._touched = True
-        self._call_all("begin_weight_update", lambda r: r.begin_weight_update(timeout), timeout)
+        self._call_all("begin_weight_update", lambda r: r.begin_weight_update(manifest, timeout), timeout)
 
-    def _require_session(self, op: str) -> int:
-        if self.version is None:
-            raise WeightSyncError(f"{op} outside a sync session; call begin(version) first")
-        return self.version
+    def buffer(self, bucket: BucketLayout, timeout: float) -> PackTarget:
+        self._require_session("buffer")
+        slot = self._slot(bucket.index)
+        self._wait_slot(slot, timeout)
+        views = slot.views.get(id(bucket))
+        if views is None:
+            views = slot.views[id(bucket)] = bucket_views(slot.buffer, bucket)
+        return PackTarget(bucket.index, slot.payload(bucket.nbytes), views)
+
+    def _checksum_into_trailer(self, slot: StagingSlot, bucket: BucketLayout) -> None:
+        bucket_checksum(slot.checked(bucket.nbytes), out=slot.trailer)
+        slot.last_bucket = bucket.index
 
     def finalize(self, timeout: float) -> None:
-        version = self._require_session("finalize")
+        manifest = self._require_session("finalize")
+        deadline = time.monotonic() + timeout
+        for slot in self._slots:
+            self._wait_slot(slot, max(deadline - time.monotonic(), 1e-3))
         self._touched = True
-        self._call_all("end_weight_update", lambda r: r.end_weight_update(version, timeout), timeout)
-        self.version = None
+        try:
+            self._call_all("end_weight_update", lambda r: r.end_weight_update(manifest.version, timeout), timeout)
+        except ReceiverCallError as err:
+            for who, msg in err.failures.items():
+                self.mark_unhealthy(who, f"commit of version {manifest.version} failed: {msg}")
+            self.manifest = None
+            raise
+        self.manifest = None
 
-    def abort(self, reason: str) -> None:
-        """Close the session locally; engines already touched are half-updated, so they are marked unhealthy."""
-        if self._touched:
-            for label in self.labels:
-                self.mark_unhealthy(label, f"weight sync to version {self.version} aborted ({reason}); "
-                                            f"the engine may hold partially updated weights")
-        log.error("weight sync to version %s aborted: %s", self.version, reason)
-        self.version, self._touched = None, False
+    def abort(self, reason: str, timeout: float) -> None:
+        """Ask every engine to abort its session; mark those that stop serving or do not answer unhealthy."""
+        version = self.manifest.version if self.manifest is not None else None
+        log.error("weight sync to version %s aborted: %s", version, reason)
+        deadline = time.monotonic() + timeout
+        for slot in self._slots:  # let calls in flight finish (their failures are what we are handling)
+            try:
+                self._wait_slot(slot, max(deadline - time.monotonic(), 1e-3))
+            except WeightSyncError:
+                pass
+        # Every engine is asked, also when begin failed early: a dead or wedged one is found (and marked) here.
+        outcomes: dict[str, object] = {}
+
+        def ask(label: str, r: WeightReceiver) -> None:
+            outcomes[label] = r.abort_weight_update(reason, timeout)
+
+        try:
+            run_concurrently("abort_weight_update", [(label, (lambda label=label, r=r: ask(label, r)))
+                                                     for label, r in zip(self.labels, self.receivers)],
+                             max(deadline - time.monotonic(), 1.0), fail_fast=False)
+        except ReceiverCallError as err:
+            for who, msg in err.failures.items():
+                self.mark_unhealthy(who, f"weight sync to version {version} aborted ({reason}) and the engine "
+                                         f"did not abort its session cleanly: {msg}")
+        for who, outcome in outcomes.items():
+            if outcome == UNHEALTHY:
+                self.mark_unhealthy(who, f"weight sync to version {version} aborted ({reason}); the engine "
+                                         f"holds partially updated weights and does not serve")
+        self.manifest, self._touched = None, False
+
+    def close(self) -> None:
+        self._drop_slots(10.0)

@@ -1,11 +1,12 @@
 """Disk transport: write the synced weights as an SGLang-format Beam checkpoint, then `update_weights_from_disk`.
 
-The slow but simplest path (any engine that can read the shared filesystem). It is a FULL update: the
-checkpoint is written by `beamrl.models.beam.checkpoint.save_checkpoint`, which validates every name, shape and
-dtype against the Beam weight table, so the buckets are gathered on the host until `finalize` (host memory ~
-one model copy). Each version gets its own directory `<root>/v<version>`; engines load it and are then told
-the new version (`update_weight_version`, SGLang `/update_weight_version`). No engine session is opened: SGLang's
-disk loader does not need one, and it restores the old weights itself when a load fails.
+The slow but simplest path (any engine that can read the shared filesystem). It is a FULL update: each bucket is
+packed into its own host buffer, and at `finalize` the buffers' tensors are written by
+`beamrl.models.beam.checkpoint.save_checkpoint`, which validates every name, shape and dtype against the Beam
+weight table (host memory ~ one model copy). Each version gets its own directory `<root>/v<version>`; engines load
+it and are then told the new version (`update_weight_version`, SGLang `/update_weight_version`). No engine
+session is opened: SGLang's disk loader does not need one, and it restores the old weights itself when a load
+fails.
 """
 
 from __future__ import annotations
@@ -17,9 +18,12 @@ from pathlib import Path
 import torch
 
 from beamrl.models.beam.config import BeamConfig
-from beamrl.sync.protocol import Bucket, WeightReceiver, WeightSyncError
+from beamrl.protocols.flat_bucket import FlatBucket
+from beamrl.protocols.manifest import BucketLayout, SyncManifest
+from beamrl.protocols.weights import WeightReceiver, WeightSyncError
+from beamrl.sync.packing import bucket_views
 from beamrl.sync.transports import TRANSPORTS
-from beamrl.sync.transports.base import ReceiverTransport
+from beamrl.sync.transports.base import PackTarget, ReceiverTransport
 
 
 @TRANSPORTS.register("disk")
@@ -30,12 +34,12 @@ class DiskTransport(ReceiverTransport):
 
     def __init__(self, receivers: Sequence[WeightReceiver], directory: str | Path, config: BeamConfig,
                  max_shard_bytes: int | None = 4 * 1024 ** 3, keep_previous: bool = False) -> None:
-        super().__init__(receivers)
+        super().__init__(receivers, device="cpu")
         self.root = Path(directory)
         self.config = config
         self.max_shard_bytes = max_shard_bytes
         self.keep_previous = keep_previous
-        self._tensors: dict[str, torch.Tensor] = {}
+        self._buckets: dict[int, FlatBucket] = {}
         self._last_dir: Path | None = None
 
     def version_dir(self, version: int) -> Path:
@@ -44,35 +48,50 @@ class DiskTransport(ReceiverTransport):
     def connect(self, timeout: float) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
 
-    def _begin_engines(self, timeout: float) -> None:
-        self._tensors = {}  # engines are only touched in finalize
+    def _ensure_slots(self, manifest: SyncManifest, timeout: float) -> None:
+        """Every bucket gets its own host buffer (kept until the checkpoint is written)."""
 
-    def send_bucket(self, bucket: Bucket, timeout: float) -> None:
-        self._require_session("send_bucket")
-        for name, tensor in zip(bucket.names, bucket.tensors):
-            self._tensors[name] = tensor.detach().to("cpu", copy=True)
+    def _begin_engines(self, manifest: SyncManifest, timeout: float) -> None:
+        self._buckets = {}  # engines are only touched in finalize
+
+    def buffer(self, bucket: BucketLayout, timeout: float) -> PackTarget:
+        self._require_session("buffer")
+        buf = torch.empty(bucket.nbytes, dtype=torch.uint8)
+        self._buckets[bucket.index] = FlatBucket(buf, list(bucket.metas), index=bucket.index)
+        return PackTarget(bucket.index, buf, bucket_views(buf, bucket))
+
+    def send(self, bucket: BucketLayout, timeout: float) -> None:
+        """Nothing moves yet: the packed host buffer is kept for the checkpoint written at `finalize`."""
+        self._require_session("send")
 
     def finalize(self, timeout: float) -> None:
-        version = self._require_session("finalize")
+        manifest = self._require_session("finalize")
+        version = manifest.version
         out = self.version_dir(version)
         if out.exists():
             raise WeightSyncError(f"disk transport: {out} already exists; refusing to overwrite another version")
         from beamrl.models.beam.checkpoint import save_checkpoint  # lazy: safetensors is optional elsewhere
 
+        if torch.cuda.is_available():  # packing from GPU tensors into host buffers is asynchronous
+            torch.cuda.synchronize()
+        tensors = {n: t for b in self._buckets.values() for n, t in b.unflatten()}
         try:
-            save_checkpoint(self.config, self._tensors, out, max_shard_bytes=self.max_shard_bytes)
+            save_checkpoint(self.config, tensors, out, max_shard_bytes=self.max_shard_bytes)
         except Exception as exc:
             shutil.rmtree(out, ignore_errors=True)
             raise WeightSyncError(f"disk transport: writing checkpoint {out} failed: {exc}") from exc
         finally:
-            self._tensors = {}
+            self._buckets = {}
         self._touched = True
         self._call_all("update_weights_from_disk", lambda r: r.update_weights_from_disk(str(out), timeout), timeout)
         self._call_all("update_weight_version", lambda r: r.update_weight_version(version, timeout), timeout)
         if self._last_dir is not None and not self.keep_previous:
             shutil.rmtree(self._last_dir, ignore_errors=True)
-        self._last_dir, self.version = out, None
+        self._last_dir, self.manifest = out, None
 
-    def abort(self, reason: str) -> None:
-        self._tensors = {}
-        super().abort(reason)
+    def abort(self, reason: str, timeout: float) -> None:
+        self._buckets = {}
+        if not self._touched:  # engines were never called: nothing to undo
+            self.manifest = None
+            return
+        super().abort(reason, timeout)

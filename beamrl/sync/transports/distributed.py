@@ -1,9 +1,12 @@
 """Distributed transport: the trainer (rank 0) broadcasts one uint8 buffer per bucket to every engine TP rank.
 
-Group: world = 1 + sum of engine TP sizes; engine k joins at rank_offset = 1 + sum of the TP sizes of the
-engines before it. The engines' joins block until the trainer joins, so all joins run concurrently. Per bucket
-the engines are told (names, dtypes, shapes) and block receiving while the trainer broadcasts; they rebuild the
-layout themselves (`FlatBucket.empty`, identical to SGLang's `FlattenedTensorBucket.empty`).
+Group: by default world = 1 + sum of engine TP sizes and engine k joins at rank_offset = 1 + sum of the TP sizes of
+the engines before it (`update_group_ranks`); a launcher that knows better (multi-node engines) passes
+`rank_offsets` and `world_size`. The engines' joins block until the trainer joins, so all joins run concurrently.
+Per bucket the engines are told the bucket's index and checksum (its layout is in the session's manifest; SGLang
+is given the names, dtypes and shapes by its adapter) and block receiving while the trainer broadcasts; they
+rebuild the layout themselves (`FlatBucket.empty`, identical to SGLang's `FlattenedTensorBucket.empty`). The
+checksum is read on the host before the broadcast (one round trip per bucket; this path is network-bound).
 
 After any failure the collective sequence is out of step, so the trainer leaves the group and the next sync
 builds a new one (a fresh group name) once the engines have been restarted.
@@ -17,17 +20,27 @@ from collections.abc import Sequence
 
 import torch
 
+from beamrl.net import reserve_port
+from beamrl.protocols.checksum import bucket_checksum, checksum_values
+from beamrl.protocols.manifest import BucketLayout
+from beamrl.protocols.weights import WeightReceiver, WeightSyncError
 from beamrl.sync.calls import run_concurrently
-from beamrl.sync.flat_bucket import FlatBucket
-from beamrl.sync.protocol import Bucket, WeightReceiver, WeightSyncError
 from beamrl.sync.transports import TRANSPORTS
 from beamrl.sync.transports.base import ReceiverTransport
-from beamrl.net import free_port
 from beamrl.sync.update_group import broadcast_from_rank0, destroy_update_group, init_update_group
 
 log = logging.getLogger(__name__)
 
 TRAINER = "trainer (update-group rank 0)"
+
+
+def update_group_ranks(tp_sizes: Sequence[int]) -> tuple[list[int], int]:
+    """SGLang's convention: (rank offset of each engine, world size); the trainer is rank 0."""
+    offsets, nxt = [], 1
+    for tp in tp_sizes:
+        offsets.append(nxt)
+        nxt += int(tp)
+    return offsets, nxt
 
 
 @TRANSPORTS.register("distributed")
@@ -38,9 +51,17 @@ class DistributedTransport(ReceiverTransport):
 
     def __init__(self, receivers: Sequence[WeightReceiver], device: str | torch.device = "cpu",
                  master_address: str = "127.0.0.1", master_port: int = 0, backend: str | None = None,
-                 group_name: str = "beamrl-weight-update", teardown_timeout: float = 10.0) -> None:
-        super().__init__(receivers)
-        self.device = torch.device(device)
+                 group_name: str = "beamrl-weight-update", teardown_timeout: float = 10.0,
+                 rank_offsets: Sequence[int] | None = None, world_size: int | None = None) -> None:
+        """`rank_offsets` / `world_size`: the engines' update-group ranks when the caller computes them (e.g.
+        engines spanning nodes); default `update_group_ranks` of the receivers' TP sizes."""
+        super().__init__(receivers, device=device, staging_slots=1)
+        if (rank_offsets is None) != (world_size is None):
+            raise ValueError("give both rank_offsets and world_size, or neither")
+        if rank_offsets is not None and len(rank_offsets) != len(self.receivers):
+            raise ValueError(f"{len(rank_offsets)} rank_offsets for {len(self.receivers)} receivers")
+        self._offsets = None if rank_offsets is None else [int(o) for o in rank_offsets]
+        self._world = None if world_size is None else int(world_size)
         self.backend = backend or ("nccl" if self.device.type == "cuda" else "gloo")
         if self.backend == "nccl" and self.device.type != "cuda":
             raise ValueError(f"backend 'nccl' needs a cuda device, got {self.device}")
@@ -52,20 +73,21 @@ class DistributedTransport(ReceiverTransport):
 
     @property
     def world_size(self) -> int:
-        return 1 + sum(r.tp_size for r in self.receivers)
+        return self._world if self._world is not None else update_group_ranks([r.tp_size for r in self.receivers])[1]
 
     def rank_offsets(self) -> list[int]:
-        offsets, nxt = [], 1
-        for r in self.receivers:
-            offsets.append(nxt)
-            nxt += r.tp_size
-        return offsets
+        if self._offsets is not None:
+            return list(self._offsets)
+        return update_group_ranks([r.tp_size for r in self.receivers])[0]
 
     def connect(self, timeout: float) -> None:
         if self._pg is not None:
             return
         self._require_healthy()
-        port = self.master_port or free_port(self.master_address)
+        # master_port 0: a port reserved until the trainer's store has bound it (no other process can take it
+        # in between); an explicit master_port is the operator's choice.
+        reserved = None if self.master_port else reserve_port(self.master_address)
+        port = self.master_port or reserved.port
         group = f"{self.group_prefix}-{uuid.uuid4().hex[:8]}"  # fresh name: a failed group may linger in torch
         world, holder = self.world_size, {}
 
@@ -78,35 +100,43 @@ class DistributedTransport(ReceiverTransport):
                            lambda r: r.init_weights_update_group(self.master_address, port, offsets[id(r)], world,
                                                                  group, self.backend, timeout),
                            timeout, extra=[(TRAINER, join_as_trainer)])
-        except WeightSyncError:
+        except WeightSyncError as err:
+            for who, msg in getattr(err, "failures", {}).items():
+                if who != TRAINER:  # the engine is left in (or out of) a half-built group
+                    self.mark_unhealthy(who, f"joining the update group failed: {msg}")
             if "pg" in holder:
                 self._destroy_local(holder["pg"])
             raise
+        finally:
+            if reserved is not None:
+                reserved.close()
         self._pg, self.group_name = holder["pg"], group
         log.info("weight-update group %s up: %s:%d, world %d, backend %s", group, self.master_address, port,
                  world, self.backend)
 
-    def send_bucket(self, bucket: Bucket, timeout: float) -> None:
-        self._require_session("send_bucket")
+    def send(self, bucket: BucketLayout, timeout: float) -> None:
+        self._require_session("send")
         if self._pg is None:
-            raise WeightSyncError("send_bucket before connect(): the update group does not exist")
-        flat = FlatBucket.from_named_tensors(list(zip(bucket.names, bucket.tensors)), device=self.device)
-        names, dtypes, shapes, group, pg = flat.names, flat.dtypes, flat.shapes, self.group_name, self._pg
+            raise WeightSyncError("send before connect(): the update group does not exist")
+        payload = self._slot(bucket.index).payload(bucket.nbytes)
+        checksum = checksum_values(bucket_checksum(payload))
+        index, group, pg = bucket.index, self.group_name, self._pg
         self._touched = True
         self._call_all("update_weights_from_distributed",
-                       lambda r: r.update_weights_from_distributed(names, dtypes, shapes, group, timeout), timeout,
-                       extra=[(TRAINER, lambda: broadcast_from_rank0(pg, flat.buffer))])
+                       lambda r: r.update_weights_from_distributed(index, checksum, group, timeout), timeout,
+                       extra=[(TRAINER, lambda: broadcast_from_rank0(pg, payload))])
 
-    def abort(self, reason: str) -> None:
-        super().abort(reason)
-        if self._pg is not None:  # the collective sequence is broken: leave the group
+    def abort(self, reason: str, timeout: float) -> None:
+        if self._pg is not None:  # the collective sequence is broken: leave the group (frees blocked receives)
             self._destroy_local(self._pg)
             self._pg, self.group_name = None, None
+        super().abort(reason, timeout)
 
     def close(self) -> None:
         """Leave the group on every side at once. NCCL's communicator teardown is an intra-node collective: an
         engine's destroy can block until the trainer destroys too, so destroying the engines' side first and the
         trainer's after it timed out on the H200 (docs/benchmarks.md, weight sync)."""
+        super().close()
         if self._pg is None:
             return
         group, pg = self.group_name, self._pg

@@ -72,6 +72,7 @@ def to_thd(batch: PackedBatch, length: int, num_layers: int | None = None) -> Th
         cu = torch.cat([cu, torch.tensor([length], dtype=cu.dtype)])
     routes = batch.routes
     if routes is not None:
+        routes = routes.to(torch.int64)  # PackedBatch keeps the engines' int32
         if num_layers is not None and routes.shape[1] != num_layers:
             raise BatchError(f"PackedBatch.routes has {routes.shape[1]} layer columns; the model has "
                              f"num_hidden_layers={num_layers} (one column per layer, dense columns ignored)")

@@ -2,8 +2,9 @@
 
 `launch(fn, world_size, args)` spawns N fresh interpreters (the `spawn` start method: no forked torch or
 Megatron state), gives each the usual env (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`
-on a free port) plus `OMP_NUM_THREADS=1` and `TORCHDYNAMO_DISABLE=1`, runs `fn(*args)` on every rank and
-returns the list of per-rank return values (rank order).
+on a port reserved for the run, `beamrl.net.reserve_port`) plus `OMP_NUM_THREADS=1` and
+`TORCHDYNAMO_DISABLE=1`, runs `fn(*args)` on every rank and returns the list of per-rank return values
+(rank order).
 
 Failures never hang: if any rank raises, exits without a result or the whole run exceeds `timeout_s`, the
 other ranks (likely blocked in a collective) are terminated and `LaunchError` is raised with the failing
@@ -26,7 +27,7 @@ from typing import Any
 
 import multiprocessing as mp
 
-from beamrl.net import free_port
+from beamrl.net import reserve_port
 
 #: Environment every rank gets unless the caller overrides it (CPU is shared; compiles cost seconds).
 DEFAULT_ENV = {"OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1", "MKL_NUM_THREADS": "1"}
@@ -42,10 +43,11 @@ class LaunchError(RuntimeError):
 
 
 def set_one_rank_world_env() -> None:
-    """Environment for a 1-rank world in this process on a fresh port. An inherited MASTER_PORT (a parent's
-    live store) would collide, so every variable is set, not defaulted."""
+    """Environment for a 1-rank world in this process. An inherited MASTER_PORT (a parent's live store) would
+    collide, so every variable is set, not defaulted. MASTER_PORT=0: rank 0 hosts the store and no other rank
+    has to find it, so the OS picks the port when the store binds (no window for another process to take it)."""
     os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": str(free_port())})
+                       "MASTER_PORT": "0"})
 
 
 def _rank_main(fn: Callable[..., Any], args: tuple, rank: int, world_size: int, env: dict[str, str],
@@ -84,10 +86,12 @@ def launch(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), *,
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     child_env = dict(DEFAULT_ENV)
-    child_env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
+    # Rank 0's store binds the port; the reservation keeps every other process off it until the run is over.
+    reserved = reserve_port("127.0.0.1")
+    child_env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(reserved.port)})
     child_env.update(env or {})
     ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory(prefix="beamrl-launch-") as result_dir:
+    with reserved, tempfile.TemporaryDirectory(prefix="beamrl-launch-") as result_dir:
         procs = [ctx.Process(target=_rank_main, args=(fn, tuple(args), r, world_size, child_env, result_dir),
                              name=f"beamrl-rank{r}", daemon=True) for r in range(world_size)]
         try:
@@ -120,6 +124,7 @@ def _patched_environ(values: dict[str, str]):
 
 
 def _read(path: Path) -> tuple[str, Any]:
+    # Results of this launch's own children, in its private (0700) temporary directory: IPC, not a checkpoint.
     return pickle.loads(path.read_bytes())
 
 

@@ -15,9 +15,9 @@ id, a shared A without one.
 |                                                | lora_B  | [E_local, out, r], expert e = ep_rank * E_local + j |
 | mlp.experts.lora.<t> with share_expert_a       | lora_A  | columns block ep_rank of the shared A |
 
-Export (`export_adapter_tensors`) is a generator like `mapping.export_hf_tensors`: every rank must consume it to
-the end (TP/EP all-gathers and PP broadcasts run per layer in the same order everywhere); full tensors come out
-on `dst_rank` only. Import (`load_adapter_tensors`) copies each rank's shards without communication.
+Export (`export_adapter_tensors`, one unit per layer) is a generator like `mapping.export_hf_tensors`: every rank
+must consume it to the end (TP/EP all-gathers and PP broadcasts run per layer in the same order everywhere); full
+tensors come out on `dst_rank` only. Import (`load_adapter_tensors`) copies each rank's shards without communication.
 """
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from beamrl.models.beam.lora import adapted_weights, adapter_tensor_shapes
+from beamrl.models.beam.lora import adapter_tensor_shapes
 from beamrl.models.beam.lora_config import ALL_TARGETS, LoRAConfig
+from beamrl.models.beam.lora_payload import adapter_layers
 from beamrl.trainer.megatron.mapping import MappingError, _Layout, _owner_of_layers, unwrap
 from beamrl.trainer.megatron.model.lora import LoRABeamExperts, LoRAColumnParallelLinear, LoRARowParallelLinear
 from beamrl.trainer.megatron.model.spec import stage_layers
@@ -158,10 +159,11 @@ def _local_shard(f: _Factor, tensors, lay: _Layout) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------- export
 
 
-def export_adapter_tensors(model_chunks: Sequence, bucket_bytes: int = 1 << 28, *, dst_rank: int = 0,
+def export_adapter_tensors(model_chunks: Sequence, *, dst_rank: int = 0,
                            source: str = "param") -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Stream the full HF-named adapter tensors in buckets of about `bucket_bytes` (one layer's tensors are never
-    split), in adapter-table order, on `dst_rank` (others get one empty list). Collective over the whole world.
+    """Stream the full HF-named adapter tensors, one list per layer (`export_adapter_layout` gives the same units
+    without data; no size budget: bucketing is the weight sync's job), on `dst_rank` (other ranks get empty lists
+    and must keep iterating). Collective over the whole world.
 
     source: "param" (the adapter weights) or "main_grad" (their gradients after `forward_backward`, in the
     parameter dtype; needs a non-distributed optimizer, whose main_grad holds the full reduced gradient)."""
@@ -174,39 +176,31 @@ def export_adapter_tensors(model_chunks: Sequence, bucket_bytes: int = 1 << 28, 
     for v, chunk in enumerate(chunks):
         mine.update(_stage_factors(chunk, v, lay, lora))
     shapes = adapter_tensor_shapes(beam, lora)
-    by_layer: dict[int, list[str]] = {}
-    for w in adapted_weights(beam, lora):
-        names = by_layer.setdefault(w.layer, [])
-        for n in (w.a, w.b):
-            if n not in names:
-                names.append(n)
     dtype = chunks[0].config.params_dtype
     pp_group = parallel_state.get_pipeline_model_parallel_group()
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for layer in sorted(by_layer):
+    for layer, names in sorted(adapter_layers(beam, lora).items()):
         stage = owner[layer][0]
         produced = _gather_layer(mine[layer], lay, source) if stage == lay.pp_rank else None
         tensors = []
-        for name in by_layer[layer]:
+        for name in names:
             if lay.pp == 1:
                 tensors.append((name, produced[name]))
                 continue
             t = produced[name].contiguous() if produced is not None else torch.empty(shapes[name], dtype=dtype)
             dist.broadcast(t, src=dist.get_global_rank(pp_group, stage), group=pp_group)
             tensors.append((name, t))
-        if dist.get_rank() != dst_rank:
-            continue
-        unit_bytes = sum(t.numel() * t.element_size() for _, t in tensors)
-        if bucket and size + unit_bytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket += tensors
-        size += unit_bytes
-    if dist.get_rank() == dst_rank and bucket:
-        yield bucket
-    elif dist.get_rank() != dst_rank:
-        yield []
+        yield tensors if dist.get_rank() == dst_rank else []
+
+
+def export_adapter_layout(model_chunks: Sequence) -> list[list[tuple[str, tuple[int, ...], torch.dtype]]]:
+    """(name, shape, dtype) of every tensor `export_adapter_tensors` yields, per unit (layer) and in the same
+    order; the same on every rank, without communication."""
+    chunks = _chunks(model_chunks)
+    lora = lora_config_of(chunks)
+    beam = chunks[0].config.beam
+    shapes = adapter_tensor_shapes(beam, lora)
+    dtype = chunks[0].config.params_dtype
+    return [[(n, tuple(shapes[n]), dtype) for n in names] for _, names in sorted(adapter_layers(beam, lora).items())]
 
 
 def _value(f: _Factor, source: str) -> torch.Tensor:

@@ -4,13 +4,13 @@ Import: `load_hf_weights(model_chunks, hf_state)` — every rank copies *its own
 HF-named tensors (a dict, or any Mapping such as a lazy safetensors view; per-expert names as returned by
 `beamrl.models.beam.checkpoint.load_checkpoint`). No communication.
 
-Export: `export_hf_tensors(model_chunks, bucket_bytes)` — a generator that yields buckets
-`list[(hf_name, tensor)]` of full HF tensors on `dst_rank` (global rank 0 by default) and empty lists on every
-other rank. **Every rank must consume it to the end** (it issues TP/EP all-gathers and PP broadcasts in the same
-order on all ranks). Router weight and correction bias stay FP32; everything else has the model dtype. All
-tensors of one fused SGLang parameter land in the same bucket: q/k/v/gate of a layer (`qkv_gate_proj`), a dense
-layer's gate+up (`gate_up_proj`), an expert's gate+up, the router weight + correction bias. This is the source
-of weight sync and of save_pretrained.
+Export: `export_hf_tensors(model_chunks)` — a generator that yields, per export unit (embedding, a layer's
+attention, its router, one expert slot over EP, ...), `list[(hf_name, tensor)]` of full HF tensors on `dst_rank`
+(global rank 0 by default) and empty lists on every other rank; `export_hf_layout(model_chunks)` gives the same
+units' names, shapes and dtypes without communication. **Every rank must consume the export to the end** (it
+issues TP/EP all-gathers and PP broadcasts in the same order on all ranks). Router weight and correction bias stay
+FP32; everything else has the model dtype. There is no size budget: the weight sync alone buckets the stream
+(`beamrl.sync.plan`). This is the source of weight sync and of save_pretrained.
 
 Megatron-side layout (local spec, this package's modules), for global layer l on its (stage, chunk):
 | Megatron (chunk-local layer i)                         | HF (model.layers.l.)                 | shard            |
@@ -231,29 +231,24 @@ def _source_for(c: BeamConfig, name: str, layers: list, lay: _Layout, hf, strict
 # ------------------------------------------------------------------------------------------------- export
 
 
-def export_hf_tensors(model_chunks: Sequence, bucket_bytes: int = 1 << 28, *,
-                      dst_rank: int = 0) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Stream full HF-named tensors in buckets of about `bucket_bytes` (a fused unit is never split; a unit
-    larger than the budget is a bucket of its own). Yields on `dst_rank` only (other ranks get empty lists and
-    must keep iterating). Tensors are CPU-resident only if the model is; FP32 router/bias kept."""
+def export_hf_tensors(model_chunks: Sequence, *, dst_rank: int = 0) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Stream full HF-named tensors, one list per export unit (`export_hf_layout` gives the same units without
+    data); no size budget: bucketing is the weight sync's job. Yields on `dst_rank` only (other ranks get empty
+    lists and must keep iterating). Tensors are CPU-resident only if the model is; FP32 router/bias kept."""
     chunks = [unwrap(c) for c in (model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks])]
     ex = _Exporter(chunks, dst_rank)
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
+    mine = dist.get_rank() == dst_rank
     for unit in ex.units():
         tensors = ex.run(unit)
-        if dist.get_rank() != dst_rank:
-            continue
-        unit_bytes = sum(t.numel() * t.element_size() for _, t in tensors)
-        if bucket and size + unit_bytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket += tensors
-        size += unit_bytes
-    if dist.get_rank() == dst_rank and bucket:
-        yield bucket
-    elif dist.get_rank() != dst_rank:
-        yield []
+        yield tensors if mine else []
+
+
+def export_hf_layout(model_chunks: Sequence) -> list[list[tuple[str, tuple[int, ...], torch.dtype]]]:
+    """(name, shape, dtype) of every tensor `export_hf_tensors` yields, per unit and in the same order; the same on
+    every rank, and no communication (the weight sync's manifest is built from it before the export runs)."""
+    chunks = [unwrap(c) for c in (model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks])]
+    ex = _Exporter(chunks, dst_rank=0)
+    return [[(n, tuple(shape), dtype) for n, shape, dtype in ex.unit_layout(unit)] for unit in ex.units()]
 
 
 class _Exporter:
@@ -306,8 +301,8 @@ class _Exporter:
             return produced
         return self._broadcast_from_stage(produced, unit, stage)
 
-    def _names_shapes(self, unit) -> list[tuple[str, tuple, torch.dtype]]:
-        """What a unit produces, known on every rank (for PP receivers)."""
+    def unit_layout(self, unit) -> list[tuple[str, tuple, torch.dtype]]:
+        """What a unit produces, in the order `run` returns it, known on every rank (PP receivers, sync layout)."""
         kind, layer, j = unit
         c = self.beam
         if kind == "embed":
@@ -335,7 +330,7 @@ class _Exporter:
     def _broadcast_from_stage(self, produced, unit, stage):
         src = dist.get_global_rank(self.pp_group, stage)
         out = []
-        expected = self._names_shapes(unit)
+        expected = self.unit_layout(unit)
         by_name = dict(produced) if produced is not None else {}
         for name, shape, dtype in expected:
             t = by_name[name].contiguous() if produced is not None else torch.empty(shape, dtype=dtype)
@@ -344,9 +339,11 @@ class _Exporter:
         return out
 
     # -- gathers
+    # No copies where no gather is needed: the export's consumer (the weight sync's packing, a checkpoint writer)
+    # reads the tensors before the weights change again.
     def _tp_cat(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         if self.lay.tp == 1:
-            return t.detach().clone()
+            return t.detach()
         parts = [torch.empty_like(t) for _ in range(self.lay.tp)]
         dist.all_gather(parts, t.detach().contiguous(), group=self.tp_group)
         return torch.cat(parts, dim=dim)
@@ -363,7 +360,7 @@ class _Exporter:
         return [("model.embed_tokens.weight", self._tp_cat(named["embedding.word_embeddings.weight"], 0))]
 
     def _final(self, named, layer, local, j):
-        return [("model.norm.weight", named["decoder.final_layernorm.weight"].detach().clone()),
+        return [("model.norm.weight", named["decoder.final_layernorm.weight"].detach()),
                 ("lm_head.weight", self._tp_cat(named["output_layer.weight"], 0))]
 
     def _attn(self, named, layer, local, j):
@@ -380,13 +377,13 @@ class _Exporter:
         return [(a + "q_proj.weight", q.contiguous()), (a + "k_proj.weight", k.contiguous()),
                 (a + "v_proj.weight", v.contiguous()), (a + "gate_proj.weight", g.contiguous()),
                 (a + "o_proj.weight", self._tp_cat(named[m + "self_attention.linear_proj.weight"], 1)),
-                (a + "q_norm.weight", named[m + "self_attention.q_layernorm.weight"].detach().clone()),
-                (a + "k_norm.weight", named[m + "self_attention.k_layernorm.weight"].detach().clone()),
+                (a + "q_norm.weight", named[m + "self_attention.q_layernorm.weight"].detach()),
+                (a + "k_norm.weight", named[m + "self_attention.k_layernorm.weight"].detach()),
                 (a + "gate_bias", self._tp_cat(named[m + "self_attention.gate_bias"], 0)),
-                (p + "input_layernorm.weight", named[m + "input_layernorm.weight"].detach().clone()),
-                (p + "post_attention_layernorm.weight", named[m + "post_self_attn_layernorm.weight"].detach().clone()),
-                (p + "pre_feedforward_layernorm.weight", named[m + "pre_mlp_layernorm.weight"].detach().clone()),
-                (p + "post_feedforward_layernorm.weight", named[m + "post_mlp_layernorm.weight"].detach().clone())]
+                (p + "input_layernorm.weight", named[m + "input_layernorm.weight"].detach()),
+                (p + "post_attention_layernorm.weight", named[m + "post_self_attn_layernorm.weight"].detach()),
+                (p + "pre_feedforward_layernorm.weight", named[m + "pre_mlp_layernorm.weight"].detach()),
+                (p + "post_feedforward_layernorm.weight", named[m + "post_mlp_layernorm.weight"].detach())]
 
     def _dense(self, named, layer, local, j):
         m, p = f"decoder.layers.{local}.mlp.", f"model.layers.{layer}.mlp."
@@ -398,8 +395,8 @@ class _Exporter:
 
     def _router(self, named, layer, local, j):
         m, p = f"decoder.layers.{local}.mlp.router.", f"model.layers.{layer}.mlp.gate."
-        return [(p + "weight", named[m + "weight"].detach().float().clone()),
-                (p + "e_score_correction_bias", named[m + "expert_bias"].detach().float().clone())]
+        return [(p + "weight", named[m + "weight"].detach().float()),
+                (p + "e_score_correction_bias", named[m + "expert_bias"].detach().float())]
 
     def _experts(self, named, layer, local, j):
         c = self.beam
@@ -412,7 +409,7 @@ class _Exporter:
             dist.all_gather(gus, gu, group=self.ep_group)
             dist.all_gather(dns, dn, group=self.ep_group)
         else:
-            gus, dns = [gu.clone()], [dn.clone()]
+            gus, dns = [gu], [dn]
         e_local, I = c.num_experts // self.lay.ep, c.moe_intermediate_size
         out = []
         for r in range(self.lay.ep):

@@ -16,6 +16,10 @@ miles' replay manager need). With PP each stage reads only its own layers' colum
 Engine routes (SGLang): per sequence `[prompt + output - 1, L, k]` — the last generated token never went
 through the model. `engine_routes_to_packed` pads that row with -1 (free routing; its output is unused) and
 concatenates the sequences in packing order.
+
+Self-check: while replaying, the trainer also records the routes its routers used and counts, per training
+step, the (token, MoE layer) pairs whose experts differ from the given ones (`count_route_mismatches`; the
+metrics `replay/route_mismatches` and `replay/routes_checked`, docs/metrics.md). R3 guarantees 0.
 """
 
 from __future__ import annotations
@@ -94,3 +98,32 @@ def recorded_routes(params: BeamPackedSeqParams, config: BeamConfig, num_tokens:
     if pp_group is not None and pp_group.size() > 1:
         dist.all_reduce(full, op=dist.ReduceOp.MAX, group=pp_group)
     return full
+
+
+def count_route_mismatches(recorded: dict, routes: torch.Tensor, moe_layers: Sequence[int], tp_rank: int = 0,
+                           tp_size: int = 1) -> tuple[int, int]:
+    """Replay self-check on one rank, after a forward with replay and record on: `(mismatched, checked)` over the
+    (token, MoE layer) pairs whose given route is complete (no -1): checked counts them, mismatched those whose
+    recorded experts differ from the given ones (ids and slot order, exactly as replay promises).
+
+    recorded: `{global layer: ids [T_local, k]}` as the MoE layers left them (this rank's layers; under
+    sequence parallelism this TP rank's contiguous token slice). routes: the micro-batch's full `[T, L, k]`
+    (padding rows -1). tp_size: the SP split of the tokens (1 without SP). The slice is taken here again, not
+    through the router's own code, so a wrong slice or layer column in the replay path shows as mismatches."""
+    if routes.shape[0] % tp_size:
+        raise RoutesError(f"{routes.shape[0]} route rows do not split over {tp_size} sequence-parallel ranks")
+    n_local = routes.shape[0] // tp_size
+    rows = routes[tp_rank * n_local:(tp_rank + 1) * n_local]
+    mismatched = checked = 0
+    for layer in moe_layers:
+        if layer not in recorded:
+            continue  # another pipeline stage's layer
+        got = recorded[layer].to(torch.int64).cpu()
+        want = rows[:, layer].to(torch.int64).cpu()
+        if got.shape != want.shape:
+            raise RoutesError(f"recorded routes of layer {layer} have shape {tuple(got.shape)}, the replayed ones "
+                              f"{tuple(want.shape)}")
+        given = (want >= 0).all(-1)
+        checked += int(given.sum())
+        mismatched += int((got[given] != want[given]).any(-1).sum())
+    return mismatched, checked

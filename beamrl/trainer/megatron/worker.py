@@ -1,9 +1,10 @@
 """`MegatronTrainer`: one rank of the Beam policy trainer on Megatron-core (docs/trainer.md).
 
-A plain class (the Ray actor wrapper lives with the RL loop). Construction joins the world, creates the
-model-parallel groups, builds the Beam model chunks (one per virtual pipeline stage), wraps them in Megatron's
-`DistributedDataParallel` (`grad_reduce_in_fp32=True`), builds Megatron's (distributed) Adam optimizer and a
-learning-rate scheduler, and optionally loads an HF checkpoint through the mapping.
+A plain class (the Ray actor wrapper lives with the RL loop), built from a `TrainerSetup` (the recipe's `trainer`
+section plus run-level values). Construction joins the world, creates the model-parallel groups, builds the Beam
+model chunks (one per virtual pipeline stage), wraps them in Megatron's `DistributedDataParallel` (main grads in
+`trainer.main_grads_dtype`), builds Megatron's (distributed) Adam optimizer and a learning-rate scheduler, and
+optionally loads an HF checkpoint through the mapping.
 
 All ranks must make the same calls in the same order. Each data-parallel rank passes its own micro-batches to
 `train_step`; all ranks of one model-parallel group (TP/PP/EP peers with the same DP rank) pass identical ones.
@@ -11,7 +12,6 @@ All ranks must make the same calls in the same order. Each data-parallel rank pa
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,103 +19,82 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from beamrl.dtypes import RUN_DTYPES, torch_dtype
 from beamrl.models.beam.config import BeamConfig
 from beamrl.models.beam.lora_config import LoRAConfig
 from beamrl.trainer.megatron import train_step as schedule
-from beamrl.trainer.megatron.parallel import ParallelConfig, destroy_parallel, initialize_parallel
-from beamrl.trainer.protocol import (HFBucket, LogprobResult, LossFn, PackedBatch, TrainerWorker,
-                                     TrainStepResult)
-
-_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-
+from beamrl.trainer.megatron.config import ParallelConfig, TrainerConfig
+from beamrl.trainer.megatron.parallel import destroy_parallel, initialize_parallel
+from beamrl.trainer.protocol import LogprobResult, LossFn, PackedBatch, TrainerWorker, TrainStepResult
 
 class TrainerConfigError(ValueError):
-    """An optimizer/trainer setting is invalid; the message names the field."""
+    """A trainer setting is invalid; the message names the field."""
 
 
 @dataclass(frozen=True)
-class OptimizerSettings:
-    """Adam + gradient clipping + a linear-warmup, then constant/cosine/linear decay, LR schedule."""
+class LRSchedule:
+    """Linear warm-up, then constant/cosine/linear decay to `min_lr` (the RL loop uses the default: constant).
 
-    lr: float = 1e-6
+    Internal to the trainer (not a recipe field): the peak LR is `TrainerConfig.lr`."""
+
     min_lr: float = 0.0
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
     warmup_steps: int = 0
     decay_steps: int = 1
     decay_style: str = "constant"
-    use_distributed_optimizer: bool = True
-    #: Fraction of the optimizer state (and its update) kept in host memory (Megatron's HybridDeviceOptimizer,
-    #: `OptimizerConfig.optimizer_cpu_offload`/`optimizer_offload_fraction`); needs the distributed optimizer.
-    #: Not exercised by the CPU suite (it has no device memory to save); see docs/trainer.md.
-    cpu_offload_fraction: float = 0.0
-    #: Accumulate and reduce main gradients in FP32 (`DistributedDataParallelConfig.grad_reduce_in_fp32`).
-    grad_reduce_in_fp32: bool = True
 
     def __post_init__(self) -> None:
-        if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise TrainerConfigError(f"OptimizerSettings.lr={self.lr!r} must be a positive number")
-        if not 0 <= self.min_lr <= self.lr:
-            raise TrainerConfigError(f"OptimizerSettings.min_lr={self.min_lr!r} must be in [0, lr={self.lr}]")
-        if self.clip_grad < 0:
-            raise TrainerConfigError(f"OptimizerSettings.clip_grad={self.clip_grad!r} must be >= 0 (0 = off)")
         if self.warmup_steps < 0 or self.decay_steps < 1:
-            raise TrainerConfigError("OptimizerSettings: warmup_steps must be >= 0 and decay_steps >= 1")
-        if not 0.0 <= self.cpu_offload_fraction <= 1.0:
-            raise TrainerConfigError(f"OptimizerSettings.cpu_offload_fraction={self.cpu_offload_fraction!r} must be "
-                                     f"in [0, 1]")
-        if self.cpu_offload_fraction > 0 and not self.use_distributed_optimizer:
-            raise TrainerConfigError("OptimizerSettings.cpu_offload_fraction > 0 needs use_distributed_optimizer=True")
+            raise TrainerConfigError("LRSchedule: warmup_steps must be >= 0 and decay_steps >= 1")
         if self.decay_style not in ("constant", "linear", "cosine"):
-            raise TrainerConfigError(f"OptimizerSettings.decay_style={self.decay_style!r}; allowed: constant, "
-                                     f"linear, cosine")
+            raise TrainerConfigError(f"LRSchedule.decay_style={self.decay_style!r}; allowed: constant, linear, cosine")
 
 
 @dataclass(frozen=True)
-class TrainerConfig:
-    """Everything a `MegatronTrainer` rank needs besides the process env."""
+class TrainerSetup:
+    """What one `MegatronTrainer` rank is built from besides the process env: the recipe's `trainer` section
+    (`TrainerConfig`, read under its own field names) plus the run-level values it needs and internal knobs.
+
+    dtype: model.dtype. seed: trainer.seed, or run.seed when that is null. timeout_s: every collective's limit."""
 
     model: BeamConfig
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
+    trainer: TrainerConfig
     dtype: str = "bfloat16"
     seed: int = 1234
-    use_fused_kernels: bool = False
-    recompute: bool = False
+    timeout_s: float = 600.0
+    lr_schedule: LRSchedule = field(default_factory=LRSchedule)
     #: Sequences per micro-batch in `compute_logprobs` (a packed batch is split into such micro-batches).
     logprob_micro_batch_sequences: int = 8
-    #: Timeout of every collective (seconds).
-    timeout_s: float = 600.0
-    #: LoRA adapters (docs/lora.md): only they train, the base is frozen. None = full-parameter training.
-    lora: LoRAConfig | None = None
 
     def __post_init__(self) -> None:
-        if self.dtype not in _DTYPES:
-            raise TrainerConfigError(f"TrainerConfig.dtype={self.dtype!r}; allowed: {sorted(_DTYPES)}")
+        if self.dtype not in RUN_DTYPES:
+            raise TrainerConfigError(f"TrainerSetup.dtype={self.dtype!r}; allowed: {list(RUN_DTYPES)}")
         if self.logprob_micro_batch_sequences < 1:
-            raise TrainerConfigError("TrainerConfig.logprob_micro_batch_sequences must be >= 1")
-        m = self.model
-        self.parallel.validate(m)
+            raise TrainerConfigError("TrainerSetup.logprob_micro_batch_sequences must be >= 1")
+        if not 0 <= self.lr_schedule.min_lr <= self.trainer.lr:
+            raise TrainerConfigError(f"LRSchedule.min_lr={self.lr_schedule.min_lr!r} must be in [0, lr="
+                                     f"{self.trainer.lr}]")
+        self.trainer.check_model(self.model)
+
+    @property
+    def parallel(self) -> ParallelConfig:
+        return self.trainer.parallel
 
     @property
     def params_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+        return torch_dtype(self.dtype)
 
 
 #: (transformer_config, pre_process, post_process, vp_stage) -> a Megatron GPTModel chunk.
 ModelBuilder = Callable[..., torch.nn.Module]
 
 
-def _beam_builder(cfg: TrainerConfig):
+def _beam_builder(cfg: TrainerSetup):
     """The Beam model's TransformerConfig and chunk builder (beamrl.trainer.megatron.model)."""
     from beamrl.trainer.megatron.model import beam_transformer_config, build_beam_gpt_model
 
     tconfig = beam_transformer_config(cfg.model, cfg.parallel, dtype=cfg.params_dtype,
-                                      use_fused_kernels=cfg.use_fused_kernels,
-                                      recompute="full" if cfg.recompute else "none", lora=cfg.lora)
+                                      use_fused_kernels=cfg.trainer.use_fused_kernels, recompute=cfg.trainer.recompute,
+                                      lora=cfg.trainer.lora)
 
     def build(tc, pre_process: bool, post_process: bool, vp_stage: int | None):
         return build_beam_gpt_model(cfg.model, pre_process=pre_process, post_process=post_process,
@@ -127,12 +106,15 @@ def _beam_builder(cfg: TrainerConfig):
 class MegatronTrainer(TrainerWorker):
     """One rank of the Megatron policy trainer (see the module docstring and `TrainerWorker`)."""
 
-    def __init__(self, config: TrainerConfig, hf_checkpoint: str | Path | None = None,
-                 model_factory: Callable[[TrainerConfig], tuple[object, ModelBuilder]] | None = None):
+    def __init__(self, config: TrainerSetup, hf_checkpoint: str | Path | None = None,
+                 model_factory: Callable[[TrainerSetup], tuple[object, ModelBuilder]] | None = None):
         """`model_factory(config) -> (TransformerConfig, builder)` replaces the Beam model (tests of the
         training plumbing with stock Megatron models); leave it None for Beam."""
         self.config = config
         self.device = initialize_parallel(config.parallel, seed=config.seed, timeout_s=config.timeout_s)
+        if dist.get_world_size() != config.trainer.num_gpus:
+            raise TrainerConfigError(f"trainer.num_gpus={config.trainer.num_gpus} but this trainer's world has "
+                                     f"{dist.get_world_size()} ranks")
         from megatron.core import parallel_state as ps
         from megatron.core.transformer.moe.router_replay import RouterReplay
 
@@ -146,6 +128,9 @@ class MegatronTrainer(TrainerWorker):
         self._replay_enabled = False
         self._record_enabled = False
         self._step = 0
+        from beamrl.trainer.megatron.checkpoint.checkpointer import Checkpointer
+
+        self._checkpointer = Checkpointer(self)
         if hf_checkpoint is not None:
             self.load_hf(hf_checkpoint)
 
@@ -174,8 +159,8 @@ class MegatronTrainer(TrainerWorker):
 
         ps, vpp = self._ps, self.config.parallel.vpp
         ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=self.config.optimizer.grad_reduce_in_fp32, overlap_grad_reduce=False,
-            use_distributed_optimizer=self.config.optimizer.use_distributed_optimizer,
+            grad_reduce_in_fp32=self.config.trainer.main_grads_dtype == "fp32", overlap_grad_reduce=False,
+            use_distributed_optimizer=self.config.trainer.distributed_optimizer,
             check_for_nan_in_grad=False, average_in_collective=False)
         chunks = []
         for i in range(self.config.parallel.num_model_chunks):
@@ -195,19 +180,21 @@ class MegatronTrainer(TrainerWorker):
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-        o = self.config.optimizer
+        # Megatron's own names on the right (grad_clip -> clip_grad, ...): this is the boundary to Megatron.
+        t, s = self.config.trainer, self.config.lr_schedule
         opt_config = OptimizerConfig(
-            optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
-            adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad,
+            optimizer=t.optimizer, lr=t.lr, min_lr=s.min_lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1,
+            adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, clip_grad=t.grad_clip,
             bf16=self.config.params_dtype == torch.bfloat16, params_dtype=self.config.params_dtype,
-            use_distributed_optimizer=o.use_distributed_optimizer,
-            optimizer_cpu_offload=o.cpu_offload_fraction > 0, optimizer_offload_fraction=o.cpu_offload_fraction)
+            use_distributed_optimizer=t.distributed_optimizer,
+            optimizer_cpu_offload=t.optimizer_offload_fraction > 0,
+            optimizer_offload_fraction=t.optimizer_offload_fraction)
         optimizer = get_megatron_optimizer(opt_config, [c for c in self.chunks])
         self.transformer_config.grad_scale_func = optimizer.scale_loss
         scheduler = OptimizerParamScheduler(
-            optimizer, init_lr=0.0 if o.warmup_steps else o.lr, max_lr=o.lr, min_lr=o.min_lr,
-            lr_warmup_steps=o.warmup_steps, lr_decay_steps=o.warmup_steps + o.decay_steps,
-            lr_decay_style=o.decay_style, start_wd=o.weight_decay, end_wd=o.weight_decay, wd_incr_steps=1,
+            optimizer, init_lr=0.0 if s.warmup_steps else t.lr, max_lr=t.lr, min_lr=s.min_lr,
+            lr_warmup_steps=s.warmup_steps, lr_decay_steps=s.warmup_steps + s.decay_steps,
+            lr_decay_style=s.decay_style, start_wd=t.weight_decay, end_wd=t.weight_decay, wd_incr_steps=1,
             wd_incr_style="constant")
         return optimizer, scheduler
 
@@ -270,10 +257,33 @@ class MegatronTrainer(TrainerWorker):
                 collected[k] = torch.as_tensor(v).detach().float().reshape(())
             return loss, collected
 
-        mbs, length = self._prepare(micro_batches, record=False)
+        # While replaying, the routers also record the routes they used: the replay self-check below.
+        mbs, length = self._prepare(micro_batches, record=self._replay_enabled)
         collected = schedule.run_schedule(self.chunks, mbs, length, self._logits_spec(temperature, True), output_fn,
                                           forward_only=False)
-        return self._reduce_collected(collected)
+        sums = self._reduce_collected(collected)
+        if self._replay_enabled:
+            sums.update(self._replay_self_check(mbs))
+        return sums
+
+    def _replay_self_check(self, mbs: list[schedule.MicroBatch]) -> dict[str, float]:
+        """`replay/route_mismatches` and `replay/routes_checked` of this step, summed over every rank (each rank
+        counts its own layers and, under SP, its own tokens; DP ranks their own micro-batches). Collective."""
+        from beamrl.trainer.megatron import replay
+
+        ps = self._ps
+        sp = self.config.parallel.sp
+        counts = torch.zeros(2, dtype=torch.int64)
+        for mb in mbs:
+            mismatched, checked = replay.count_route_mismatches(
+                mb.recorded, mb.thd.routes, self.config.model.moe_layers,
+                tp_rank=ps.get_tensor_model_parallel_rank() if sp else 0,
+                tp_size=ps.get_tensor_model_parallel_world_size() if sp else 1)
+            counts += torch.tensor([mismatched, checked])
+        counts = counts.to(self.device)
+        dist.all_reduce(counts)  # the whole trainer world: the counts of different ranks never overlap
+        mismatched, checked = counts.tolist()
+        return {"replay/route_mismatches": float(mismatched), "replay/routes_checked": float(checked)}
 
     def optimizer_step(self) -> tuple[bool, float, float]:
         """The second half of `train_step`: clip, Adam update, LR schedule. Returns (updated, grad norm, lr used);
@@ -289,8 +299,8 @@ class MegatronTrainer(TrainerWorker):
         """The gradients left by `forward_backward`, gathered as full HF-named tensors on global rank 0 ({} on
         other ranks). For tests and debugging; needs `use_distributed_optimizer=False` (with the distributed
         optimizer each rank only holds the reduced gradient of its own shard). Collective."""
-        if self.config.optimizer.use_distributed_optimizer:
-            raise TrainerConfigError("hf_gradients needs OptimizerSettings.use_distributed_optimizer=False")
+        if self.config.trainer.distributed_optimizer:
+            raise TrainerConfigError("hf_gradients needs TrainerConfig.distributed_optimizer=False")
         swapped = []
         for m in self.models:
             for p in m.parameters():
@@ -298,7 +308,7 @@ class MegatronTrainer(TrainerWorker):
                 swapped.append((p, p.data))
                 p.data = torch.zeros_like(p.data) if grad is None else grad.detach().to(p.dtype).view_as(p.data)
         try:
-            return {k: v.clone() for bucket in self.export_hf(1 << 62) for k, v in bucket.tensors.items()}
+            return {k: v.clone() for unit in self.export_hf() for k, v in unit}
         finally:
             for p, data in swapped:
                 p.data = data
@@ -417,21 +427,31 @@ class MegatronTrainer(TrainerWorker):
         if reload is not None:
             reload()
 
-    def export_hf(self, bucket_bytes: int = 256 << 20, dst_rank: int = 0) -> Iterator[HFBucket]:
-        """Stream full HF tensors in buckets (`mapping.export_hf_tensors`). Collective: every rank must iterate
-        to the end; buckets hold tensors on `dst_rank` only (other ranks get empty buckets)."""
+    def export_hf(self, dst_rank: int = 0) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Stream full HF tensors, one list per export unit (`mapping.export_hf_tensors`). Collective: every rank
+        must iterate to the end; the lists hold tensors on `dst_rank` only (other ranks get empty lists)."""
         from beamrl.trainer.megatron import mapping
 
-        for tensors in mapping.export_hf_tensors(self.models, bucket_bytes, dst_rank=dst_rank):
-            yield HFBucket(dict(tensors))
+        yield from mapping.export_hf_tensors(self.models, dst_rank=dst_rank)
 
     # ------------------------------------------------------------------------------------------------ LoRA
-    def export_lora(self, bucket_bytes: int = 256 << 20, dst_rank: int = 0) -> Iterator[HFBucket]:
-        """Stream the full adapter tensors (PEFT names, `lora_mapping.export_adapter_tensors`). Collective."""
+    @property
+    def lora(self) -> LoRAConfig | None:
+        """The trainer's LoRA config (`trainer.lora`; None: full-parameter training)."""
+        return self.config.trainer.lora
+
+    def export_lora(self, dst_rank: int = 0) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Stream the full adapter tensors (PEFT names), one list per layer (`lora_mapping.export_adapter_tensors`).
+        Collective: every rank must iterate to the end; tensors on `dst_rank` only."""
         from beamrl.trainer.megatron import lora_mapping
 
-        for tensors in lora_mapping.export_adapter_tensors(self.models, bucket_bytes, dst_rank=dst_rank):
-            yield HFBucket(dict(tensors))
+        yield from lora_mapping.export_adapter_tensors(self.models, dst_rank=dst_rank)
+
+    def export_lora_layout(self) -> list[list[tuple[str, tuple[int, ...], torch.dtype]]]:
+        """(name, shape, dtype) per unit of `export_lora`, the same on every rank, without communication."""
+        from beamrl.trainer.megatron import lora_mapping
+
+        return lora_mapping.export_adapter_layout(self.models)
 
     def load_lora_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
         """Load full adapter tensors (every rank passes the same dict) into this rank's adapter shards."""
@@ -444,46 +464,59 @@ class MegatronTrainer(TrainerWorker):
         """Write the adapter in PEFT format (`beamrl.models.beam.peft_io`) on global rank 0. Collective."""
         from beamrl.models.beam.peft_io import save_peft_adapter
 
-        tensors = {k: v for bucket in self.export_lora() for k, v in bucket.tensors.items()}
+        tensors = {k: v for unit in self.export_lora() for k, v in unit}
         if dist.get_rank() == 0:
-            save_peft_adapter(directory, tensors, self.config.lora, self.config.model)
+            save_peft_adapter(directory, tensors, self.lora, self.config.model)
 
     def load_lora_adapter(self, directory: str | Path) -> None:
         """Load a PEFT-format adapter (resume, evaluation); its LoRAConfig must equal the trainer's."""
         from beamrl.models.beam.peft_io import load_peft_adapter
 
         lora, tensors = load_peft_adapter(directory, self.config.model)
-        if lora.to_dict() != self.config.lora.to_dict():
+        if self.lora is None or lora.to_dict() != self.lora.to_dict():
             raise TrainerConfigError(f"{directory}: adapter LoRAConfig {lora.to_dict()} differs from "
-                                     f"TrainerConfig.lora {self.config.lora.to_dict()}")
+                                     f"trainer.lora {None if self.lora is None else self.lora.to_dict()}")
         self.load_lora_state_dict(tensors)
 
     def lora_gradients(self) -> dict[str, torch.Tensor]:
         """Adapter gradients left by `forward_backward` as full adapter tensors on global rank 0 ({} elsewhere).
-        Needs `use_distributed_optimizer=False` (as `hf_gradients`). Collective."""
+        Needs `distributed_optimizer=False` (as `hf_gradients`). Collective."""
         from beamrl.trainer.megatron import lora_mapping
 
-        if self.config.optimizer.use_distributed_optimizer:
-            raise TrainerConfigError("lora_gradients needs OptimizerSettings.use_distributed_optimizer=False")
-        return {k: v for bucket in lora_mapping.export_adapter_tensors(self.models, 1 << 62, source="main_grad")
-                for k, v in bucket}
+        if self.config.trainer.distributed_optimizer:
+            raise TrainerConfigError("lora_gradients needs TrainerConfig.distributed_optimizer=False")
+        return {k: v for unit in lora_mapping.export_adapter_tensors(self.models, source="main_grad") for k, v in unit}
 
-    def save_checkpoint(self, directory: str | Path) -> Path:
-        from beamrl.trainer.megatron import checkpoint
+    def export_hf_layout(self) -> list[list[tuple[str, tuple[int, ...], torch.dtype]]]:
+        """(name, shape, dtype) per unit of `export_hf`, the same on every rank, without communication."""
+        from beamrl.trainer.megatron import mapping
 
-        return checkpoint.save(self, directory)
+        return mapping.export_hf_layout(self.models)
+
+    def save_checkpoint(self, directory: str | Path, async_save: bool = False) -> Path:
+        """Write a distributed checkpoint to `directory` (absent or empty; docs/checkpoints.md). With `async_save`
+        it returns once the state is staged and the files are being written in the background: complete it with
+        `finalize_checkpoint` (a later save, load or shutdown does so first)."""
+        return self._checkpointer.save(directory, async_save)
+
+    def finalize_checkpoint(self, blocking: bool = True, timeout_s: float | None = None) -> Path | None:
+        """Publish the save in flight once every rank's files are written: its directory, or None if there is none
+        or (`blocking=False`) it is still being written. Waits at most `timeout_s` (default `config.timeout_s`)."""
+        return self._checkpointer.finalize(blocking, timeout_s)
 
     def load_checkpoint(self, directory: str | Path) -> None:
-        from beamrl.trainer.megatron import checkpoint
-
-        checkpoint.load(self, directory)
+        """Restore a checkpoint written at any parallel layout of the same model (docs/checkpoints.md)."""
+        self._checkpointer.load(directory)
 
     def shutdown(self) -> None:
         from megatron.core.transformer.moe.router_replay import RouterReplay
 
-        RouterReplay.clear_global_router_replay_instances()
-        self.chunks, self.optimizer, self.scheduler = [], None, None
-        destroy_parallel()
+        try:
+            self.finalize_checkpoint(blocking=True)  # a save in flight is completed, not abandoned
+        finally:
+            RouterReplay.clear_global_router_replay_instances()
+            self.chunks, self.optimizer, self.scheduler = [], None, None
+            destroy_parallel()
 
 
 def _applies_softcap(model) -> bool:

@@ -7,7 +7,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from beamrl.models.beam import BeamConfigError, preset
-from beamrl.models.beam.checkpoint import (INDEX_FILE, SINGLE_FILE, CheckpointError, load_checkpoint,
+from beamrl.models.beam import checkpoint as checkpoint_module
+from beamrl.models.beam.checkpoint import (INDEX_FILE, SINGLE_FILE, CheckpointError, check_checkpoint, load_checkpoint,
                                            save_checkpoint)
 from beamrl.models.beam.weights import expected_tensors, packed_expert_names, random_state_dict
 
@@ -87,36 +88,78 @@ def test_malformed_config_names_the_field(cfg, sd, tmp_path):
         load_checkpoint(tmp_path)
 
 
-def test_missing_unexpected_shape_and_dtype_errors_name_the_tensor(cfg, sd, tmp_path):
+@pytest.mark.parametrize("read", [load_checkpoint, check_checkpoint], ids=["load", "headers-only"])
+def test_missing_unexpected_shape_and_dtype_errors_name_the_tensor(cfg, sd, tmp_path, read):
     bad = dict(sd)
     del bad["model.layers.2.self_attn.k_norm.weight"]
     _write(tmp_path, cfg, bad)
     with pytest.raises(CheckpointError, match=r"model\.layers\.2\.self_attn\.k_norm\.weight.*missing"):
-        load_checkpoint(tmp_path)
+        read(tmp_path)
 
     bad = dict(sd, **{"model.layers.0.mlp.extra.weight": torch.zeros(2, dtype=torch.bfloat16)})
     _write(tmp_path, cfg, bad)
     with pytest.raises(CheckpointError, match=r"unexpected tensor 'model\.layers\.0\.mlp\.extra\.weight'"):
-        load_checkpoint(tmp_path)
+        read(tmp_path)
 
     bad = dict(sd, **{"model.norm.weight": torch.zeros(65, dtype=torch.bfloat16)})
     _write(tmp_path, cfg, bad)
     with pytest.raises(CheckpointError, match=r"model\.norm\.weight.*\(65,\).*\(64,\)"):
-        load_checkpoint(tmp_path)
+        read(tmp_path)
 
     router = f"model.layers.{cfg.moe_layers[0]}.mlp.gate.weight"
     bad = dict(sd, **{router: sd[router].to(torch.bfloat16)})
     _write(tmp_path, cfg, bad)
     with pytest.raises(CheckpointError, match=rf"{router}.*bfloat16.*float32"):
-        load_checkpoint(tmp_path)
+        read(tmp_path)
 
     bad = dict(sd, **{"lm_head.weight": sd["lm_head.weight"].to(torch.float16)})
     _write(tmp_path, cfg, bad)
     with pytest.raises(CheckpointError, match=r"lm_head\.weight.*float16.*bfloat16"):
-        load_checkpoint(tmp_path)
+        read(tmp_path)
 
     with pytest.raises(CheckpointError, match="unexpected tensor"):
         save_checkpoint(cfg, dict(sd, bogus=torch.zeros(1)), tmp_path / "out")
+
+
+@pytest.mark.parametrize("layout", ["per_expert", "packed"])
+@pytest.mark.parametrize("shard", [None, 150_000])
+def test_header_check_passes_a_good_checkpoint_without_reading_tensor_data(cfg, sd, tmp_path, monkeypatch,
+                                                                          layout, shard):
+    save_checkpoint(cfg, sd, tmp_path, expert_layout=layout, max_shard_bytes=shard)
+    real_open = checkpoint_module.safe_open
+
+    class HeadersOnly:  # the real file, with tensor reads forbidden
+        def __init__(self, *args, **kwargs):
+            self._f = real_open(*args, **kwargs)
+
+        def __enter__(self):
+            self._h = self._f.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self._f.__exit__(*exc)
+
+        def keys(self):
+            return self._h.keys()
+
+        def get_slice(self, name):
+            return self._h.get_slice(name)
+
+        def get_tensor(self, name):
+            raise AssertionError(f"tensor data of {name} was read")
+
+    monkeypatch.setattr(checkpoint_module, "safe_open", HeadersOnly)
+    assert check_checkpoint(tmp_path) == cfg
+
+
+def test_header_check_refuses_experts_given_both_packed_and_per_expert(cfg, sd, tmp_path):
+    layer = cfg.moe_layers[0]
+    gate_up, _ = packed_expert_names(layer)
+    I, H = cfg.moe_intermediate_size, cfg.hidden_size
+    both = dict(sd, **{gate_up: torch.zeros(cfg.num_experts, 2 * I, H, dtype=torch.bfloat16)})
+    _write(tmp_path, cfg, both)
+    with pytest.raises(CheckpointError, match=rf"layers\.{layer}\.mlp\.experts\.0\..*both packed and per expert"):
+        check_checkpoint(tmp_path)
 
 
 def test_missing_shard_file_is_named(cfg, sd, tmp_path):

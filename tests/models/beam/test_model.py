@@ -285,3 +285,24 @@ def test_load_hf_tensors_partial_packed_and_errors(cfg):
     assert all(torch.equal(before[k], after[k]) for k in before)  # failed loads change nothing
     with pytest.raises(KeyError, match="missing"):
         m.load_hf_tensors({"model.norm.weight": new["model.norm.weight"]}, strict=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_equals_running_each_expert_on_its_tokens(cfg, m32, m16, dtype):
+    """BeamMoE's grouped expert GEMMs give exactly what running `numerics.expert_output` expert by expert does."""
+    from beamrl.models.beam import numerics
+
+    moe = (m32 if dtype == torch.float32 else m16).model.layers[1].mlp
+    x = torch.randn(29, cfg.hidden_size, generator=torch.Generator().manual_seed(5)).to(dtype)
+    with torch.no_grad():
+        out, ids = moe(x)
+        logits = numerics.router_logits(x, moe.gate.weight)
+        weights, _ = numerics.grouped_topk(logits, moe.gate.e_score_correction_bias, cfg.num_experts_per_tok,
+                                           cfg.n_group, cfg.topk_group)
+        per_pair = torch.zeros(*ids.shape, cfg.hidden_size, dtype=dtype)
+        for e, ex in enumerate(moe.experts):
+            rows, slots = (ids == e).nonzero(as_tuple=True)
+            if rows.numel():
+                per_pair[rows, slots] = numerics.expert_output(x[rows], ex.gate_proj.weight, ex.up_proj.weight,
+                                                               ex.down_proj.weight, weights[rows, slots])
+    assert torch.equal(out, numerics.moe_combine(per_pair, cfg.routed_scaling_factor))

@@ -4,7 +4,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -13,10 +12,11 @@ import torch
 from beamrl.models.beam import BeamForCausalLM, preset
 from beamrl.models.beam.weights import random_state_dict
 from beamrl.rollout.native import NativeEngine
-from beamrl.rollout.protocol import EngineError, GenerateRequest, SamplingParams
-from beamrl.sync.flat_bucket import FlatBucket, aligned_order
-from beamrl.sync.protocol import WeightSyncError
-from beamrl.net import free_port
+from beamrl.protocols.rollout import EngineError, GenerateRequest, SamplingParams
+from beamrl.protocols.flat_bucket import FlatBucket
+from beamrl.protocols.weights import WeightSyncError
+from beamrl.net import reserve_port
+from beamrl.sync.packing import pack_session
 
 T_OUT = 120.0
 
@@ -109,8 +109,9 @@ def test_score_equals_reference_token_logprobs(engine, ref):
         assert torch.allclose(torch.tensor(got), ref.token_logprobs(torch.tensor([s]))[0], atol=1e-5)
 
 
-def _bucket(sd, names):
-    return FlatBucket.from_named_tensors(aligned_order([(n, sd[n]) for n in names]))
+def _session(sd, version, bucket_bytes=1 << 15):
+    """A full weight-update session for the state dict `sd`: (manifest, buckets with index and checksum)."""
+    return pack_session(list(sd.items()), version, bucket_bytes)
 
 
 def test_weight_update_via_flat_buckets_matches_new_weights_and_bumps_version(engine, cfg):
@@ -118,10 +119,10 @@ def test_weight_update_via_flat_buckets_matches_new_weights_and_bumps_version(en
     target = BeamForCausalLM(cfg, dtype=torch.float32, seed=2).eval()
     reqs = _reqs(temperature=0.0, ignore_eos=True, routes=False)
     before = engine.generate(reqs, T_OUT)
-    names = list(new)
-    engine.begin_weight_update(T_OUT)
-    for i in range(0, len(names), 100):
-        engine.update_weights_from_tensor(_bucket(new, names[i:i + 100]), T_OUT)
+    manifest, buckets = _session(new, 5)
+    engine.begin_weight_update(manifest, T_OUT)
+    for b in buckets:
+        engine.update_weights_from_tensor(b, T_OUT)
     with pytest.raises(EngineError, match="session"):
         engine.generate(reqs, T_OUT)  # never serves a half-updated model
     engine.end_weight_update(5, T_OUT)
@@ -138,25 +139,46 @@ def test_weight_update_via_flat_buckets_matches_new_weights_and_bumps_version(en
 
 def test_update_outside_session_errors_and_changes_nothing(engine, cfg):
     new = random_state_dict(cfg, seed=3, dtype=torch.float32)
+    _, buckets = _session(new, 1)
     with pytest.raises(WeightSyncError, match="between begin_weight_update"):
-        engine.update_weights_from_tensor(_bucket(new, ["lm_head.weight"]), T_OUT)
+        engine.update_weights_from_tensor(buckets[0], T_OUT)
     with pytest.raises(WeightSyncError, match="begin_weight_update"):
         engine.end_weight_update(3, T_OUT)
     assert engine.weight_version == 0 and engine.health(T_OUT)
     assert not torch.equal(engine.model.state_dict()["lm_head.weight"], new["lm_head.weight"])
 
 
-def test_failed_update_stops_serving_until_full_reload(engine, cfg, tmp_path):
+def _corrupt(bucket):
+    buf = bucket.buffer.clone()
+    buf[7] ^= 1
+    return FlatBucket(buf, bucket.metas, index=bucket.index, checksum=bucket.checksum)
+
+
+def test_a_bad_bucket_after_good_ones_is_rolled_back_on_cpu(engine, cfg):
+    """CPU default: the session's writes are undone; the engine serves its previous weights and version."""
+    old = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    manifest, buckets = _session(random_state_dict(cfg, seed=4, dtype=torch.float32), 7)
+    engine.begin_weight_update(manifest, T_OUT)
+    engine.update_weights_from_tensor(buckets[0], T_OUT)
+    with pytest.raises(WeightSyncError, match="bucket 1 failed its checksum"):
+        engine.update_weights_from_tensor(_corrupt(buckets[1]), T_OUT)
+    assert engine.abort_weight_update("bucket 1 refused", T_OUT) == "rolled back"
+    assert engine.weight_version == 0 and engine.health(T_OUT)
+    assert all(torch.equal(v, old[k]) for k, v in engine.model.state_dict().items())
+    assert len(engine.generate(_reqs(), T_OUT)) == 4
+
+
+def test_without_rollback_a_failed_update_stops_serving_until_full_reload(cfg, tmp_path):
+    engine = NativeEngine.from_model(BeamForCausalLM(cfg, dtype=torch.float32, seed=1), rollback=False)
     new = random_state_dict(cfg, seed=4, dtype=torch.float32)
-    engine.begin_weight_update(T_OUT)
-    engine.update_weights_from_tensor(_bucket(new, ["lm_head.weight"]), T_OUT)
-    bad = FlatBucket.from_named_tensors([("model.layers.0.self_attn.nope.weight", torch.zeros(3))])
-    with pytest.raises(WeightSyncError, match="nope"):
-        engine.update_weights_from_tensor(bad, T_OUT)
-    assert not engine.health(T_OUT)
-    with pytest.raises(WeightSyncError, match="without serving"):
+    manifest, buckets = _session(new, 7)
+    engine.begin_weight_update(manifest, T_OUT)
+    engine.update_weights_from_tensor(buckets[0], T_OUT)
+    with pytest.raises(WeightSyncError, match="failed its checksum"):
+        engine.update_weights_from_tensor(_corrupt(buckets[1]), T_OUT)
+    with pytest.raises(WeightSyncError, match=r"without serving version 7 \(unhealthy\)"):
         engine.end_weight_update(7, T_OUT)
-    assert engine.weight_version == 0
+    assert engine.weight_version == 0 and not engine.health(T_OUT)
     with pytest.raises(EngineError, match="not serving"):
         engine.generate(_reqs(), T_OUT)
     model = BeamForCausalLM(cfg, dtype=torch.float32, seed=4)
@@ -164,6 +186,7 @@ def test_failed_update_stops_serving_until_full_reload(engine, cfg, tmp_path):
     engine.update_weights_from_disk(str(tmp_path), T_OUT)
     assert engine.health(T_OUT)
     assert all(torch.equal(v, new[k]) for k, v in engine.model.state_dict().items())
+    engine.shutdown()
 
 
 def test_release_and_resume_weights(engine):
@@ -173,26 +196,36 @@ def test_release_and_resume_weights(engine):
     assert engine.model.lm_head.weight.numel() == 0
     with pytest.raises(EngineError, match="released"):
         engine.generate(reqs, T_OUT)
-    engine.begin_weight_update(T_OUT)
+    manifest, _ = _session(dict(BeamForCausalLM(preset("tiny"), dtype=torch.float32, seed=9).state_dict()), 1)
     with pytest.raises(WeightSyncError, match="released"):
-        engine.update_weights_from_tensor(_bucket(engine.model.state_dict(), ["model.norm.weight"]), T_OUT)
-    engine.end_weight_update(1, T_OUT)
-    assert engine.health(T_OUT) and engine.weight_version == 1  # a refused update changed nothing
+        engine.begin_weight_update(manifest, T_OUT)
+    assert engine.weight_version == 0  # a refused update changed nothing
     with pytest.raises(EngineError, match="unknown memory tag"):
         engine.resume_memory(["bogus"], T_OUT)
     engine.resume_memory(["weights"], T_OUT)
     engine.resume_memory(["kv_cache", "cuda_graph"], T_OUT)
+    assert engine.health(T_OUT)
     assert [r.output_ids for r in engine.generate(reqs, T_OUT)] == [r.output_ids for r in before]
 
 
 def test_abort_all_and_timeout(engine):
     req = GenerateRequest(prompt_ids=[1, 2, 3], sampling=SamplingParams(max_new_tokens=3000, ignore_eos=True, seed=1))
-    out = {}
-    t = threading.Thread(target=lambda: out.setdefault("r", engine.generate([req], T_OUT)))
-    t.start()
-    time.sleep(1.0)
-    engine.abort_all(T_OUT)
-    t.join(T_OUT)
+    out, forwards, decoding = {}, [], threading.Event()
+
+    def count_forwards(*_):  # prefill, then one forward per decode step: the 2nd means a token was sampled
+        forwards.append(1)
+        if len(forwards) >= 2:
+            decoding.set()
+
+    hook = engine.model.register_forward_hook(count_forwards)
+    try:
+        t = threading.Thread(target=lambda: out.setdefault("r", engine.generate([req], T_OUT)))
+        t.start()
+        assert decoding.wait(T_OUT), "generation did not start decoding"
+        engine.abort_all(T_OUT)
+        t.join(T_OUT)
+    finally:
+        hook.remove()
     r = out["r"][0]
     assert r.finish_reason == "abort" and 0 < len(r.output_ids) < 3000
     with pytest.raises(EngineError, match="deadline"):
@@ -216,14 +249,13 @@ _SENDER = textwrap.dedent("""
     import sys, torch
     from beamrl.models.beam import preset
     from beamrl.models.beam.weights import random_state_dict
-    from beamrl.sync.flat_bucket import FlatBucket, aligned_order
+    from beamrl.sync.packing import pack_session
     from beamrl.sync.update_group import init_update_group, broadcast_from_rank0, destroy_update_group
     port, timeout = int(sys.argv[1]), float(sys.argv[2])
     sd = random_state_dict(preset("tiny"), seed=6, dtype=torch.float32)
     pg = init_update_group("gloo", "127.0.0.1", port, 2, 0, "native-test", timeout)
-    names = list(sd)
-    for i in range(0, len(names), 200):
-        broadcast_from_rank0(pg, FlatBucket.from_named_tensors(aligned_order([(n, sd[n]) for n in names[i:i + 200]])).buffer)
+    for b in pack_session(list(sd.items()), 2, 1 << 17)[1]:
+        broadcast_from_rank0(pg, b.buffer)
     destroy_update_group(pg)
 """)
 
@@ -234,20 +266,22 @@ _GROUP_TIMEOUT_S = 180.0
 
 
 def test_update_weights_from_distributed_gloo(engine, cfg):
-    port = free_port()
-    sender = subprocess.Popen([sys.executable, "-c", _SENDER, str(port), str(_GROUP_TIMEOUT_S)])
+    reserved = reserve_port()  # held until the sender's store has bound it (the sender hosts rank 0)
+    port = reserved.port
+    sender = subprocess.Popen([sys.executable, "-c", _SENDER, str(port), str(_GROUP_TIMEOUT_S)],
+                              stderr=subprocess.PIPE, text=True)
     try:
         engine.init_weights_update_group("127.0.0.1", port, 1, 2, "native-test", "gloo", _GROUP_TIMEOUT_S)
         new = random_state_dict(cfg, seed=6, dtype=torch.float32)
-        names = list(new)
-        engine.begin_weight_update(T_OUT)
-        for i in range(0, len(names), 200):
-            b = _bucket(new, names[i:i + 200])
-            engine.update_weights_from_distributed(b.names, b.dtypes, b.shapes, "native-test", _GROUP_TIMEOUT_S)
+        manifest, buckets = pack_session(list(new.items()), 2, 1 << 17)  # the sender packs the same session
+        engine.begin_weight_update(manifest, T_OUT)
+        for b in buckets:
+            engine.update_weights_from_distributed(b.index, b.checksum, "native-test", _GROUP_TIMEOUT_S)
         engine.end_weight_update(2, T_OUT)
         engine.destroy_weights_update_group("native-test", T_OUT)
-        assert sender.wait(_GROUP_TIMEOUT_S) == 0
+        assert sender.wait(_GROUP_TIMEOUT_S) == 0, sender.stderr.read()[-3000:]
     finally:
+        reserved.close()
         if sender.poll() is None:
             sender.kill()
     assert engine.weight_version == 2

@@ -6,24 +6,24 @@ from beamrl.rollout.sglang.config import SGLangConfigError, SGLangEngineConfig
 
 
 def test_cpu_recipe_renders_to_engine_kwargs_and_cli():
-    cfg = SGLangEngineConfig.cpu_test("/ckpt", dtype="float32", extra_args={"context_length": 512})
+    cfg = SGLangEngineConfig.on_cpu("/ckpt", dtype="float32", server_args={"context_length": 512})
     kw = cfg.engine_kwargs()
     assert kw["device"] == "cpu" and kw["attention_backend"] == "torch_native" and kw["skip_tokenizer_init"]
     assert kw["enable_return_routed_experts"] and kw["context_length"] == 512 and kw["weight_version"] == "0"
-    argv = cfg.server_args()
+    argv = cfg.launch_argv()
     assert argv[argv.index("--model-path") + 1] == "/ckpt"
     assert "--skip-tokenizer-init" in argv and "--enable-memory-saver" not in argv
     assert argv[argv.index("--context-length") + 1] == "512"
 
 
 @pytest.mark.parametrize("kwargs, field", [
-    (dict(enable_deterministic_inference=True), "attention_backend"),
-    (dict(enable_deterministic_inference=True, attention_backend="trtllm_mha"), "attention_backend"),
-    (dict(tp_size=0), "tp_size"),
-    (dict(mem_fraction_static=1.5), "mem_fraction_static"),
+    (dict(deterministic=True), "attention_backend"),
+    (dict(deterministic=True, attention_backend="trtllm_mha"), "attention_backend"),
+    (dict(engine_tp=0), "engine_tp"),
+    (dict(mem_fraction=1.5), "mem_fraction"),
     (dict(device="tpu"), "device"),
     (dict(device="cpu", enable_memory_saver=True), "enable_memory_saver"),
-    (dict(extra_args={"tp_size": 2}), "extra_args"),
+    (dict(server_args={"tp_size": 2}), "server_args"),
 ])
 def test_invalid_fields_are_named(kwargs, field):
     with pytest.raises(SGLangConfigError, match=field):
@@ -31,5 +31,5 @@ def test_invalid_fields_are_named(kwargs, field):
 
 
 def test_deterministic_with_explicit_backend_is_accepted():
-    cfg = SGLangEngineConfig(model_path="/ckpt", enable_deterministic_inference=True, attention_backend="fa3")
-    assert "--enable-deterministic-inference" in cfg.server_args()
+    cfg = SGLangEngineConfig(model_path="/ckpt", deterministic=True, attention_backend="fa3")
+    assert "--enable-deterministic-inference" in cfg.launch_argv()

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from beamrl.models.beam import preset
-from beamrl.rollout.protocol import EngineError, GenerateRequest, SamplingParams
+from beamrl.protocols.rollout import EngineError, GenerateRequest, SamplingParams
 from beamrl.rollout.sglang import payloads
 
 
@@ -94,7 +94,7 @@ def test_flattened_bucket_payload_round_trips_through_sglang_deserializer():
     from sglang.srt.utils.common import MultiprocessingSerializer
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
-    from beamrl.sync.flat_bucket import FlatBucket
+    from beamrl.protocols.flat_bucket import FlatBucket
 
     named = [("a.weight", torch.randn(3, 4)), ("b.weight", torch.randn(5).bfloat16())]
     bucket = FlatBucket.from_named_tensors(named)

@@ -1,96 +1,129 @@
 """Failure policy shared by all transports: dead, wedged or refusing engines fail fast with their name and
-message, and every engine touched by the failed sync is left marked unhealthy (never serving half-updated)."""
+message; `abort` asks every engine to abort its session, and an engine that cannot, or that stops serving, is
+marked unhealthy (never half-updated and silent)."""
 
 import time
 
 import pytest
 import torch
 
+from beamrl.protocols.weights import WeightSyncError
 from beamrl.sync.local_receiver import LocalWeightReceiver
-from beamrl.sync.protocol import Bucket, WeightSyncError
+from beamrl.sync.packing import pack_bucket
+from beamrl.sync.plan import plan_buckets
+from beamrl.sync.export import specs_of
 from beamrl.sync.transports import TRANSPORTS
 
-from ..conftest import hosted_native_engine, RefusingReceiver, WedgedReceiver
+from ..conftest import RefusingReceiver, WedgedReceiver, hosted_native_engine
 
 
-def one_bucket(model) -> Bucket:
-    named = [(n, p.detach().clone()) for n, p in model.named_parameters()][:5]
-    return Bucket([n for n, _ in named], [t for _, t in named])
+def session(model, version=1, bucket_bytes=1 << 15):
+    named = [(n, p.detach().clone()) for n, p in model.named_parameters()]
+    plan = plan_buckets([specs_of(named)], bucket_bytes)
+    return plan.manifest(version, "full"), dict(plan.assemble([named]))
 
 
-def test_dead_engine_fails_fast_with_its_name(tiny_checkpoint):
+def send(transport, manifest, tensors, index, timeout):
+    layout = manifest.bucket(index)
+    target = transport.buffer(layout, timeout)
+    pack_bucket(target.buffer, layout, tensors[index], target.views)
+    transport.send(layout, timeout)
+
+
+def test_dead_engine_fails_fast_with_its_name(tiny_checkpoint, trainer_model):
     engine = hosted_native_engine(tiny_checkpoint, "doomed-engine")
     try:
-        engine.kill()
         transport = TRANSPORTS.get("colocated")([engine])
+        transport.connect(10)
+        engine.kill()
+        manifest, _ = session(trainer_model)
         t0 = time.monotonic()
         with pytest.raises(WeightSyncError, match=r"doomed-engine: .*receiver process is (dead|gone)"):
-            transport.begin(1, timeout=5)
-        assert time.monotonic() - t0 < 5
+            transport.begin(manifest, timeout=600)
+        assert time.monotonic() - t0 < 120  # noticed as dead, not by the 600 s deadline
+        transport.abort("engine died", timeout=5)
         assert "doomed-engine" in transport.unhealthy
-        transport.abort("engine died")
         with pytest.raises(WeightSyncError, match="refusing to sync.*doomed-engine"):
-            transport.begin(1, timeout=5)
+            transport.begin(manifest, timeout=5)
     finally:
         engine.shutdown()
 
 
-def test_wedged_engine_times_out_and_other_engines_are_marked_half_updated(trainer_model):
-    healthy = LocalWeightReceiver(trainer_model.load_hf_tensors, name="healthy")
-    wedged = WedgedReceiver(trainer_model, wedge_on="update_weights_from_tensor", name="wedged")
+def test_wedged_engine_times_out_and_is_marked_unhealthy_the_other_rolls_back(trainer_model):
+    healthy_model = type(trainer_model)(trainer_model.config, dtype=torch.float32, seed=3)
+    before = {n: p.clone() for n, p in healthy_model.named_parameters()}
+    healthy = LocalWeightReceiver(healthy_model, name="healthy")
+    wedged = WedgedReceiver(trainer_model, wedge_on="load_staged_bucket", name="wedged")
     try:
         transport = TRANSPORTS.get("colocated")([healthy, wedged])
-        transport.begin(3, timeout=5)
+        manifest, tensors = session(trainer_model)
+        transport.begin(manifest, timeout=5)
+        send(transport, manifest, tensors, 0, timeout=5)
         t0 = time.monotonic()
-        with pytest.raises(WeightSyncError, match=r"wedged: no reply to update_weights_from_tensor within 1 s"):
-            transport.send_bucket(one_bucket(trainer_model), timeout=1.0)
-        assert time.monotonic() - t0 < 3
-        assert set(transport.unhealthy) == {"wedged"}
-        transport.abort("bucket failed")
-        # the healthy engine got the bucket but not the rest: it is half-updated too
-        assert set(transport.unhealthy) == {"wedged", "healthy"}
-        assert "partially updated" in transport.unhealthy["healthy"]
+        with pytest.raises(WeightSyncError, match=r"wedged: no reply to load_staged_bucket within 1 s"):
+            transport.finalize(timeout=1.0)
+        assert time.monotonic() - t0 < 60  # the wedged call is abandoned at its deadline
+        transport.abort("bucket 0 timed out", timeout=1.0)
+        assert set(transport.unhealthy) == {"wedged"}  # cannot abort its session: restart it
+        assert "did not abort its session cleanly" in transport.unhealthy["wedged"]
+        # the healthy engine had loaded bucket 0; it rolled back and keeps serving its previous weights
+        assert healthy.failure is None and healthy.weight_version == 0
+        assert all(torch.equal(p, before[n]) for n, p in healthy_model.named_parameters())
     finally:
         wedged.release.set()
 
 
+def test_abort_rolls_back_or_marks_unhealthy(trainer_model):
+    rolls_back = LocalWeightReceiver(type(trainer_model)(trainer_model.config, dtype=torch.float32, seed=3),
+                                     name="undo", rollback=True)
+    cannot = LocalWeightReceiver(type(trainer_model)(trainer_model.config, dtype=torch.float32, seed=4),
+                                 name="no-undo", rollback=False)
+    transport = TRANSPORTS.get("colocated")([rolls_back, cannot])
+    manifest, tensors = session(trainer_model)
+    transport.begin(manifest, timeout=5)
+    send(transport, manifest, tensors, 0, timeout=5)
+    transport.abort("a later bucket failed", timeout=5)
+    assert set(transport.unhealthy) == {"no-undo"} and "does not serve" in transport.unhealthy["no-undo"]
+    assert rolls_back.failure is None and cannot.failure is not None
+    assert not rolls_back.in_session and not cannot.in_session and transport.manifest is None
+
+
 def test_engine_reply_success_false_raises_with_its_message(trainer_model):
-    transport = TRANSPORTS.get("colocated")([RefusingReceiver(trainer_model.load_hf_tensors, name="sgl-0")])
-    transport.begin(1, timeout=5)
+    transport = TRANSPORTS.get("colocated")([RefusingReceiver(trainer_model, name="sgl-0")])
+    manifest, tensors = session(trainer_model)
+    transport.connect(5)
+    assert transport.mode == "flattened_bucket"
+    transport.begin(manifest, timeout=5)
+    send(transport, manifest, tensors, 0, timeout=5)
     with pytest.raises(WeightSyncError, match="sgl-0: Failed to update parameter online: shape mismatch"):
-        transport.send_bucket(one_bucket(trainer_model), timeout=5)
-
-
-def test_engine_load_error_comes_back_with_the_engine_words(trainer_model):
-    receiver = LocalWeightReceiver(trainer_model.load_hf_tensors, name="eng")
-    transport = TRANSPORTS.get("colocated")([receiver])
-    transport.begin(1, timeout=5)
-    bad = Bucket(["model.norm.weight"], [torch.zeros(3)])
-    with pytest.raises(WeightSyncError, match=r"eng: .*'model.norm.weight' has shape \(3,\)"):
-        transport.send_bucket(bad, timeout=5)
+        transport.finalize(timeout=5)
 
 
 def test_session_misuse_is_refused(trainer_model):
-    receiver = LocalWeightReceiver(trainer_model.load_hf_tensors, name="eng")
+    receiver = LocalWeightReceiver(trainer_model, name="eng")
     transport = TRANSPORTS.get("colocated")([receiver])
+    manifest, tensors = session(trainer_model)
     with pytest.raises(WeightSyncError, match="outside a sync session"):
-        transport.send_bucket(one_bucket(trainer_model), timeout=5)
-    transport.begin(1, timeout=5)
+        transport.buffer(manifest.bucket(0), timeout=5)
+    transport.begin(manifest, timeout=5)
     with pytest.raises(WeightSyncError, match="still open"):
-        transport.begin(2, timeout=5)
-    transport.send_bucket(one_bucket(trainer_model), timeout=5)
+        transport.begin(manifest, timeout=5)
+    for k in range(len(manifest.buckets)):
+        send(transport, manifest, tensors, k, timeout=5)
     assert receiver.weight_version == 0  # the version changes only when the session ends
     transport.finalize(timeout=5)
     assert receiver.weight_version == 1 and not transport.unhealthy
 
 
 def test_duplicate_engine_names_get_distinct_labels(trainer_model):
-    a = LocalWeightReceiver(trainer_model.load_hf_tensors, name="sglang")
-    b = RefusingReceiver(trainer_model.load_hf_tensors, name="sglang")
-    transport = TRANSPORTS.get("colocated")([a, b])
-    transport.begin(1, timeout=5)
+    a = LocalWeightReceiver(trainer_model, name="sglang")
+    b = RefusingReceiver(trainer_model, name="sglang")
+    transport = TRANSPORTS.get("colocated")([a, b], staged=False)
+    manifest, tensors = session(trainer_model)
+    transport.begin(manifest, timeout=5)
+    send(transport, manifest, tensors, 0, timeout=5)
     with pytest.raises(WeightSyncError, match="sglang#1: Failed"):
-        transport.send_bucket(one_bucket(trainer_model), timeout=5)
+        transport.finalize(timeout=5)
 
 
 def test_unknown_transport_lists_allowed_names():

@@ -37,6 +37,18 @@ def micro_batches():
     return out
 
 
+def replay_routes(batch, seed: int) -> torch.Tensor:
+    """Random distinct experts for every (token, MoE layer) of `batch` (-1 on dense layers): routes that differ
+    from the natural ones, for the replay self-check."""
+    cfg = model_config()
+    g = torch.Generator().manual_seed(seed)
+    r = torch.full((batch.num_tokens, cfg.num_hidden_layers, cfg.num_experts_per_tok), -1, dtype=torch.int64)
+    for layer in cfg.moe_layers:
+        r[:, layer] = torch.stack([torch.randperm(cfg.num_experts, generator=g)[:cfg.num_experts_per_tok]
+                                   for _ in range(batch.num_tokens)])
+    return r
+
+
 def make_loss(total_tokens: int):
     def loss_fn(logprobs, entropy, batch):
         m = batch.loss_mask
@@ -49,12 +61,16 @@ def make_loss(total_tokens: int):
 
 def trainer_config(parallel: dict, distributed_optimizer: bool = False, dtype: str = "float32",
                    recompute: bool = False):
-    from beamrl.trainer.megatron.parallel import ParallelConfig
-    from beamrl.trainer.megatron.worker import OptimizerSettings, TrainerConfig
+    import os
 
-    return TrainerConfig(model=model_config(), parallel=ParallelConfig(**parallel), dtype=dtype, recompute=recompute,
-                         optimizer=OptimizerSettings(lr=3e-3, clip_grad=1.0, weight_decay=0.01,
-                                                     use_distributed_optimizer=distributed_optimizer))
+    from beamrl.trainer.megatron.config import TrainerConfig
+    from beamrl.trainer.megatron.worker import TrainerSetup
+
+    world = int(os.environ["WORLD_SIZE"])  # set by beamrl.trainer.megatron.launch
+    trainer = TrainerConfig(**parallel, num_gpus=world, global_batch_size=len(SEQ_LENS), lr=3e-3, grad_clip=1.0,
+                            weight_decay=0.01, distributed_optimizer=distributed_optimizer,
+                            recompute="full" if recompute else "none")
+    return TrainerSetup(model=model_config(), trainer=trainer, dtype=dtype)
 
 
 def run_layout(parallel: dict, distributed_optimizer: bool = False, with_grads: bool = True,
@@ -69,12 +85,12 @@ def run_layout(parallel: dict, distributed_optimizer: bool = False, with_grads: 
     trainer = MegatronTrainer(cfg)
     weights = random_state_dict(cfg.model, WEIGHT_SEED, torch.float32)
     trainer.load_hf_state_dict(weights)
-    exported = {k: v for bucket in trainer.export_hf(bucket_bytes=1 << 16) for k, v in bucket.tensors.items()}
+    exported = {k: v for unit in trainer.export_hf() for k, v in unit}
     export_ok = dist.get_rank() != 0 or (exported.keys() == weights.keys()
                                          and all(torch.equal(exported[k], weights[k]) for k in weights))
     mbs = micro_batches()
     loss_fn = make_loss(sum(b.num_loss_tokens for b in mbs))
-    dp = cfg.parallel.dp(dist.get_world_size())
+    dp = cfg.parallel.dp_size(dist.get_world_size())
     dp_rank = trainer._ps.get_data_parallel_rank()
     mine = mbs[dp_rank * len(mbs) // dp:(dp_rank + 1) * len(mbs) // dp]
     lp = trainer.compute_logprobs(mbs[0], temperature=0.7)  # before training: the loaded weights
@@ -88,6 +104,14 @@ def run_layout(parallel: dict, distributed_optimizer: bool = False, with_grads: 
     forced_lp = trainer.compute_logprobs(mbs[1], routes=forced).logprobs
     trainer.set_routing_replay(False)
     free = trainer.compute_logprobs(mbs[1]).logprobs
+    # Replay self-check of a training forward: every rank's routers must have used exactly the given routes.
+    from beamrl.trainer.protocol import PackedBatch
+
+    with_routes = [PackedBatch(b.tokens, b.cu_seqlens, b.loss_mask, b.fields, replay_routes(b, 100 + i))
+                   for i, b in enumerate(mine)]
+    trainer.set_routing_replay(True)
+    replay_check = trainer.forward_backward(with_routes, loss_fn)
+    trainer.set_routing_replay(False)
     losses, entropies, grads = [], [], None
     for step in range(STEPS):
         sums = trainer.forward_backward(mine, loss_fn)
@@ -99,57 +123,10 @@ def run_layout(parallel: dict, distributed_optimizer: bool = False, with_grads: 
     trainer.shutdown()
     return {"losses": losses, "entropies": entropies, "grads": grads, "logprobs": lp.logprobs,
             "entropy": lp.entropy, "recorded": recorded, "replayed": replayed, "free": free, "forced": forced_lp,
-            "export_round_trip": export_ok}
+            "export_round_trip": export_ok,
+            "replay_check": (replay_check["replay/route_mismatches"], replay_check["replay/routes_checked"])}
 
 
 def run_layouts(layouts: list[tuple[dict, bool, bool]]) -> list[dict]:
     """Several layouts one after the other in the same processes (saves process start-up)."""
     return [run_layout(*layout) for layout in layouts]
-
-
-def resume(parallel: dict, directory: str) -> dict:
-    """3 steps straight vs 1 step + save + fresh trainer + load + 2 steps (bf16, distributed optimizer)."""
-    from beamrl.models.beam.weights import random_state_dict
-    from beamrl.trainer.megatron.worker import MegatronTrainer
-
-    cfg = trainer_config(parallel, distributed_optimizer=True, dtype="bfloat16")
-    weights = random_state_dict(cfg.model, WEIGHT_SEED, torch.bfloat16)
-    mbs = micro_batches()
-    loss_fn = make_loss(sum(b.num_loss_tokens for b in mbs))
-
-    def fresh():
-        t = MegatronTrainer(cfg)
-        t.load_hf_state_dict(weights)
-        return t
-
-    t = fresh()
-    straight = [t.train_step(mbs, loss_fn).loss for _ in range(3)]
-    t.shutdown()
-    t = fresh()
-    resumed = [t.train_step(mbs, loss_fn).loss]
-    t.save_checkpoint(directory)
-    t.shutdown()
-    wrong_layout = _load_error(cfg, directory)
-    t = MegatronTrainer(cfg)  # random init: everything must come from the checkpoint
-    t.load_checkpoint(directory)
-    step_after_load = t.step
-    resumed += [t.train_step(mbs, loss_fn).loss for _ in range(2)]
-    t.shutdown()
-    return {"straight": straight, "resumed": resumed, "step_after_load": step_after_load,
-            "wrong_layout_error": wrong_layout}
-
-
-def _load_error(cfg, directory: str) -> str:
-    """The message of loading the checkpoint into another layout (checked before any tensor is touched)."""
-    import dataclasses
-    from types import SimpleNamespace
-
-    from beamrl.trainer.megatron import checkpoint
-    from beamrl.trainer.megatron.parallel import ParallelConfig
-
-    other = SimpleNamespace(config=dataclasses.replace(cfg, parallel=ParallelConfig(tp=2, sp=True)))
-    try:
-        checkpoint.load(other, directory)
-    except checkpoint.CheckpointError as e:
-        return str(e)
-    return ""

@@ -24,6 +24,12 @@ def lora_config(share_expert_a: bool = False) -> LoRAConfig:
     return LoRAConfig(rank=4, alpha=8.0, targets=ALL_TARGETS, share_expert_a=share_expert_a, seed=3)
 
 
+def with_lora(cfg, lora: LoRAConfig, **trainer_fields):
+    """`cfg` (a `TrainerSetup`) with `trainer.lora` (and other trainer fields) set."""
+    trainer = type(cfg.trainer)(**{**cfg.trainer.model_dump(), "lora": lora.to_dict(), **trainer_fields})
+    return dataclasses.replace(cfg, trainer=trainer)
+
+
 def run_layout(parallel: dict, share_expert_a: bool = False, distributed_optimizer: bool = False) -> dict:
     """Load a random non-zero adapter and train E.STEPS steps; rank 0 returns losses, grad norms, adapter gradients
     of every step, the loaded and trained adapters, and whether the base weights are still the loaded ones bit
@@ -32,17 +38,16 @@ def run_layout(parallel: dict, share_expert_a: bool = False, distributed_optimiz
 
     from beamrl.models.beam.lora import random_adapter
     from beamrl.models.beam.weights import random_state_dict
-    from beamrl.trainer.megatron.worker import MegatronTrainer, OptimizerSettings
+    from beamrl.trainer.megatron.worker import MegatronTrainer
 
     cfg = E.trainer_config(parallel, distributed_optimizer)
-    cfg = dataclasses.replace(cfg, lora=lora_config(share_expert_a),
-                              optimizer=dataclasses.replace(cfg.optimizer, clip_grad=CLIP))
+    cfg = with_lora(cfg, lora_config(share_expert_a), grad_clip=CLIP)
     trainer = MegatronTrainer(cfg)
     weights = random_state_dict(cfg.model, E.WEIGHT_SEED, torch.float32)
     trainer.load_hf_state_dict(weights)
-    fresh = {k: v for b in trainer.export_lora() for k, v in b.tensors.items()}
+    fresh = {k: v for u in trainer.export_lora() for k, v in u}
     # A non-zero B from the start, so that A gets gradients at step 0 too (a fresh adapter has B = 0).
-    trainer.load_lora_state_dict(random_adapter(cfg.model, cfg.lora, ADAPTER_SEED))
+    trainer.load_lora_state_dict(random_adapter(cfg.model, cfg.trainer.lora, ADAPTER_SEED))
     trainable = [n for m in trainer.models for n, p in m.named_parameters() if p.requires_grad]
     adapters = {p for m in trainer.models for p in m.parameters() if getattr(p, "is_lora_adapter", False)}
     in_ddp = {p for c in trainer.chunks for p in c.param_to_bucket_group}
@@ -50,10 +55,10 @@ def run_layout(parallel: dict, share_expert_a: bool = False, distributed_optimiz
     only_adapters = in_ddp == adapters and set(_optimized_params(trainer.optimizer)) <= adapters
     mbs = E.micro_batches()
     loss_fn = E.make_loss(sum(b.num_loss_tokens for b in mbs))
-    dp = cfg.parallel.dp(dist.get_world_size())
+    dp = cfg.trainer.dp
     dp_rank = trainer._ps.get_data_parallel_rank()
     mine = mbs[dp_rank * len(mbs) // dp:(dp_rank + 1) * len(mbs) // dp]
-    initial = {k: v for b in trainer.export_lora() for k, v in b.tensors.items()}
+    initial = {k: v for u in trainer.export_lora() for k, v in u}
     losses, norms, grads = [], [], []
     for _ in range(E.STEPS):
         sums = trainer.forward_backward(mine, loss_fn)
@@ -61,8 +66,8 @@ def run_layout(parallel: dict, share_expert_a: bool = False, distributed_optimiz
         _, norm, _ = trainer.optimizer_step()
         losses.append(sums["loss"])
         norms.append(norm)
-    base = {k: v for b in trainer.export_hf(bucket_bytes=1 << 16) for k, v in b.tensors.items()}
-    adapter = {k: v for b in trainer.export_lora() for k, v in b.tensors.items()}
+    base = {k: v for u in trainer.export_hf() for k, v in u}
+    adapter = {k: v for u in trainer.export_lora() for k, v in u}
     base_ok = dist.get_rank() != 0 or (base.keys() == weights.keys()
                                        and all(torch.equal(base[k], weights[k]) for k in weights))
     trainer.shutdown()
@@ -105,26 +110,50 @@ def trained_adapter(steps: int = 1) -> dict:
     from beamrl.trainer.megatron.worker import MegatronTrainer
     from beamrl.trainer.protocol import PackedBatch
 
-    cfg = dataclasses.replace(E.trainer_config({}), lora=lora_config())
+    cfg = with_lora(E.trainer_config({}), lora_config())
     trainer = MegatronTrainer(cfg)
     base = {k: v.float() for k, v in random_state_dict(cfg.model, E.WEIGHT_SEED, torch.bfloat16).items()}
     trainer.load_hf_state_dict(base)
-    trainer.load_lora_state_dict(random_adapter(cfg.model, cfg.lora, ADAPTER_SEED))
+    trainer.load_lora_state_dict(random_adapter(cfg.model, cfg.trainer.lora, ADAPTER_SEED))
     mbs = E.micro_batches()
     loss_fn = E.make_loss(sum(b.num_loss_tokens for b in mbs))
     for _ in range(steps):
         trainer.train_step(mbs, loss_fn)
-    adapter = {k: v for b in trainer.export_lora() for k, v in b.tensors.items()}
+    adapter = {k: v for u in trainer.export_lora() for k, v in u}
     with lora_mapping.merged_base_weights(trainer.models):
-        merged = {k: v for b in trainer.export_hf() for k, v in b.tensors.items()}
+        merged = {k: v for u in trainer.export_hf() for k, v in u}
     seqs = [torch.tensor(p) for p in PROBES]
     batch = PackedBatch.from_sequences(seqs, [torch.ones(len(p)) for p in PROBES], {})
     lp = trainer.compute_logprobs(batch, temperature=1.0, return_entropy=False).logprobs
     cu = batch.cu_seqlens.tolist()
     logprobs = [lp[a + 1:b].tolist() for a, b in zip(cu[:-1], cu[1:])]
+    native = sync_into_native(trainer, base)
     trainer.shutdown()
-    return {"config": cfg.model, "lora": cfg.lora, "base": base, "adapter": adapter, "merged": merged,
-            "logprobs": logprobs}
+    return {"config": cfg.model, "lora": cfg.trainer.lora, "base": base, "adapter": adapter, "merged": merged,
+            "logprobs": logprobs, "native": native}
+
+
+def sync_into_native(trainer, base: dict) -> dict:
+    """An adapter-only sync of the trainer (`LoRAExportSource`, the RL loop's source) through the one orchestrator
+    and the colocated transport into an embedded engine holding `base`: the report, the engine's weights after
+    it and its logprobs of `PROBES`."""
+    from beamrl.loop.weight_sync import LoRAExportSource
+    from beamrl.models.beam.model import BeamForCausalLM
+    from beamrl.rollout.native.engine import NativeEngine
+    from beamrl.sync.orchestrator import ProbeCheck, SyncTimeouts, WeightSync
+    from beamrl.sync.transports import TRANSPORTS
+
+    model = BeamForCausalLM(trainer.config.model, dtype=torch.float32, seed=None)
+    model.load_hf_tensors(base, strict=True)
+    engine = NativeEngine.from_model(model, lora=trainer.lora)
+    sync = WeightSync(lambda r: TRANSPORTS.get("colocated")(r), [engine], bucket_bytes=4096,
+                      timeouts=SyncTimeouts.uniform(120), probe=ProbeCheck(PROBES, tolerance=1e-5), progress=None)
+    try:
+        report = sync.sync(LoRAExportSource(trainer))
+    finally:
+        sync.close()
+    return {"report": dataclasses.asdict(report), "weights": {k: v.clone() for k, v in model.state_dict().items()},
+            "logprobs": engine.score(PROBES, 60), "adapters_applied": engine.adapters_applied}
 
 
 def peft_round_trip(directory: str) -> dict:
@@ -135,14 +164,14 @@ def peft_round_trip(directory: str) -> dict:
     from beamrl.trainer.protocol import PackedBatch
 
     out = trained_adapter()
-    cfg = dataclasses.replace(E.trainer_config({}), lora=lora_config())
+    cfg = with_lora(E.trainer_config({}), lora_config())
     trainer = MegatronTrainer(cfg)
     trainer.load_hf_state_dict(out["base"])
     trainer.load_lora_state_dict(out["adapter"])
     trainer.save_lora_adapter(directory)
     trainer.load_lora_state_dict({k: torch.zeros_like(v) for k, v in out["adapter"].items()})
     trainer.load_lora_adapter(directory)
-    reloaded = {k: v for b in trainer.export_lora() for k, v in b.tensors.items()}
+    reloaded = {k: v for u in trainer.export_lora() for k, v in u}
     seqs = [torch.tensor(p) for p in PROBES]
     batch = PackedBatch.from_sequences(seqs, [torch.ones(len(p)) for p in PROBES], {})
     lp = trainer.compute_logprobs(batch, temperature=1.0, return_entropy=False).logprobs

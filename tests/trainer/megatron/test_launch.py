@@ -3,6 +3,7 @@
 import os
 import time
 
+import psutil
 import pytest
 
 from beamrl.trainer.megatron.launch import LaunchError, launch
@@ -35,7 +36,7 @@ def _rank0_dies():
 
 
 def _sleeps():
-    time.sleep(60)
+    time.sleep(600)
 
 
 def test_results_in_rank_order_with_env():
@@ -46,11 +47,9 @@ def test_results_in_rank_order_with_env():
 
 
 def test_a_raising_rank_fails_the_run_with_its_traceback():
-    t0 = time.monotonic()
     with pytest.raises(LaunchError, match="boom on rank one") as info:
         launch(_rank1_raises, 2, timeout_s=300)
-    assert info.value.rank == 1 and "ValueError" in info.value.remote_traceback
-    assert time.monotonic() - t0 < 150  # did not wait for the timeout (generous: start-up on a loaded machine)
+    assert info.value.rank == 1 and "ValueError" in info.value.remote_traceback  # not the 300 s timeout
 
 
 def test_a_dying_rank_fails_the_run():
@@ -59,7 +58,11 @@ def test_a_dying_rank_fails_the_run():
 
 
 def test_timeout_kills_all_ranks():
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
     t0 = time.monotonic()
     with pytest.raises(LaunchError, match="timed out"):
         launch(_sleeps, 2, timeout_s=3)
-    assert time.monotonic() - t0 < 20
+    assert time.monotonic() - t0 < 120  # the ranks sleep 600 s: they were killed, not waited for
+    left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before and p.is_running()
+            and p.status() != psutil.STATUS_ZOMBIE and "spawn_main" in " ".join(p.cmdline())]  # not the tracker
+    assert not left, f"ranks still alive after the timeout: {left}"

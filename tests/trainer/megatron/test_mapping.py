@@ -9,19 +9,22 @@ from beamrl.models.beam.weights import expected_tensors, random_state_dict
 
 from .model._world import init_megatron, spawn, world1
 
+# In-process Megatron on CPU: the compatibility layer for this module only (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("megatron_cpu_shim")
+
 SEED = 11
 
 
-def _export_all(model, bucket_bytes):
+def _export_all(model):
     from beamrl.trainer.megatron.mapping import export_hf_tensors
 
-    buckets = list(export_hf_tensors(model, bucket_bytes=bucket_bytes))
+    units = list(export_hf_tensors(model))
     out = {}
-    for bucket in buckets:
-        for name, t in bucket:
+    for unit in units:
+        for name, t in unit:
             assert name not in out, f"{name} exported twice"
             out[name] = t
-    return buckets, out
+    return units, out
 
 
 def _assert_bit_exact(config, state, exported):
@@ -43,36 +46,26 @@ def test_round_trip_tp1_is_bit_exact(dtype):
     assert load_hf_weights(model, state) > 0
     router = model.decoder.layers[1].mlp.router
     assert router.weight.dtype == torch.float32 and router.expert_bias.dtype == torch.float32
-    _, exported = _export_all(model, bucket_bytes=1 << 40)
+    _, exported = _export_all(model)
     _assert_bit_exact(config, state, exported)
 
 
-def test_buckets_are_bounded_and_keep_fused_units_together():
+def test_layout_announces_exactly_what_the_export_yields():
+    """The weight sync sends its manifest (built from `export_hf_layout`) before the export runs: the layout must
+    list every unit's tensors in the order, shapes and dtypes the export then yields (bf16 model, FP32 router)."""
     world1()
-    from beamrl.trainer.megatron.mapping import load_hf_weights
+    from beamrl.trainer.megatron.mapping import export_hf_layout, load_hf_weights
     from beamrl.trainer.megatron.model import build_beam_gpt_model
 
     config = preset("tiny")
     state = random_state_dict(config, seed=SEED, dtype=torch.bfloat16)
     model = build_beam_gpt_model(config, params_dtype=torch.bfloat16)
     load_hf_weights(model, state)
-    budget = 40_000
-    buckets, exported = _export_all(model, bucket_bytes=budget)
-    _assert_bit_exact(config, state, exported)
-    assert len(buckets) > 3
-    where = {n: i for i, b in enumerate(buckets) for n, _ in b}
-    oversized_units = [{"model.embed_tokens.weight"}, {"model.norm.weight", "lm_head.weight"},
-                       {f"model.layers.0.mlp.{n}_proj.weight" for n in ("gate", "up", "down")}]
-    for bucket in buckets:  # over budget only when the bucket is one unit that alone exceeds it
-        if sum(t.numel() * t.element_size() for _, t in bucket) > budget:
-            assert {n for n, _ in bucket} in oversized_units, [n for n, _ in bucket]
-    p = "model.layers.2."
-    fused = [[p + f"self_attn.{n}_proj.weight" for n in ("q", "k", "v", "gate")],
-             [p + "mlp.gate.weight", p + "mlp.gate.e_score_correction_bias"],
-             [p + "mlp.experts.5.gate_proj.weight", p + "mlp.experts.5.up_proj.weight"],
-             ["model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight"]]
-    for group in fused:
-        assert len({where[n] for n in group}) == 1, group
+    units, _ = _export_all(model)
+    yielded = [[(n, tuple(t.shape), t.dtype) for n, t in unit] for unit in units]
+    assert export_hf_layout(model) == yielded
+    assert len(yielded) > 3 and ("model.layers.1.mlp.gate.weight", (config.num_experts, config.hidden_size),
+                                 torch.float32) in yielded[4]
 
 
 def test_missing_tensor_is_named():
@@ -152,7 +145,7 @@ def _layout_worker(rank, world, port, layout):
         want = _reference_logits(config, state, ids, cu)
         err = (out - want).abs().max().item()
         assert err <= 1e-5, f"rank {rank} {layout}: max abs logit error {err}"
-    _, exported = _export_all(model, bucket_bytes=1 << 16)
+    _, exported = _export_all(model)
     if rank == 0:
         _assert_bit_exact(config, state, exported)
     else:

@@ -18,6 +18,7 @@ pytestmark = pytest.mark.slow
 LOSS_TOL = 1e-5
 GRAD_REL_TOL = 1e-5
 LOGPROB_TOL = 1e-5
+_ALL_MOE_TOKENS = sum(b.num_tokens for b in E.micro_batches()) * len(E.model_config().moe_layers)
 
 # (parallel layout, distributed optimizer, compare gradients[, full recompute])
 LAYOUTS = [
@@ -62,6 +63,9 @@ def test_layout_matches_world1(world1, layouts, index):
     assert torch.equal(got["recorded"], world1["recorded"]), f"{layout}: recorded routes differ from world-1"
     assert (got["replayed"] - got["free"]).abs().max().item() <= LOGPROB_TOL
     assert (got["forced"] - world1["forced"]).abs().max().item() <= LOGPROB_TOL
+    # Replay self-check of a training step: every (token, MoE layer) of every micro-batch, summed over the ranks
+    # (TP/SP token slices, PP stages, DP shares), was checked once and used exactly the given experts.
+    assert got["replay_check"] == (0, _ALL_MOE_TOKENS), f"{layout}: replay self-check {got['replay_check']}"
     if with_grads:
         errors = _grad_errors(world1["grads"], got["grads"])
         worst = max(errors, key=errors.get)
@@ -77,6 +81,7 @@ def test_world1_run_is_not_degenerate(world1):
     assert routes.shape == (E.micro_batches()[1].num_tokens, cfg.num_hidden_layers, cfg.num_experts_per_tok)
     assert (routes[:, 0] == -1).all() and ((routes[:, 1:] >= 0) & (routes[:, 1:] < cfg.num_experts)).all()
     assert (world1["forced"] - world1["free"]).abs().max() > 1e-3
+    assert world1["replay_check"] == (0, _ALL_MOE_TOKENS)
     losses = world1["losses"]
     assert len(losses) == E.STEPS and losses[0] != losses[1] != losses[2]
     for name, g in world1["grads"].items():

@@ -10,6 +10,9 @@ from beamrl.models.beam.weights import random_state_dict
 
 from .model._world import init_megatron, spawn, world1
 
+# In-process Megatron on CPU: the compatibility layer for this module only (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("megatron_cpu_shim")
+
 SEED = 5
 
 
@@ -110,6 +113,30 @@ def test_record_returns_the_trainers_routes(tiny):
         a = model(ids, None, None, packed_seq_params=record_params(cu))
         b = model(ids, None, None, packed_seq_params=replay_params(cu, got))
     assert torch.equal(a, b)
+
+
+def test_replay_self_check_counts_what_the_routers_used():
+    """count_route_mismatches: pairs with a complete given route are checked, other experts (or the same experts in
+    another slot order) are mismatches, and each SP rank is checked against its own token slice."""
+    from beamrl.trainer.megatron.replay import count_route_mismatches
+
+    config = preset("tiny")
+    moe = config.moe_layers
+    routes = _forced_routes(config, 8, seed=4)
+    routes[7] = -1  # a padding row (free routing): not checked
+    routes[5, moe[0], 1] = -1  # an incomplete route routes freely: not checked
+    recorded = {layer: routes[:, layer].clone() for layer in moe}
+    recorded[moe[0]][5] = 0  # what the router did on the free row does not matter
+    assert count_route_mismatches(recorded, routes, moe) == (0, 7 * len(moe) - 1)
+    recorded[moe[1]][2] = recorded[moe[1]][2].flip(0)  # same experts, other slot order
+    recorded[moe[-1]][3, 0] = (recorded[moe[-1]][3, 0] + 1) % config.num_experts
+    assert count_route_mismatches(recorded, routes, moe) == (2, 7 * len(moe) - 1)
+    # SP rank 1 of 2 holds tokens 4..7: its recorded slice is compared with those rows, not with rows 0..3
+    second = {layer: routes[4:, layer].clone() for layer in moe[:1]}  # a pipeline stage with one MoE layer
+    assert count_route_mismatches(second, routes, moe, tp_rank=1, tp_size=2) == (0, 2)  # rows 4 and 6
+    assert count_route_mismatches(second, routes, moe, tp_rank=0, tp_size=2) == (4, 4)  # a wrong slice shows
+    with pytest.raises(ValueError, match="do not split"):
+        count_route_mismatches(second, routes[:7], moe, tp_rank=0, tp_size=2)
 
 
 def test_engine_routes_are_padded_and_validated():

@@ -1,9 +1,13 @@
-"""Integration: routes returned by the real SGLang 0.5.23 CPU engine, replayed in the Megatron trainer (R3),
-bring the trainer's logprobs closer to the engine's than free routing does.
+"""Integration: routes returned by the real SGLang 0.5.23 CPU engine, replayed in the Megatron trainer (R3).
 
-The engine runs in this process (BF16, the CPU recipe of `SGLangEngineConfig.cpu_test`); the Megatron trainer
+What R3 guarantees, asserted: while replaying, the trainer's routers use exactly the engine's experts (ids and
+slot order) on every (token, MoE layer) pair the engine routed; and on this checkpoint, where free routing picks
+other experts than the engine on a measurable share of pairs (random BF16 tiny model: many near-ties), replay
+brings the trainer's output logprobs much closer to the engine's than free routing.
+
+The engine runs in this process (BF16, the CPU recipe of `SGLangEngineConfig.on_cpu`); the Megatron trainer
 runs in one spawned process (gloo world 1, BF16) so the CPU compatibility layer never shares a process with
-SGLang. Both gaps are printed (pytest -s) and the replayed gap must not exceed the free one."""
+SGLang. Both gaps are printed (pytest -s)."""
 
 import pytest
 import torch
@@ -38,13 +42,16 @@ def _trainer_logprobs(rank, world, port, ckpt, data_path, out_path):
     with torch.no_grad():
         free = record_params(cu)
         result["free"] = _output_logprobs(model(ids, None, None, packed_seq_params=free), data, lens)
-        result["replay"] = _output_logprobs(model(ids, None, None, packed_seq_params=record_params(cu, routes)),
-                                            data, lens)
+        replayed = record_params(cu, routes)
+        result["replay"] = _output_logprobs(model(ids, None, None, packed_seq_params=replayed), data, lens)
         natural = recorded_routes(free, config, ids.shape[1])
     moe = config.moe_layers
-    engine_rows = routes[:, moe] >= 0
+    engine_rows = (routes[:, moe] >= 0).all(-1)  # [T, n_moe]: the pairs the engine routed
     same = (natural[:, moe].sort(-1).values == routes[:, moe].sort(-1).values).all(-1)
-    result["route_mismatch"] = 1.0 - same[engine_rows.all(-1)].float().mean().item()
+    result["route_mismatch"] = 1.0 - same[engine_rows].float().mean().item()
+    result["engine_routes"] = routes[:, moe]
+    result["replay_routes"] = recorded_routes(replayed, config, ids.shape[1])[:, moe]  # what the routers used
+    result["engine_rows"] = engine_rows
     torch.save(result, out_path)
 
 
@@ -59,16 +66,15 @@ def _output_logprobs(logits, data, lens):
 
 
 def test_engine_routes_replayed_in_megatron_close_the_gap(tmp_path):
-    pytest.importorskip("sglang")
     from beamrl.models.beam.model import BeamForCausalLM
-    from beamrl.rollout.protocol import GenerateRequest, SamplingParams
+    from beamrl.protocols.rollout import GenerateRequest, SamplingParams
     from beamrl.rollout.sglang.config import SGLangEngineConfig
     from beamrl.rollout.sglang.engine import SGLangEngine
 
     config = preset("tiny")
     ckpt = tmp_path / "ckpt"
     BeamForCausalLM(config, dtype=torch.bfloat16, seed=0).save_pretrained(ckpt)
-    engine = SGLangEngine(SGLangEngineConfig.cpu_test(str(ckpt)), start_timeout=600)
+    engine = SGLangEngine(SGLangEngineConfig.on_cpu(str(ckpt)), start_timeout=600)
     try:
         results = engine.generate(
             [GenerateRequest(p, SamplingParams(max_new_tokens=24, temperature=1.0, seed=i, ignore_eos=True),
@@ -86,5 +92,14 @@ def test_engine_routes_replayed_in_megatron_close_the_gap(tmp_path):
     print(f"\nengine vs Megatron (BF16, {free_gap.numel()} output tokens): route mismatch of free routing "
           f"{out['route_mismatch']:.4f}; |dlogprob| free mean {free_gap.mean():.5f} max {free_gap.max():.5f}; "
           f"replayed mean {replay_gap.mean():.5f} max {replay_gap.max():.5f}")
-    assert replay_gap.mean() <= free_gap.mean()
-    assert replay_gap.max() < 0.5  # the CPU engine's BF16 RoPE is its documented deviation, not a routing one
+    # R3: every (token, MoE layer) pair the engine routed used exactly the engine's experts in the trainer
+    rows = out["engine_rows"]
+    assert rows.sum() == sum(len(p) + len(o) - 1 for p, o in zip(data["prompts"], data["outputs"])) * \
+        len(preset("tiny").moe_layers)  # all of them: prompt + output - 1 rows per sequence
+    assert torch.equal(out["replay_routes"][rows], out["engine_routes"][rows])
+    # The checkpoint really tests replay: free routing disagrees with the engine (measured 7.9 % of the pairs)
+    assert out["route_mismatch"] > 0.02
+    # ... and replaying the engine's routes removes most of the gap (measured free 0.110 mean / replayed 0.017:
+    # 6.5x; the rest is the CPU engine's documented BF16 RoPE deviation). Margin: at least 3x.
+    assert replay_gap.mean() <= free_gap.mean() / 3
+    assert replay_gap.max() < 0.5

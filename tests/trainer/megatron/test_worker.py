@@ -2,30 +2,35 @@
 
 import pytest
 
+from beamrl.config import ConfigError
 from beamrl.models.beam import preset
-from beamrl.trainer.megatron.parallel import ParallelConfig, ParallelConfigError
-from beamrl.trainer.megatron.worker import OptimizerSettings, TrainerConfig, TrainerConfigError, _split_sequences
+from beamrl.trainer.megatron.config import TrainerConfig
+from beamrl.trainer.megatron.worker import LRSchedule, TrainerConfigError, TrainerSetup, _split_sequences
 from beamrl.trainer.protocol import PackedBatch
 
 
+def _trainer(**kwargs) -> TrainerConfig:
+    return TrainerConfig(**{"num_gpus": 2, "global_batch_size": 2, "lr": 1e-3, **kwargs})
+
+
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(lr=0.0), "lr=0.0"),
-    (dict(lr=1e-3, min_lr=1e-2), "min_lr"),
-    (dict(clip_grad=-1.0), "clip_grad"),
     (dict(decay_style="step"), "decay_style"),
     (dict(warmup_steps=-1), "warmup_steps"),
 ])
-def test_optimizer_settings_errors(kwargs, match):
+def test_lr_schedule_errors(kwargs, match):
     with pytest.raises(TrainerConfigError, match=match):
-        OptimizerSettings(**kwargs)
+        LRSchedule(**kwargs)
 
 
-def test_trainer_config_checks_dtype_and_layout():
+def test_setup_checks_dtype_min_lr_and_layout():
     with pytest.raises(TrainerConfigError, match="dtype='float16'"):
-        TrainerConfig(model=preset("tiny"), dtype="float16")
-    with pytest.raises(ParallelConfigError, match="pp\\*vpp = 4"):  # tiny has 6 layers
-        TrainerConfig(model=preset("tiny"), parallel=ParallelConfig(pp=2, vpp=2))
-    assert TrainerConfig(model=preset("tiny"), parallel=ParallelConfig(pp=2)).params_dtype.is_floating_point
+        TrainerSetup(model=preset("tiny"), trainer=_trainer(), dtype="float16")
+    with pytest.raises(TrainerConfigError, match="min_lr"):
+        TrainerSetup(model=preset("tiny"), trainer=_trainer(), lr_schedule=LRSchedule(min_lr=1e-2))
+    with pytest.raises(ConfigError, match="vpp=2: must divide the layers per pipeline stage"):  # tiny: 6 layers
+        TrainerSetup(model=preset("tiny"), trainer=_trainer(pp=2, vpp=2, num_gpus=2))
+    setup = TrainerSetup(model=preset("tiny"), trainer=_trainer(pp=2))
+    assert setup.params_dtype.is_floating_point and setup.parallel.to_dict()["pp"] == 2
 
 
 def test_split_sequences_keeps_alignment():

@@ -3,15 +3,18 @@
 A subclass of SGLang's own Beam class (same name: SGLang's config and override hooks look the class up by name)
 that changes two things and nothing in the forward:
 
-- `load_weights` diverts adapter payload tensors (`beamrl.models.beam.lora_payload`) to an `AdapterReceiver`,
-  which checks them, and when an adapter is complete merges every targeted weight from W0 with the contract's
-  `merge_lora_weight` and loads the merged HF tensors through SGLang's own loaders (so every sharding and packing
-  SGLang chooses applies). Base tensors of the targeted weights are copied as W0 while they stream through the
-  loader (at start-up and on every base update), on the model's device; targets come from the HF config field
-  `beamrl_lora_targets`, set by the engine launcher through SGLang's `json_model_override_args`.
+- `load_weights` diverts the tensors of an adapter-only sync (`beamrl.models.beam.lora_payload`) to an
+  `AdapterMerger`, which stages them (the scale starts an adapter and must be this engine's), and when the
+  adapter is complete (its last bucket, which the engine adapter has checksummed before handing it over) merges
+  every targeted weight from W0 with the contract's `merge_lora_weight` and loads the merged HF tensors through
+  SGLang's own loaders (so every sharding and packing SGLang chooses applies). Base tensors of the targeted
+  weights are copied as W0 while they stream through the loader (at start-up and on every base update), on the
+  model's device. The LoRA config comes from the HF config field `beamrl_lora` (the trainer's `trainer.lora`),
+  set by the engine launcher through SGLang's `json_model_override_args`.
 - A refused adapter must not raise out of `load_weights` (the tensor path of SGLang 0.5.23 does not catch it and
   the scheduler would die): the error is recorded and the weights stay as they were. `get_weights_by_name`
-  answers `beamrl.lora.status` with the applied adapter id and the last error (a JSON string as the float list
+  answers `beamrl.lora.status` with the number of adapters applied, the tensors staged and the last error (a
+  JSON string as the float list
   of its UTF-8 bytes, the only reply type SGLang's API carries), and an HF weight name with that weight as the
   engine now computes with it (this rank's shard).
 """
@@ -29,9 +32,9 @@ from sglang.srt.models.beam import BeamForCausalLM as _SGLangBeamForCausalLM
 from beamrl.models.beam.config import BeamConfig
 from beamrl.models.beam.lora import adapted_weights
 from beamrl.models.beam.lora_config import LoRAConfig
-from beamrl.models.beam.lora_payload import is_adapter_tensor_name
-from beamrl.models.beam.lora_receiver import AdapterReceiver, AdapterRejected
-from beamrl.rollout.sglang.config import LORA_TARGETS_FIELD
+from beamrl.models.beam.lora_payload import SCALE_NAME, is_adapter_tensor_name
+from beamrl.models.beam.lora_receiver import AdapterMerger, AdapterRejected
+from beamrl.rollout.sglang.config import LORA_FIELD
 from beamrl.rollout.sglang.models import STATUS_NAME
 
 logger = logging.getLogger(__name__)
@@ -53,15 +56,17 @@ class BeamForCausalLM(_SGLangBeamForCausalLM):
 
     def __init__(self, config, quant_config=None, prefix: str = ""):
         super().__init__(config, quant_config=quant_config, prefix=prefix)
-        targets = tuple(getattr(config, LORA_TARGETS_FIELD, None) or ())
+        settings = getattr(config, LORA_FIELD, None)
         self._beam = beam_config_of(config)
         self._targeted: set[str] = set()
-        if targets:
-            lora = LoRAConfig(rank=1, alpha=1.0, targets=targets)  # rank/alpha do not change which weights
+        self._lora: AdapterMerger | None = None
+        if settings:
+            lora = LoRAConfig.from_dict(dict(settings))
             self._targeted = {w.weight for w in adapted_weights(self._beam, lora)
                               if self.start_layer <= w.layer < self.end_layer}
+            self._lora = AdapterMerger(self._beam, lora, self._base_weight, self._write_merged,
+                                       owns=self._on_this_stage)
         self._w0: dict[str, torch.Tensor] = {}
-        self._lora = AdapterReceiver(self._beam, self._base_weight, self._write_merged, owns=self._on_this_stage)
         self._lora_error: str | None = None
 
     # ------------------------------------------------------------------ loading
@@ -69,12 +74,17 @@ class BeamForCausalLM(_SGLangBeamForCausalLM):
         adapter: list[tuple[str, torch.Tensor]] = []
         base_names: list[str] = []
         loaded = super().load_weights(self._split(weights, adapter, base_names))
-        if base_names:
+        if base_names and self._lora is not None:
             self._lora.reapply(base_names)  # new W0 of targeted weights: merge the applied adapter again
         if adapter:
+            if any(n == SCALE_NAME for n, _ in adapter):
+                self._lora_error = None  # a new adapter starts
             try:
-                self._lora.receive(adapter)
-                self._lora_error = None
+                if self._lora is None:
+                    raise AdapterRejected("this engine was launched without a LoRA config (SGLangEngineConfig.lora)")
+                self._lora.stage(adapter)
+                if self._lora.complete:
+                    self._lora.commit()
             except AdapterRejected as e:
                 self._lora_error = str(e)
                 logger.error("beamrl LoRA adapter refused (weights unchanged): %s", e)
@@ -119,10 +129,10 @@ class BeamForCausalLM(_SGLangBeamForCausalLM):
     # ------------------------------------------------------------------ queries
     def get_weights_by_name(self, name: str, truncate_size: int = 100, tp_size: int = 1):
         if name == STATUS_NAME:
-            applied = self._lora.applied
+            lora = self._lora
             status = {"lora_class": True, "targets": len(self._targeted),
-                      "adapter_id": None if applied is None else applied.adapter_id,
-                      "adapter_digest": None if applied is None else applied.digest, "error": self._lora_error}
+                      "applied": 0 if lora is None else lora.num_applied,
+                      "staged": 0 if lora is None else len(lora.staged), "error": self._lora_error}
             return [float(b) for b in json.dumps(status).encode()]
         return self._effective_weight(name).float().tolist()
 

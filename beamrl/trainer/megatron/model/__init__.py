@@ -4,7 +4,7 @@ Public API (used by the training worker and weight sync):
 - `build_beam_gpt_model(config, *, params_dtype, pre_process, post_process, vp_stage, use_fused_kernels,
   recompute, parallel, transformer_config)` -> `BeamGPTModel` (provider.py)
 - `beam_transformer_config(config, parallel, dtype=..., use_fused_kernels=..., recompute=...)`,
-  `BeamTransformerConfig` (config_bridge.py); the layout is the trainer's `parallel.ParallelConfig`
+  `BeamTransformerConfig` (config_bridge.py); the layout is the trainer's `config.ParallelConfig`
 - `packed_seq_params(cu_seqlens, routes=None, record=False)` -> `BeamPackedSeqParams` (batch.py): the per-
   microbatch THD bounds + routing replay/record, passed as `model(..., packed_seq_params=...)`
 - `beam_layer_spec`, `beam_block_spec`, `stage_layers` (spec.py)

@@ -20,6 +20,7 @@ from megatron.core.utils import divide
 
 from beamrl.kernels import ops
 from beamrl.models.beam import numerics
+from beamrl.trainer.megatron.model import sharding
 from beamrl.trainer.megatron.model.batch import positions_from_cu_seqlens
 
 
@@ -87,6 +88,30 @@ class BeamSelfAttention(MegatronModule):
         self.gate_bias = torch.nn.Parameter(torch.zeros(self.heads, dtype=config.params_dtype))
         set_tensor_model_parallel_attributes(self.gate_bias, is_parallel=True, dim=0, stride=1)
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+        """Megatron's default, except `gate_bias`: split over TP by heads (the default marks it replicated)."""
+        sd = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        key = f"{prefix}gate_bias"
+        sd[key] = sharding.tp_sharded(self.gate_bias, key, 0, sharded_offsets, metadata)
+        return sd
+
+    def _position_terms(self, packed_seq_params, cu: torch.Tensor, total: int):
+        """RoPE (cos, sin) on sliding layers, SSMax scales on full ones, of the within-sequence positions. They
+        depend on the micro-batch only, so every layer's forward (and a recompute) shares them through the
+        micro-batch's `BeamPackedSeqParams.position_terms`."""
+        key = ("rope", self.head_dim, self.rope_theta) if self.sliding else ("ssmax",)
+        cache = getattr(packed_seq_params, "position_terms", None)
+        if cache is not None and key in cache:
+            return cache[key]
+        pos = positions_from_cu_seqlens(cu, total)
+        if self.sliding:
+            terms = numerics.rope_cos_sin(pos, self.head_dim, self.rope_theta)
+        else:
+            terms = numerics.ssmax_scale(pos)
+        if cache is not None:
+            cache[key] = terms
+        return terms
+
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, packed_seq_params=None, **_unused):
         if attention_mask is not None:
             raise ValueError("Beam attention takes no attention_mask (it would be ignored): pack the sequences and "
@@ -109,14 +134,13 @@ class BeamSelfAttention(MegatronModule):
         gate = tokens[:, :, qpg:2 * qpg].reshape(T, self.heads, d)
         k = tokens[:, :, 2 * qpg].contiguous()
         v = tokens[:, :, 2 * qpg + 1].contiguous()
-        pos = positions_from_cu_seqlens(cu, T)
         if self.sliding:
-            cos, sin = numerics.rope_cos_sin(pos, d, self.rope_theta)
+            cos, sin = self._position_terms(packed_seq_params, cu, T)
             q, k = ops.qk_norm_rope(q, k, self.q_layernorm.weight, self.k_layernorm.weight, cos, sin, self.eps,
                                     backend=backend)
         else:
             q, k = ops.qk_norm_ssmax(q, k, self.q_layernorm.weight, self.k_layernorm.weight,
-                                     numerics.ssmax_scale(pos), self.eps, backend=backend)
+                                     self._position_terms(packed_seq_params, cu, T), self.eps, backend=backend)
         o = self.core_attention(q, k, v, cu, self.window)
         o = ops.output_gate(o, gate, self.gate_bias, backend=backend)
         if packed_seq_params is not None and packed_seq_params.cu_seqlens_q is not None:

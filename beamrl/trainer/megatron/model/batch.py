@@ -33,6 +33,8 @@ class BeamPackedSeqParams(PackedSeqParams):
     routes: Optional[torch.Tensor] = None
     record: bool = False
     recorded: dict = field(default_factory=dict)
+    #: Per-micro-batch RoPE / SSMax tables, computed by the first attention layer and reused by the others.
+    position_terms: dict = field(default_factory=dict)
 
 
 def packed_seq_params(cu_seqlens: torch.Tensor, routes: Optional[torch.Tensor] = None,

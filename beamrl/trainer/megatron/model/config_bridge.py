@@ -24,7 +24,7 @@ from megatron.core.transformer import TransformerConfig
 
 from beamrl.models.beam.config import BeamConfig
 from beamrl.models.beam.lora_config import LoRAConfig
-from beamrl.trainer.megatron.parallel import ParallelConfig
+from beamrl.trainer.megatron.config import ParallelConfig
 
 
 @dataclass
@@ -55,7 +55,7 @@ def beam_transformer_config(config: BeamConfig, parallel: ParallelConfig = Paral
                             recompute: Literal["none", "full"] = "none", **overrides) -> BeamTransformerConfig:
     """The Megatron config of Beam for one parallel layout and dtype (float32 for exact CPU tests, bfloat16
     for training). `overrides` are passed to `TransformerConfig` last (e.g. `pipeline_dtype`)."""
-    parallel.validate(config)
+    parallel.check_model(config)  # the layout rules (trainer/megatron/config.py); ConfigError names the field
     if recompute not in ("none", "full"):
         raise ValueError(f"recompute must be 'none' or 'full', got {recompute!r}")
     c = config

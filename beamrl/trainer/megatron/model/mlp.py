@@ -7,6 +7,7 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 from megatron.core.transformer.module import MegatronModule
 
 from beamrl.models.beam import numerics
+from beamrl.trainer.megatron.model import sharding
 
 
 class BeamDenseMLP(MegatronModule):
@@ -30,6 +31,13 @@ class BeamDenseMLP(MegatronModule):
             beam.intermediate_size, beam.hidden_size, config=config, init_method=config.output_layer_init_method,
             bias=False, input_is_parallel=True, skip_bias_add=True, is_expert=False, tp_comm_buffer_name="fc2",
             tp_group=tp_group)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        """Megatron's default, with `linear_fc1.weight` stored as the TP-independent `[gate; up]` (a GLU factory)."""
+        sd = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        key = f"{prefix}linear_fc1.weight"
+        sd[key] = sharding.glu_fc1(sd[key], sharded_offsets, metadata)
+        return sd
 
     def forward(self, hidden_states: torch.Tensor, packed_seq_params=None, **_unused) -> torch.Tensor:
         gate_up, _ = self.linear_fc1(hidden_states)

@@ -41,6 +41,7 @@ from megatron.core.transformer.module import MegatronModule
 
 from beamrl.kernels import ops
 from beamrl.models.beam import numerics
+from beamrl.trainer.megatron.model import sharding
 
 
 class _KeepFp32(torch.nn.Module):
@@ -101,6 +102,14 @@ class BeamExperts(MegatronModule):
     def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate_up [E_local, 2I, H], down [E_local, H, I]) as the forward uses them (LoRA merges here)."""
         return self.gate_up_weight, self.down_weight
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+        """Both weights split over EP along dim 0 (global expert id `first + e`), one main replica per expert-DP
+        group. The default would store this rank's experts as if they were all of them."""
+        ep_rank, ep_size = self.first // self.num_local, self.config.beam.num_experts // self.num_local
+        return {f"{prefix}{name}": sharding.ep_sharded(getattr(self, name), f"{prefix}{name}", sharded_offsets,
+                                                       ep_rank, ep_size)
+                for name in ("gate_up_weight", "down_weight")}
 
     def combined(self, x, ids, weights, scaling: float) -> torch.Tensor:
         """All experts local (EP = 1): `bf16(scaling * sum_k y_k)` in slot order (`ops.grouped_experts`)."""

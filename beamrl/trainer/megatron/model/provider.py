@@ -24,8 +24,8 @@ from megatron.core.models.gpt import GPTModel
 
 from beamrl.models.beam import numerics
 from beamrl.models.beam.config import BeamConfig
+from beamrl.trainer.megatron.config import ParallelConfig
 from beamrl.trainer.megatron.model.config_bridge import BeamTransformerConfig, beam_transformer_config
-from beamrl.trainer.megatron.parallel import ParallelConfig
 from beamrl.trainer.megatron.model.lora import freeze_base
 from beamrl.trainer.megatron.model.spec import beam_block_spec
 

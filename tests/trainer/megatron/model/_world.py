@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from beamrl.net import free_port
+from beamrl.net import reserve_port
 
 
 def init_megatron(rank: int, world: int, port: int, *, tp: int = 1, ep: int = 1, pp: int = 1, vpp=None,
@@ -37,8 +37,9 @@ def init_megatron(rank: int, world: int, port: int, *, tp: int = 1, ep: int = 1,
 
 
 def world1(**layout) -> None:
-    """(Re)initialise a 1-process world in this process with the given layout (tp=ep=pp=1)."""
-    init_megatron(0, 1, free_port(), **layout)
+    """(Re)initialise a 1-process world in this process with the given layout (tp=ep=pp=1). Port 0: the only
+    rank hosts the store, so the OS picks the port as it binds."""
+    init_megatron(0, 1, 0, **layout)
 
 
 def _child(rank, fn, world, port, args):
@@ -54,12 +55,13 @@ def _child(rank, fn, world, port, args):
 
 def spawn(fn, world: int, *args, timeout: float = 90.0) -> None:
     """Run `fn(rank, world, port, *args)` on `world` processes; raise on failure or after `timeout` s."""
-    port = free_port()
-    ctx = mp.start_processes(_child, args=(fn, world, port, args), nprocs=world, join=False, start_method="spawn")
-    deadline = time.monotonic() + timeout
-    while not ctx.join(timeout=1.0):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.terminate()
-            raise TimeoutError(f"{getattr(fn, '__name__', fn)} on {world} processes did not finish in {timeout} s")
+    with reserve_port() as reserved:  # held until the children are done: rank 0's store binds it meanwhile
+        ctx = mp.start_processes(_child, args=(fn, world, reserved.port, args), nprocs=world, join=False,
+                                 start_method="spawn")
+        deadline = time.monotonic() + timeout
+        while not ctx.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    if p.is_alive():
+                        p.terminate()
+                raise TimeoutError(f"{getattr(fn, '__name__', fn)} on {world} processes did not finish in {timeout} s")

@@ -1,4 +1,4 @@
-"""BeamConfig -> TransformerConfig bridge and ParallelConfig.validate against a Beam config."""
+"""BeamConfig -> TransformerConfig bridge; it refuses a layout the Beam config cannot take (`check_model`)."""
 
 import pytest
 import torch
@@ -6,6 +6,9 @@ import torch
 from beamrl.models.beam import preset
 
 from ._world import world1
+
+# In-process Megatron on CPU: the compatibility layer for this module only (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("megatron_cpu_shim")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -15,7 +18,7 @@ def _world():
 
 def test_beam_fields_are_carried():
     from beamrl.trainer.megatron.model import beam_transformer_config
-    from beamrl.trainer.megatron.parallel import ParallelConfig
+    from beamrl.trainer.megatron.config import ParallelConfig
 
     c = preset("tiny")
     t = beam_transformer_config(c, ParallelConfig(), dtype=torch.float32)
@@ -34,10 +37,20 @@ def test_beam_fields_are_carried():
 
 @pytest.mark.parametrize("settings, field", [
     (dict(tp=2, sp=False), "sp"), (dict(etp=2), "etp"), (dict(tp=4, sp=True), "tp"), (dict(ep=3), "ep"),
-    (dict(pp=4), "num_hidden_layers"), (dict(vpp=2), "vpp"),
+    (dict(pp=4), "pp"), (dict(pp=2, vpp=2), "vpp"),
 ])
 def test_bad_layouts_name_the_field(settings, field):
-    from beamrl.trainer.megatron.parallel import ParallelConfig, ParallelConfigError
+    from pydantic import ValidationError
 
-    with pytest.raises(ParallelConfigError, match=field):
-        ParallelConfig(**settings).validate(preset("tiny"))
+    from beamrl.config import ConfigError
+    from beamrl.trainer.megatron.config import ParallelConfig
+    from beamrl.trainer.megatron.model import beam_transformer_config
+
+    try:
+        parallel = ParallelConfig(**settings)
+    except ValidationError as e:  # a rule of the sizes alone
+        assert e.errors()[0]["ctx"]["error"].path == field
+        return
+    with pytest.raises(ConfigError) as e:  # a rule of the model
+        beam_transformer_config(preset("tiny"), parallel, dtype=torch.float32)
+    assert e.value.path == field

@@ -9,6 +9,9 @@ from beamrl.models.beam import preset
 
 from ._world import world1
 
+# In-process Megatron on CPU: the compatibility layer for this module only (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("megatron_cpu_shim")
+
 
 @pytest.fixture(scope="module")
 def experts_factory():

@@ -8,6 +8,9 @@ from beamrl.models.beam.weights import random_state_dict
 
 from ._world import world1
 
+# In-process Megatron on CPU: the compatibility layer for this module only (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("megatron_cpu_shim")
+
 
 @pytest.fixture(scope="module")
 def setup():

@@ -7,6 +7,9 @@ from beamrl.models.beam import preset
 
 from ._world import world1
 
+# In-process Megatron on CPU: the compatibility layer for this module only (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("megatron_cpu_shim")
+
 
 @pytest.fixture(scope="module")
 def model():
@@ -81,5 +84,6 @@ def test_bf16_forward_runs_and_is_close_to_reference():
         want = ref(ids, cu_seqlens=cu).logits
     assert got.dtype == torch.float32 and torch.isfinite(got).all()
     gap = (got - want).abs().max().item()
-    # Measured bit-equal on the dev box; GEMM blocking of the fused qkv / gate_up may differ on other CPUs.
-    assert gap <= 0.05, gap
+    # Measured bit-identical (gap 0.0) on the 2-core CI-class machine for 4 weight seeds x 2 packings. The bound
+    # admits FP32 noise in the final FP32 softcap only: one BF16 rounding that differs moves a logit by ~1e-3.
+    assert gap <= 1e-6, gap

@@ -1,0 +1,107 @@
+"""The data of one RL step: prompts -> samples on the engines -> raw rewards -> (dynamic sampling) -> shaped
+rewards and advantages. `start` submits a step's generation; `finish` waits for it and does the rest, so a
+one-step-off run can start step k+1 before training step k."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from beamrl.loop import step as S
+from beamrl.loop.groups import EngineGroup
+from beamrl.loop.rollouts import Rollout
+from beamrl.loop.setup import RunContext
+
+
+@dataclass
+class RolloutBatch:
+    """A step's scored rollouts (with advantages) and their metrics."""
+
+    rollouts: list[Rollout]
+    metrics: dict[str, float]
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt + response tokens of every sample."""
+        return sum(r.prompt_len + r.response_len for r in self.rollouts)
+
+
+@dataclass
+class PendingRollout:
+    """A step's generation submitted to the engines. `data_state` is the prompt loader's position before its
+    prompts: a checkpoint taken while it is in flight resumes there, so its prompts are not skipped. `done` holds
+    the finished batch once it was collected early (engines must be idle before a weight update)."""
+
+    step: int
+    prompts: list
+    handle: Any  # EngineGroup.generate_async's
+    started: float
+    data_state: dict
+    done: RolloutBatch | None = None
+
+
+class RolloutCollector:
+    """Generates, scores and shapes the batches of a run's steps on its engines."""
+
+    def __init__(self, run: RunContext, engines: EngineGroup):
+        self.run, self.engines = run, engines
+
+    def start(self, step: int) -> PendingRollout:
+        r = self.run.recipe
+        data_state = self.run.data.state_dict()
+        prompts = self.run.data.next_batch(r.rollout.prompts_per_step)
+        groups = S.make_requests(prompts, r.rollout, r.run.seed, step, 0, self.run.stop_ids,
+                                 self.run.return_routed_experts)
+        t0 = time.perf_counter()
+        handle = self.engines.generate_async(groups, timeout=r.timeouts.generate_s)
+        return PendingRollout(step, prompts, handle, t0, data_state)
+
+    def collect_early(self, pending: PendingRollout) -> PendingRollout:
+        """Finish `pending` now (before a weight update); `finish` then returns the stored batch."""
+        pending.done = self.finish(pending)
+        return pending
+
+    def finish(self, pending: PendingRollout) -> RolloutBatch:
+        if pending.done is not None:
+            return pending.done
+        r = self.run.recipe
+        results = self.engines.collect(pending.handle)
+        rollouts, n_aborted = S.drop_aborted(S.to_rollouts(pending.prompts, results, 0))
+        gen_s = time.perf_counter() - pending.started
+        metrics = S.score(rollouts, self.run.tokenizer, self.run.rewards)
+        metrics["rollout/aborted_groups"] = float(n_aborted)
+        metrics["reward/mean"] = sum(x.raw_reward for x in rollouts) / len(rollouts)
+        metrics.update(S.rollout_metrics(rollouts, r.rollout.max_new_tokens))
+        if r.algorithm.dynamic_sampling.enabled:
+            rollouts, ds_metrics = self._dynamic_sampling(rollouts, pending)
+            metrics.update(ds_metrics)
+        S.shape_and_advantages(rollouts, r.algorithm, r.rollout.max_new_tokens)
+        n_tokens = sum(x.response_len for x in rollouts)
+        metrics.update({"time/rollout_s": gen_s, "throughput/rollout_tokens_per_s": n_tokens / max(gen_s, 1e-9),
+                        "rollout/weight_version": float(min(x.result.weight_version for x in rollouts))})
+        return RolloutBatch(rollouts, metrics)
+
+    def _dynamic_sampling(self, rollouts: list[Rollout], pending: PendingRollout):
+        """Keep groups with informative raw rewards; over-sample more prompts for up to N extra rounds."""
+        r = self.run.recipe
+        target = r.rollout.prompts_per_step
+        kept, res = S.keep_informative_groups(rollouts, target, 0)
+        metrics = dict(res.metrics)
+        next_group = len(pending.prompts)
+        for round_ in range(1, r.algorithm.dynamic_sampling.max_oversample_rounds + 1):
+            if res.num_needed == 0:
+                break
+            more = self.run.data.next_batch(max(1, res.suggested_num_prompts))
+            groups = S.make_requests(more, r.rollout, r.run.seed, pending.step, round_, self.run.stop_ids,
+                                     self.run.return_routed_experts)
+            results = self.engines.generate(groups, timeout=r.timeouts.generate_s)
+            extra, _ = S.drop_aborted(S.to_rollouts(more, results, next_group))
+            next_group += len(more)
+            S.score(extra, self.run.tokenizer, self.run.rewards)
+            new, res = S.keep_informative_groups(extra, target, len({x.group for x in kept}))
+            kept += new
+        metrics["dynamic_sampling/groups_kept"] = float(len({x.group for x in kept}))
+        if not kept:  # nothing informative at all: train on the original batch (advantages are all zero)
+            kept = rollouts
+        return kept, metrics

@@ -1,0 +1,58 @@
+"""The optional supervised warm start (`sft` section): token NLL on (prompt, ground truth) pairs with its own
+trainer and learning rate; its HF export becomes the policy that the RL trainer and the engines load."""
+
+from __future__ import annotations
+
+import time
+
+from beamrl.data.loader import PromptLoader
+from beamrl.loop.log import log
+from beamrl.loop.losses import SFTLoss
+from beamrl.loop.rollouts import split_micro_batches
+from beamrl.loop.setup import RunContext, start_trainer
+from beamrl.trainer.protocol import PackedBatch
+
+
+def sft_warm_start(run: RunContext) -> str:
+    """Train `sft.steps` steps of `sft.batch` pairs at `sft.lr`; returns the exported HF checkpoint (reused when
+    a previous attempt of this run already wrote it)."""
+    r = run.recipe
+    sft = r.sft
+    out = run.out_dir / "sft_checkpoint"
+    if (out / "config.json").exists():
+        log(f"SFT: reusing {out}")
+        return str(out)
+    log(f"SFT warm start: {sft.steps} steps of {sft.batch} (prompt, answer) pairs at lr {sft.lr:g}, on a trainer "
+        "of its own")
+    trainer = start_trainer(run, run.initial_checkpoint, lr=sft.lr)
+    loader = sft_loader(run.data.samples, sft.batch, r.run.seed)
+    t0 = time.perf_counter()
+    try:
+        for i in range(sft.steps):
+            pbs, loss = sft_step_batches(loader.next_batch(sft.batch), run.tokenizer, trainer.dp_size)
+            res = trainer.train_step(pbs, loss, replay=False)
+            if i % max(1, sft.steps // 10) == 0 or i == sft.steps - 1:
+                log(f"SFT step {i + 1}/{sft.steps}: nll {res.loss:.4f} ({time.perf_counter() - t0:.1f} s)")
+        trainer.export_hf_checkpoint(str(out))
+    finally:
+        trainer.shutdown()
+    return str(out)
+
+
+def sft_loader(samples, batch: int, run_seed: int) -> PromptLoader:
+    """The warm start's own epochs over the prompt samples (seeded shuffle, `run.seed + 1`)."""
+    return PromptLoader(list(samples), batch, shuffle=True, seed=run_seed + 1)
+
+
+def sft_step_batches(samples, tokenizer, dp_size: int) -> tuple[list[PackedBatch], SFTLoss]:
+    """One SFT step's packed batches, one per data-parallel rank (prompt + ground truth + eos, loss on the
+    answer and eos), and its loss (token mean over the whole step). Also used by benchmarks/profile_step.py."""
+    eos = int(tokenizer.eos_token_id)
+    seqs, masks = [], []
+    for p in samples:
+        answer = tokenizer.encode(str(p.ground_truth)) + [eos]
+        seqs.append(list(p.prompt_ids) + answer)
+        masks.append([0.0] * len(p.prompt_ids) + [1.0] * len(answer))
+    shares = split_micro_batches(list(zip(seqs, masks)), dp_size)
+    pbs = [PackedBatch.from_sequences([x for x, _ in sh], loss_masks=[m for _, m in sh]) for sh in shares]
+    return pbs, SFTLoss(float(sum(pb.num_loss_tokens for pb in pbs)))

@@ -1,0 +1,80 @@
+"""Training on one rollout batch: split it into optimizer steps of `trainer.global_batch_size` samples and each
+step into micro-batches (a multiple of the DP size), compute the old (and reference) logprobs where needed,
+and run the policy loss of `algorithm.loss` with the step's loss normaliser."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from beamrl.algorithms import AlgorithmConfig, loss_normalizer, token_kl
+from beamrl.loop.groups import TrainerGroup
+from beamrl.loop.losses import PolicyLoss
+from beamrl.loop.rollouts import Rollout, build_packed_batch, split_micro_batches
+from beamrl.models.beam.config import BeamConfig
+from beamrl.trainer.megatron.config import TrainerConfig
+from beamrl.trainer.protocol import PackedBatch
+
+
+def micro_batches(rollouts: list[Rollout], trainer: TrainerConfig, dp_size: int, model: BeamConfig,
+                  replay: bool) -> list[PackedBatch]:
+    """Micro-batches of about `micro_batch_size` samples, their number a multiple of the DP size (each DP
+    rank trains on an equal share)."""
+    if len(rollouts) < dp_size:
+        raise ValueError(f"{len(rollouts)} samples left after filtering cannot feed {dp_size} data-parallel ranks")
+    n_micro = max(1, len(rollouts) // trainer.micro_batch_size)
+    n_micro = max(dp_size, n_micro - n_micro % dp_size)
+    return [build_packed_batch(chunk, model, replay) for chunk in split_micro_batches(rollouts, n_micro)]
+
+
+def train_on_rollouts(rollouts: list[Rollout], *, trainer: TrainerGroup, reference: TrainerGroup | None,
+                      trainer_config: TrainerConfig, algorithm: AlgorithmConfig, temperature: float,
+                      model: BeamConfig, replay: bool) -> dict[str, float]:
+    """Train on one rollout batch in `samples / global_batch_size` optimizer steps; returns the metrics.
+
+    With one step, pi_old is the policy of the train forward itself (no extra pass). With several, the old
+    logprobs of every sample are computed first, before the first update."""
+    a = algorithm
+    t0 = time.perf_counter()
+    n_steps = max(1, len(rollouts) // trainer_config.global_batch_size)
+    steps = [micro_batches(chunk, trainer_config, trainer.dp_size, model, replay)
+             for chunk in split_micro_batches(rollouts, n_steps)]
+    kls = []
+    for micro in steps:
+        for mb in micro:
+            if n_steps > 1 or reference is not None:
+                cur = trainer.compute_logprobs(mb, temperature=temperature, replay=replay)
+                mb.fields["old_logprobs"] = cur.logprobs.detach().float()
+            if reference is not None:
+                ref = reference.compute_logprobs(mb, temperature=temperature, replay=replay)
+                mb.fields["ref_logprobs"] = ref.logprobs.detach().float()
+                kl = token_kl(mb.fields["old_logprobs"], mb.fields["ref_logprobs"], a.kl)
+                kls.append((kl * mb.loss_mask).sum().item())
+    logprob_s = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    sums: dict[str, float] = {}
+    all_toks = 0.0
+    for micro in steps:
+        toks = float(sum(mb.num_loss_tokens for mb in micro))
+        all_toks += toks
+        all_mask = torch.cat([mb.loss_mask for mb in micro])
+        all_seq = torch.cat([torch.repeat_interleave(torch.arange(mb.num_sequences) + 10**6 * i,
+                                                     mb.cu_seqlens[1:] - mb.cu_seqlens[:-1])
+                             for i, mb in enumerate(micro)])
+        normalizer = loss_normalizer(all_mask > 0, all_seq, a.loss_agg)
+        result = trainer.train_step(micro, PolicyLoss(a, normalizer, toks), replay=replay, temperature=temperature)
+        for k, v in result.as_dict().items():
+            sums[k] = sums.get(k, 0.0) + float(v)
+    train_s = time.perf_counter() - t1
+    out = {f"train/{k}": v / len(steps) for k, v in sums.items()}  # mean over this rollout's steps
+    out["train/optimizer_steps"] = float(len(steps))
+    for key in ("train_rollout_logprob_abs_diff", "entropy"):
+        if f"train/{key}" in out:
+            out[key] = out.pop(f"train/{key}")
+    n_tokens = float(sum(mb.num_tokens for micro in steps for mb in micro))
+    out.update({"time/logprob_s": logprob_s, "time/train_s": train_s,
+                "throughput/train_tokens_per_s": n_tokens / max(train_s, 1e-9)})
+    if kls:
+        out["kl"] = sum(kls) / max(all_toks, 1.0)
+    return out

@@ -1,0 +1,77 @@
+"""Publishing the trainer's weights to the engines after a train step: the one call the driver makes for a
+weight sync (`publish_weights`), the colocated memory hand-over before the train step, and the probes.
+
+The whole sync (pause, begin, buckets, commit, version check, probe verification, memory resume) runs in the
+trainer ranks' orchestrator (`beamrl.loop.weight_sync`); the driver only sends the request and logs the report.
+Colocated GPU engines give their memory to training (`release_engine_memory`, before the train step) and take it
+back in the anchors' staged order inside the sync: weights first, then the buckets, then KV cache and CUDA graphs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from beamrl.loop.groups import EngineGroup, TrainerGroup
+from beamrl.loop.log import log
+from beamrl.loop.weight_sync import SyncRequest
+from beamrl.sync.config import SyncConfig
+
+#: Probe length: the last tokens of each probe sample (its answer and the end of its prompt). Short, so the probe
+#: pass (a trainer forward + an engine prefill of two sequences) costs far less than a step.
+PROBE_TOKENS = 64
+#: Where trainer and engine compute the same thing (the native engine in float32) the probe is exact to 1e-4.
+EXACT_TOLERANCE = 1e-4
+#: Elsewhere (bfloat16; SGLang, whose Beam keeps lm_head in BF16) it is a sanity alarm: the exact per-step check
+#: is the per-bucket checksums, and a sync that loaded garbage moves logprobs by far more than this.
+ALARM_TOLERANCE = 0.5
+
+
+@dataclass(frozen=True)
+class SyncProbe:
+    """Post-sync verification: token sequences both sides score and the largest |delta logprob| allowed."""
+
+    sequences: list[list[int]]
+    tolerance: float
+
+
+def probe_tolerance(engine: str, dtype: str) -> float:
+    """1e-4 where trainer and engine compute the same thing in float32 (the native engine), else the alarm."""
+    return EXACT_TOLERANCE if (engine == "native" and dtype == "float32") else ALARM_TOLERANCE
+
+
+def sync_probe(data, tokenizer, dtype: str, engine: str) -> SyncProbe:
+    """Two fixed samples (prompt, answer, eos), cut to their last `PROBE_TOKENS` tokens."""
+    eos = int(tokenizer.eos_token_id)
+    seqs = [(list(p.prompt_ids) + tokenizer.encode(str(p.ground_truth)) + [eos])[-PROBE_TOKENS:]
+            for p in data.samples[:2]]
+    return SyncProbe(seqs, probe_tolerance(engine, dtype))
+
+
+def release_engine_memory(engines: EngineGroup, staged: bool, timeout: float) -> None:
+    """Colocated GPU: the engines free weights, KV cache and CUDA graphs for the train step."""
+    if staged:
+        engines.call_all("release_memory", timeout, tags=None)
+
+
+_announced: set[str] = set()
+
+
+def publish_weights(trainer: TrainerGroup, engines: EngineGroup, version: int, sync: SyncConfig, timeout: float,
+                    probe: SyncProbe | None, staged: bool = False) -> dict[str, float]:
+    """Sync the trainer's weights into every engine as `version`, checked (per-bucket checksums, served versions)
+    and, when `probe` is given, verified on the probe sequences, all in one call to the trainer group. Returns the
+    sync metrics."""
+    request = SyncRequest(version=version, transport=sync.transport, bucket_bytes=sync.bucket_bytes, timeout=timeout,
+                          probe_sequences=tuple(tuple(s) for s in probe.sequences) if probe else (),
+                          probe_tolerance=probe.tolerance if probe else 0.0, probe_every=sync.probe_every,
+                          staged_memory=staged)
+    report = trainer.sync_weights(engines, request)
+    if report["code_path"] not in _announced:
+        _announced.add(report["code_path"])
+        log(f"weight sync: {report['code_path']} ({sync.transport}, {report['buckets']} buckets, "
+            f"{report['bytes'] / 2**20:.1f} MiB)")
+    out = {"time/sync_s": report["seconds"], "sync/bytes": float(report["bytes"]), "sync/gbps": report["gbps"],
+           "sync/version": float(report["version"]), "sync/buckets": float(report["buckets"])}
+    if report["max_abs_logprob_diff"] is not None:
+        out["sync/verify_max_abs_logprob_diff"] = report["max_abs_logprob_diff"]
+    return out

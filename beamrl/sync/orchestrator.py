@@ -1,0 +1,352 @@
+"""The one weight-sync orchestrator: pause -> begin -> buckets -> finalize -> version -> verify -> resume.
+
+`WeightSync` is what training (every trainer rank, through `beamrl.loop.weight_sync`), `beamrl bench sync` and
+`benchmarks/sync_h200.py` run. One `sync(source)`:
+
+1. **plan** (every rank): the export's layout -> buckets (`plan_buckets`, cached per layout); the manifest.
+2. **pause** the engines (`abort_all`; running requests come back with finish_reason 'abort' and are resubmitted
+   by the RL loop), and on colocated GPUs resume their weight memory (`staged_memory`).
+3. **begin**: the manifest goes to every engine, which refuses a stale version or a layout that does not match
+   its weights before anything is applied.
+4. **buckets**: the export streams (a collective on a multi-rank trainer: every rank iterates it); on the shipping
+   rank each completed bucket is packed once (`pack_bucket`) into the buffer the transport gives and sent. Sends
+   are pipelined: the next bucket is packed while the engines load this one.
+5. **agree** (`source.finish`): every trainer rank learns whether the export shipped, so a failure on the shipping
+   rank never leaves the other ranks waiting in a collective.
+6. **finalize**: every engine commits (checks every bucket arrived with intact bytes) and serves the new version.
+7. **version**: every engine must report it.
+8. **verify** (every `probe.every` syncs): every engine scores the probe sequences; the largest |engine - trainer|
+   logprob must be within `probe.tolerance` (the trainer's side, `source.logprobs`, is a collective too).
+9. **resume**: colocated GPUs take back their KV cache and CUDA graphs.
+
+Any failure aborts the session: each engine rolls back or stops serving (`abort_weight_update`), the orchestrator
+raises `WeightSyncError`, and an engine left unhealthy is refused until restarted. `sync(source, engines=[e])`
+syncs a subset (e.g. one restarted engine) through a transport of its own, with the current version.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from beamrl.protocols.weights import WeightReceiver, WeightSyncError
+from beamrl.sync.calls import run_concurrently
+from beamrl.sync.export import ExportSource
+from beamrl.sync.packing import pack_bucket
+from beamrl.sync.plan import DEFAULT_BUCKET_BYTES, BucketPlan, plan_buckets
+from beamrl.sync.transports.base import WeightTransport
+
+TransportFactory = Callable[[Sequence[WeightReceiver]], WeightTransport]
+
+
+@dataclass(frozen=True)
+class SyncTimeouts:
+    """Seconds allowed for each kind of wait. Every engine call has one; none may be infinite."""
+
+    connect: float = 300.0  # update-group rendezvous (engines join concurrently)
+    call: float = 60.0  # begin/end session, version, pause, abort
+    bucket: float = 300.0  # one bucket: transfer + load on every engine
+    verify: float = 120.0  # scoring the probe sequences
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"SyncTimeouts.{name}={value!r} must be a finite number of seconds > 0")
+
+    @classmethod
+    def uniform(cls, seconds: float) -> "SyncTimeouts":
+        return cls(connect=seconds, call=seconds, bucket=seconds, verify=seconds)
+
+
+@dataclass(frozen=True)
+class ProbeCheck:
+    """Post-sync check: engines' prompt logprobs on `sequences` vs the trainer's for the synced weights.
+
+    `tolerance`: largest |engine - trainer| allowed (1e-4 where both compute the same thing in float32; a loose
+    sanity alarm in bfloat16, where the per-step exactness check is the checksums). `every`: run it every N syncs
+    (checksums run every sync)."""
+
+    sequences: Sequence[Sequence[int]]
+    tolerance: float = 1e-4
+    every: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.sequences or any(len(s) < 2 for s in self.sequences):
+            raise ValueError("ProbeCheck.sequences must be non-empty, each with >= 2 tokens")
+        if not self.tolerance >= 0:
+            raise ValueError(f"ProbeCheck.tolerance={self.tolerance} must be >= 0")
+        if self.every < 1:
+            raise ValueError(f"ProbeCheck.every={self.every} must be >= 1")
+
+
+@dataclass
+class SyncReport:
+    """What one sync moved and how fast (`seconds`: begin .. finalize, i.e. transfer + engine loads, pipelined).
+    `code_path`: the orchestrator class and packing function that ran (the same for training and the benches)."""
+
+    version: int
+    bytes: int
+    buckets: int
+    seconds: float
+    gbps: float
+    engines: list[str]
+    verified: bool
+    max_abs_logprob_diff: float | None
+    code_path: str = ""
+    times: dict[str, float] = field(default_factory=dict)
+
+
+def max_abs_diff(a: Sequence[Sequence[float]], b: Sequence[Sequence[float]]) -> float:
+    """Largest |a - b| over matching sequences; a length mismatch is an error, not a silent truncation."""
+    if len(a) != len(b) or any(len(x) != len(y) for x, y in zip(a, b)):
+        raise WeightSyncError(f"logprob shapes differ: {[len(x) for x in a]} vs {[len(y) for y in b]}")
+    return max((abs(float(x) - float(y)) for xs, ys in zip(a, b) for x, y in zip(xs, ys)), default=0.0)
+
+
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _qualname(obj) -> str:
+    return f"{obj.__module__}.{obj.__qualname__}"
+
+
+class WeightSync:
+    """Runs versioned, verified syncs (module docstring).
+
+    `transport`: a `WeightTransport`, or a factory `receivers -> WeightTransport` (needed to sync a subset of the
+    engines), or None on a trainer rank that does not ship (it still takes part in the collective export and probe
+    pass). `engines`: the receivers, which also answer `abort_all`, `score`, `served_weight_version` and (colocated
+    GPUs, `staged_memory`) `resume_memory`. `initial_version`: the version the engines serve now."""
+
+    def __init__(self, transport: WeightTransport | TransportFactory | None, engines: Sequence[WeightReceiver] = (),
+                 *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeouts: SyncTimeouts = SyncTimeouts(),
+                 initial_version: int = 0, probe: ProbeCheck | None = None, staged_memory: bool = False,
+                 progress: Callable[[str], None] | None = _stderr, progress_every_s: float = 5.0) -> None:
+        if bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+        self._factory: TransportFactory | None = None
+        self._transport: WeightTransport | None = None
+        if isinstance(transport, WeightTransport):
+            self._transport = transport
+        elif transport is not None:
+            self._factory = transport
+        self.engines = list(engines)
+        if self.ships and not self.engines and self._transport is None:
+            raise ValueError("a shipping WeightSync needs its engines to build the transport")
+        self.bucket_bytes = bucket_bytes
+        self.timeouts = timeouts
+        self.version = initial_version
+        self.probe = probe
+        self.staged_memory = staged_memory
+        self.progress = progress  # None: silent; otherwise a line per `progress_every_s` and one at the end
+        self.progress_every_s = progress_every_s
+        self.pack = pack_bucket  # the one packing function (reported in `SyncReport.code_path`)
+        self.unhealthy: dict[str, str] = {}  # engine failures found after commit (version, verification)
+        self.syncs = 0
+        self._plans: dict[object, BucketPlan] = {}
+
+    @property
+    def ships(self) -> bool:
+        return self._transport is not None or self._factory is not None
+
+    @property
+    def code_path(self) -> str:
+        return f"{_qualname(type(self))} + {_qualname(self.pack)}"
+
+    @property
+    def transport(self) -> WeightTransport | None:
+        if self._transport is None and self._factory is not None:
+            self._transport = self._factory(self.engines)
+        return self._transport
+
+    def _say(self, msg: str) -> None:
+        if self.progress is not None:
+            self.progress(msg)
+
+    def plan(self, source: ExportSource) -> BucketPlan:
+        key = (source.layout_key, self.bucket_bytes)
+        plan = self._plans.get(key)
+        if plan is None:
+            if len(self._plans) > 8:
+                self._plans.clear()
+            plan = self._plans[key] = plan_buckets(source.units(), self.bucket_bytes)
+        return plan
+
+    @staticmethod
+    def _label(engine: WeightReceiver, i: int) -> str:
+        return getattr(engine, "name", None) or f"engine {i}"
+
+    def _each(self, what: str, engines: Sequence[WeightReceiver], call: Callable[[WeightReceiver], object],
+              timeout: float) -> None:
+        run_concurrently(what, [(self._label(e, i), (lambda e=e: call(e))) for i, e in enumerate(engines)], timeout)
+
+    def _require_healthy(self, transport: WeightTransport) -> None:
+        bad = {**getattr(transport, "unhealthy", {}), **self.unhealthy}
+        if bad:
+            detail = "; ".join(f"{k}: {v}" for k, v in bad.items())
+            raise WeightSyncError(f"refusing to sync: engine(s) failed an earlier sync and must be restarted first "
+                                  f"({detail})")
+
+    def mark_unhealthy(self, engine: str, reason: str) -> None:
+        self.unhealthy.setdefault(engine, reason)
+
+    # ----------------------------------------------------------------------------------------------- the steps
+    def _prepare(self, transport: WeightTransport, targets: Sequence[WeightReceiver]) -> float:
+        """Connect, pause the engines and (colocated GPUs) resume their weight memory; returns the seconds."""
+        t0 = time.perf_counter()
+        self._require_healthy(transport)
+        transport.connect(self.timeouts.connect)
+        if targets:
+            self._each("abort_all (pause)", targets, lambda e: e.abort_all(self.timeouts.call), self.timeouts.call)
+            if self.staged_memory:
+                self._each("resume_memory(weights)", targets,
+                           lambda e: e.resume_memory(["weights"], self.timeouts.call), self.timeouts.call)
+        return time.perf_counter() - t0
+
+    def _ship(self, plan: BucketPlan, stream, transport: WeightTransport, version: int,
+              t_begin: float) -> tuple[int, int]:
+        """Pack each completed bucket once into the transport's buffer and send it; returns (buckets, bytes)."""
+        count = nbytes = 0
+        last_said = time.perf_counter()
+        for k, tensors in plan.assemble(stream):
+            layout = plan.buckets[k]
+            target = transport.buffer(layout, self.timeouts.bucket)
+            self.pack(target.buffer, layout, tensors, target.views)
+            del tensors
+            transport.send(layout, self.timeouts.bucket)
+            count += 1
+            nbytes += layout.nbytes
+            now = time.perf_counter()
+            if count == 1 or now - last_said >= self.progress_every_s:  # a 500B sync has ~2000 buckets
+                last_said = now
+                self._say(f"[weight sync v{version}] bucket {count}/{len(plan.buckets)}: {nbytes / 2**30:.3f} GiB "
+                          f"sent, {now - t_begin:.1f} s")
+        return count, nbytes
+
+    # ----------------------------------------------------------------------------------------------- the sync
+    def sync(self, source: ExportSource, *, engines: Sequence[WeightReceiver] | None = None,
+             version: int | None = None) -> SyncReport | None:
+        """Push `source` to every engine (or to `engines`, a subset, with the current version) as one session.
+        Every trainer rank calls it; the shipping rank returns the `SyncReport`, the others None."""
+        subset = engines is not None
+        if subset and self._factory is None and self.ships:
+            raise ValueError("syncing a subset of the engines needs a transport factory, not a transport instance")
+        targets = list(engines) if subset else self.engines
+        new_version = version if version is not None else (self.version if subset else self.version + 1)
+        plan = self.plan(source)
+        self.syncs += 1
+        probe_due = self.probe is not None and (subset or self.syncs % self.probe.every == 0)
+        transport = None
+        failure: BaseException | None = None
+        t_begin = time.perf_counter()
+        times: dict[str, float] = {}
+        count = nbytes = 0
+        stream = source.stream()
+        if self.ships:
+            try:
+                transport = self._factory(targets) if subset else self.transport
+                times["prepare_s"] = self._prepare(transport, targets)
+                t_begin = time.perf_counter()
+                transport.begin(plan.manifest(new_version, source.mode), self.timeouts.call)
+                count, nbytes = self._ship(plan, stream, transport, new_version, t_begin)
+            except Exception as exc:
+                failure = exc
+        for _ in stream:  # the export is collective: finish it whatever happened here
+            pass
+        ok = source.finish(failure is None)
+        if self.ships and (failure is not None or not ok):
+            reason = (f"{type(failure).__name__}: {failure}" if failure is not None
+                      else "another trainer rank failed its part of the export")
+            if transport is not None:
+                transport.abort(reason, self.timeouts.call)
+                if subset:
+                    transport.close()
+            raise WeightSyncError(f"weight sync to version {new_version} failed: {reason}") from failure
+        if not ok:
+            raise WeightSyncError(f"weight sync to version {new_version} failed on the shipping trainer rank")
+        commit_error: Exception | None = None
+        seconds = 0.0
+        if self.ships:
+            try:
+                transport.finalize(self.timeouts.call)
+                seconds = time.perf_counter() - t_begin
+            except Exception as exc:  # a bucket refused late (pipelined) or a refused commit: abort the session
+                commit_error = WeightSyncError(f"weight sync to version {new_version} failed: "
+                                               f"{type(exc).__name__}: {exc}")
+                commit_error.__cause__ = exc
+                transport.abort(str(exc), self.timeouts.call)
+            if subset:
+                transport.close()
+        reference = source.logprobs([list(map(int, s)) for s in self.probe.sequences]) if probe_due else None
+        if not self.ships:
+            if not subset:
+                self.version = new_version
+            return None
+        if commit_error is not None:
+            raise commit_error
+        self._check_versions(targets, new_version)
+        diff = self._verify(targets, reference) if reference is not None else None
+        if self.staged_memory and targets:
+            self._each("resume_memory(kv_cache, cuda_graph)", targets,
+                       lambda e: e.resume_memory(["kv_cache", "cuda_graph"], self.timeouts.call), self.timeouts.call)
+        if not subset:
+            self.version = new_version
+        report = SyncReport(version=new_version, bytes=nbytes, buckets=count, seconds=seconds,
+                            gbps=nbytes / max(seconds, 1e-12) / 1e9,
+                            engines=[self._label(e, i) for i, e in enumerate(targets)],
+                            verified=diff is not None, max_abs_logprob_diff=diff, code_path=self.code_path,
+                            times=times)
+        self._say(f"[weight sync v{new_version}] done: {nbytes / 2**30:.3f} GiB in {count} buckets, {seconds:.3f} s, "
+                  f"{report.gbps:.2f} GB/s, checksums verified" +
+                  (f", probe max |dlogprob| {diff:.2e} <= {self.probe.tolerance:g}" if diff is not None else ""))
+        return report
+
+    def _check_versions(self, engines: Sequence[WeightReceiver], new_version: int) -> None:
+        served: dict[str, int] = {}
+
+        def read(label: str, e: WeightReceiver) -> None:
+            served[label] = e.served_weight_version(self.timeouts.call)
+
+        labels = [self._label(e, i) for i, e in enumerate(engines)]
+        run_concurrently("served_weight_version", [(lb, (lambda lb=lb, e=e: read(lb, e)))
+                                                   for lb, e in zip(labels, engines)], self.timeouts.call)
+        for label in labels:
+            if served[label] != new_version:
+                self.mark_unhealthy(label, f"serves version {served[label]} after a sync to {new_version}")
+                raise WeightSyncError(f"{label}: serves weight version {served[label]} after the sync to "
+                                      f"{new_version}")
+
+    def _verify(self, engines: Sequence[WeightReceiver], reference: list[list[float]]) -> float:
+        seqs = [list(map(int, s)) for s in self.probe.sequences]
+        scores: dict[str, list[list[float]]] = {}
+
+        def score(label: str, e: WeightReceiver) -> None:
+            scores[label] = e.score(seqs, self.timeouts.verify)
+
+        labels = [self._label(e, i) for i, e in enumerate(engines)]
+        try:
+            run_concurrently("score (post-sync probe)", [(lb, (lambda lb=lb, e=e: score(lb, e)))
+                                                         for lb, e in zip(labels, engines)], self.timeouts.verify)
+        except WeightSyncError as exc:
+            for lb in labels:
+                if lb not in scores:
+                    self.mark_unhealthy(lb, f"scoring the probes after the sync failed: {exc}")
+            raise WeightSyncError(f"post-sync verification could not score the probes: {exc}") from exc
+        worst = 0.0
+        for label in labels:  # every engine is checked: one bad replica cannot hide behind another
+            diff = max_abs_diff(scores[label], reference)
+            if not diff <= self.probe.tolerance:  # NaN fails too
+                self.mark_unhealthy(label, f"post-sync logprobs differ from the trainer's by {diff:.3e}")
+                raise WeightSyncError(f"{label}: post-sync verification failed: max |engine - trainer| prompt "
+                                      f"logprob = {diff:.3e} > tolerance {self.probe.tolerance:.1e}")
+            worst = max(worst, diff)
+        return worst
+
+    def close(self) -> None:
+        """Tear down the transport's channels (e.g. the update group) and staging buffers."""
+        if self._transport is not None:
+            self._transport.close()

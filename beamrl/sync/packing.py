@@ -1,0 +1,58 @@
+"""The one packing function of a weight sync: a bucket's tensors -> its flat uint8 buffer, in one batched copy.
+
+`pack_bucket` is what training, `beamrl bench sync` and `benchmarks/sync_h200.py` all run (through the
+orchestrator): the tensors of bucket `k` (as `BucketPlan.assemble` yields them) are copied byte for byte into the
+buffer the transport gives for it, laid out as the bucket's `TensorMeta`s say (SGLang's flattened-bucket layout),
+with a single `torch._foreach_copy_` from the tensors as they are into typed views of the buffer (the views are made
+once per buffer and bucket and cached by the transport, so there is no per-tensor Python work per sync; no dtype
+change, no host round trip). On GPU the copies are queued on the current stream; the transport records the
+bucket's event after them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from beamrl.protocols.flat_bucket import FlatBucket
+from beamrl.protocols.manifest import FULL, BucketLayout, SyncManifest
+
+
+def bucket_views(buffer: torch.Tensor, bucket: BucketLayout) -> list[torch.Tensor]:
+    """Views of `buffer` as each non-empty tensor of `bucket` (its dtype and shape at its byte range; the plan
+    aligns every offset to its element size). Cache them per buffer: they are the same every sync."""
+    if bucket.nbytes > buffer.numel():
+        raise ValueError(f"bucket {bucket.index} needs {bucket.nbytes} bytes, the buffer has {buffer.numel()}")
+    return [buffer[m.start:m.end].view(m.dtype).view(m.shape) for m in bucket.metas if m.end > m.start]
+
+
+def pack_bucket(buffer: torch.Tensor, bucket: BucketLayout, tensors: list[torch.Tensor],
+                views: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """Copy `tensors` (in `bucket.metas` order) into `buffer[:bucket.nbytes]`; returns that slice. `views` are
+    `bucket_views(buffer, bucket)`, passed in when the caller caches them (they are the same every sync)."""
+    if len(tensors) != len(bucket.metas):
+        raise ValueError(f"bucket {bucket.index} has {len(bucket.metas)} tensors, got {len(tensors)}")
+    dst = views if views is not None else bucket_views(buffer, bucket)
+    src = tensors if len(dst) == len(tensors) else [t for t, m in zip(tensors, bucket.metas) if m.end > m.start]
+    if src:
+        with torch.no_grad():
+            torch._foreach_copy_(dst, src, non_blocking=True)
+    return buffer[:bucket.nbytes]
+
+
+def pack_session(named: list[tuple[str, torch.Tensor]], version: int, bucket_bytes: int | None = None,
+                 mode: str = FULL) -> tuple[SyncManifest, list[FlatBucket]]:
+    """A whole session at once, for callers that drive a receiver directly (tests, one-off updates): the manifest
+    and every bucket packed into its own buffer, with its index and checksum. Same plan and packing as a sync."""
+    from beamrl.protocols.checksum import bucket_checksum, checksum_values
+    from beamrl.sync.export import specs_of
+    from beamrl.sync.plan import DEFAULT_BUCKET_BYTES, plan_buckets
+
+    plan = plan_buckets([specs_of(named)], bucket_bytes or DEFAULT_BUCKET_BYTES)
+    buckets = []
+    for k, tensors in plan.assemble([list(named)]):
+        layout = plan.buckets[k]
+        device = tensors[0].device if tensors else torch.device("cpu")
+        buffer = pack_bucket(torch.empty(layout.nbytes, dtype=torch.uint8, device=device), layout, tensors)
+        buckets.append(FlatBucket(buffer, list(layout.metas), index=k,
+                                  checksum=checksum_values(bucket_checksum(buffer))))
+    return plan.manifest(version, mode), buckets

@@ -1,0 +1,196 @@
+"""`Checkpointer`: save (sync or async), finalize and load a `MegatronTrainer`'s checkpoints. Every method is
+collective: all ranks call it in the same order (the trainer's contract)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core.dist_checkpointing.dict_utils import merge
+
+from beamrl import manifest
+from beamrl.trainer.megatron.checkpoint import format as fmt
+from beamrl.trainer.megatron.checkpoint import rng, state, storage
+from beamrl.trainer.megatron.checkpoint.async_writer import BackgroundWrite
+from beamrl.trainer.megatron.checkpoint.format import CheckpointDamagedError, CheckpointError
+
+
+def _log(msg: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"[beamrl] {msg}", flush=True)
+
+
+@dataclass
+class _Pending:
+    write: storage.PendingWrite
+    meta: dict | None  # rank 0 only
+    background: BackgroundWrite | None  # None: written inline
+
+
+class Checkpointer:
+    """One per trainer. At most one save is in flight: `save` first completes the previous one."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self._pending: _Pending | None = None
+        self._validated = False  # the sharding layout is checked once (it does not change during a run)
+
+    # ------------------------------------------------------------------------------------------------ save
+    def save(self, directory: str | Path, async_save: bool) -> Path:
+        """Write a checkpoint to `directory` (absent or empty). Returns once the files are written (sync) or once
+        the data is staged and a background writer runs (async); call `finalize` to complete an async save."""
+        self.finalize(blocking=True)
+        directory = Path(directory)
+        t = self.trainer
+        self._agree(_prepare_directory(directory) if dist.get_rank() == 0 else None)
+        sharded, common = state.sharded_state(t, is_loading=False)
+        manifest.write_json_atomic(directory / fmt.rng_file(dist.get_rank()), rng.capture())
+        write = storage.plan(sharded, directory, validate=not self._validated)
+        self._validated = True
+        meta = self._meta(common) if dist.get_rank() == 0 else None
+        if async_save:
+            self._pending = _Pending(write, meta, BackgroundWrite(lambda: storage.write_files(write), str(directory)))
+        else:
+            self._pending = _Pending(write, meta, None)
+            self.finalize(blocking=True)
+        return directory
+
+    def _meta(self, common: dict) -> dict:
+        t = self.trainer
+        return {"format": fmt.FORMAT, "step": t.step, "adam_step": state.adam_step(t, common),
+                "world_size": dist.get_world_size(), "parallel": t.config.parallel.to_dict(), "dtype": t.config.dtype,
+                "model": t.config.model.to_dict(), "optimizer": _optimizer_settings(t),
+                "scheduler": t.scheduler.state_dict(), "sharding": dict(state.SHARDING_METADATA)}
+
+    def finalize(self, blocking: bool = True, timeout_s: float | None = None) -> Path | None:
+        """Complete the save in flight: returns its directory once published, None if there is none or (with
+        `blocking=False`) if some rank's writer is still running. Raises `CheckpointError` if a write failed."""
+        p = self._pending
+        if p is None:
+            return None
+        timeout = self.trainer.config.timeout_s if timeout_s is None else timeout_s
+        if p.background is None:  # sync: write here
+            ok = _write_inline(p.write)
+        elif not blocking and not self._all_ranks(p.background.done()):
+            return None
+        else:
+            ok = p.background.wait(timeout)
+        self._pending = None
+        try:
+            files = storage.finalize(p.write, ok)
+        except storage.StorageError as e:
+            raise CheckpointError(str(e)) from None
+        if dist.get_rank() == 0:
+            directory = p.write.directory
+            for name in [".metadata", "metadata.json"] + [fmt.rng_file(r) for r in range(dist.get_world_size())]:
+                files[name] = manifest.file_entry(directory / name)
+            p.meta["files"] = files
+            fmt.write_meta(directory, p.meta)  # last: its presence marks a complete checkpoint
+            storage.remove_results(directory)
+        dist.barrier()
+        return p.write.directory
+
+    # ------------------------------------------------------------------------------------------------ load
+    def load(self, directory: str | Path) -> dict:
+        """Restore model, optimizer, scheduler, step (and RNG when the layout is unchanged) from `directory`,
+        written at any layout of the same model. Every data file's digest is verified first (the ranks share the
+        work); a damaged file raises `CheckpointError` naming it before anything is loaded. Returns the metadata."""
+        self.finalize(blocking=True)
+        directory = Path(directory)
+        t = self.trainer
+        try:
+            meta = fmt.read_meta(directory)
+        except CheckpointError as e:
+            raise CheckpointDamagedError(str(e)) from None
+        _check_compatible(meta, t, directory)
+        self._verify(directory, meta)
+        sharded, common = state.sharded_state(t, is_loading=True)
+        try:
+            loaded = storage.load(sharded, directory)
+        except Exception as e:  # noqa: BLE001 - name the checkpoint; the digests above were fine
+            raise CheckpointError(f"loading {directory} failed: {type(e).__name__}: {e}") from e
+        merged = merge(common, loaded)
+        state.load_model(t, merged)
+        state.load_optimizer(t, merged, meta["adam_step"])
+        t.scheduler.load_state_dict(meta["scheduler"])
+        t._step = int(meta["step"])
+        same_layout = meta["world_size"] == dist.get_world_size() and meta["parallel"] == t.config.parallel.to_dict()
+        if same_layout:
+            rng.restore(manifest.read_json(directory / fmt.rng_file(dist.get_rank()), "RNG state"))
+        else:
+            _log(f"{directory} was written with {meta['world_size']} ranks, parallel={meta['parallel']}; resharded "
+                 f"to {dist.get_world_size()} ranks, parallel={t.config.parallel.to_dict()}. Weights, optimizer state, "
+                 f"LR schedule and step carried over; RNG streams are per rank and layout, so they keep this run's "
+                 f"seeding (seed={t.config.seed})")
+        dist.barrier()
+        return meta
+
+    def _verify(self, directory: Path, meta: dict) -> None:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        names = sorted(meta["files"])
+        mine = {n: meta["files"][n] for n in names[rank::world]}
+        problems = manifest.check(directory, mine, full=True)
+        gathered = [None] * world
+        dist.all_gather_object(gathered, problems)
+        problems = [p for g in gathered for p in g]
+        if problems:
+            raise CheckpointDamagedError(f"{directory} is damaged: " + "; ".join(problems))
+
+    # ------------------------------------------------------------------------------------------- helpers
+    def _agree(self, error: str | None) -> None:
+        """Broadcast rank 0's verdict; every rank raises the same error."""
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        if box[0]:
+            raise CheckpointError(box[0])
+
+    def _all_ranks(self, flag: bool) -> bool:
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=self.trainer.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return bool(t.item())
+
+
+def _write_inline(write: storage.PendingWrite) -> bool:
+    try:
+        storage.write_files(write)
+        return True
+    except Exception as e:  # noqa: BLE001 - every rank learns of it in finalize
+        print(f"[beamrl] rank {write.rank}: writing {write.directory} failed: {type(e).__name__}: {e}", flush=True)
+        return False
+
+
+def _prepare_directory(directory: Path) -> str | None:
+    if directory.exists() and any(directory.iterdir()):
+        return f"{directory} exists and is not empty: save each checkpoint to a new directory"
+    (directory / fmt.RNG_DIR).mkdir(parents=True, exist_ok=True)
+    return None
+
+
+def _check_compatible(meta: dict, trainer, directory: Path) -> None:
+    path = directory / fmt.META_FILE
+    mine, theirs = trainer.config.model.to_dict(), meta["model"]
+    diff = [k for k in sorted(set(mine) | set(theirs)) if mine.get(k) != theirs.get(k) and k != "dtype"]
+    if diff:
+        raise CheckpointError(f"{path}: model config field {diff[0]!r} is {theirs.get(diff[0])!r} in the checkpoint but "
+                              f"{mine.get(diff[0])!r} in this trainer (a checkpoint of another model)")
+    if meta["dtype"] != trainer.config.dtype:
+        raise CheckpointError(f"{path}: written with dtype {meta['dtype']!r}, this trainer uses {trainer.config.dtype!r}")
+    dist_opt = trainer.config.trainer.distributed_optimizer
+    if meta.get("optimizer", {}).get("distributed_optimizer") != dist_opt:
+        raise CheckpointError(f"{path}: written with distributed_optimizer="
+                              f"{meta.get('optimizer', {}).get('distributed_optimizer')}, this trainer uses "
+                              f"{dist_opt} (their optimizer states are stored differently)")
+    now = _optimizer_settings(trainer)
+    changed = {k: (v, now[k]) for k, v in meta.get("optimizer", {}).items() if k in now and v != now[k]}
+    if changed:
+        _log(f"optimizer settings differ from {path} (checkpoint -> now): {changed}; the LR schedule continues "
+             f"from the checkpoint, the other settings are this run's")
+
+
+def _optimizer_settings(trainer) -> dict:
+    """The trainer section's optimizer fields (`OptimizerConfig`), as recorded in a checkpoint's JSON."""
+    from beamrl.trainer.megatron.config import OptimizerConfig
+
+    return {k: getattr(trainer.config.trainer, k) for k in OptimizerConfig.model_fields}

@@ -1,0 +1,89 @@
+"""How a run treats its output directory, decided before anything is written: an earlier run is refused (named,
+its files unchanged), resumed from its newest complete checkpoint, reported complete, or deleted with
+--overwrite. Checkpoints are written by the real `RunCheckpoints` with a minimal trainer (tests/loop/
+test_checkpoints.py); the e2e replay of the same scenarios is tests/loop/test_first_run.py."""
+
+import hashlib
+import json
+
+import pytest
+
+from beamrl.loop.checkpoints import RunCheckpoints
+from beamrl.loop.run_dir import delete_outputs, earlier_run, plan_start
+from beamrl.recipe import RecipeError, load_recipe
+from tests.loop.test_checkpoints import _FakeTrainer
+
+
+def _recipe(out, *overrides):
+    return load_recipe("quickstart", [f"run.output_dir={out}", "run.num_steps=3", *overrides])
+
+
+def _finished_run(out, steps_logged=3, checkpoint_steps=(3,)):
+    """What a finished quickstart run leaves: its files, and checkpoints after `checkpoint_steps`."""
+    out.mkdir(parents=True)
+    (out / "recipe.yaml").write_text(_recipe(out).to_yaml())
+    (out / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "reward/mean": 0.5}) + "\n"
+                                               for s in range(steps_logged)))
+    (out / "summary.json").write_text("{}\n")
+    (out / "sft_checkpoint").mkdir()
+    (out / "init_checkpoint_seed0").mkdir()
+    (out / "notes.txt").write_text("the user's own file\n")
+    ckpts, trainer = RunCheckpoints(out / "checkpoints", 2, False, 60.0, lambda m: None), _FakeTrainer()
+    for s in checkpoint_steps:
+        ckpts.save(trainer, s, weight_version=s, data_state={"index": s})
+    return out
+
+
+def _digest(root):
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_a_fresh_run_refuses_an_earlier_run_naming_it_and_changing_nothing(tmp_path):
+    out = _finished_run(tmp_path / "run")
+    before = _digest(out)
+    with pytest.raises(RecipeError) as e:
+        plan_start(_recipe(out), resume=False, overwrite=False, log=print)
+    assert e.value.path == "run.output_dir"
+    assert "run 'quickstart-addition' (3 of 3 steps logged; last checkpoint step_3)" in str(e.value)
+    assert "--resume" in str(e.value) and "--overwrite" in str(e.value)
+    assert _digest(out) == before
+
+
+def test_what_counts_as_an_earlier_run(tmp_path):
+    assert earlier_run(tmp_path / "absent", tmp_path / "absent" / "checkpoints") is None
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("x")  # a user's file is not a run
+    assert earlier_run(tmp_path / "mine", tmp_path / "mine" / "checkpoints") is None
+    assert plan_start(_recipe(tmp_path / "mine"), False, False, print).resume_dir is None
+    (tmp_path / "mine" / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1}\n{"step": 1, "cut')  # crashed
+    found = earlier_run(tmp_path / "mine", tmp_path / "mine" / "checkpoints")
+    assert found.describe() == "run '(unnamed)' (2 steps logged; no checkpoint)"
+
+
+def test_resume_continues_from_the_newest_checkpoint_or_says_the_run_is_complete(tmp_path):
+    out = _finished_run(tmp_path / "run", steps_logged=3, checkpoint_steps=(2, 3))
+    plan = plan_start(_recipe(out), resume=True, overwrite=False, log=print)
+    assert plan.completed and plan.resume_dir == out / "checkpoints" / "step_3"
+    plan = plan_start(_recipe(out, "run.num_steps=5"), resume=True, overwrite=False, log=print)
+    assert not plan.completed and plan.resume_dir == out / "checkpoints" / "step_3"
+
+
+def test_resume_without_a_run_or_without_a_checkpoint_is_refused(tmp_path):
+    with pytest.raises(RecipeError, match="--resume: no earlier run there to continue"):
+        plan_start(_recipe(tmp_path / "nothing"), resume=True, overwrite=False, log=print)
+    out = _finished_run(tmp_path / "run", steps_logged=2, checkpoint_steps=())  # killed before its final save
+    with pytest.raises(RecipeError, match=r"run 'quickstart-addition' \(2 of 3 steps logged; no checkpoint\) "
+                                          r"cannot be resumed: it wrote no checkpoint"):
+        plan_start(_recipe(out), resume=True, overwrite=False, log=print)
+
+
+def test_overwrite_deletes_only_what_the_earlier_run_wrote(tmp_path):
+    out = _finished_run(tmp_path / "run", checkpoint_steps=(2, 3))
+    plan = plan_start(_recipe(out), resume=False, overwrite=True, log=print)
+    assert plan.replace is not None and plan.resume_dir is None
+    logs = []
+    delete_outputs(plan.replace, logs.append)
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoints", "notes.txt"]
+    assert list((out / "checkpoints").iterdir()) == []
+    assert "deleted the outputs of run 'quickstart-addition'" in logs[0]

@@ -1,0 +1,31 @@
+"""The driver's side of a sync: short probes (the last `PROBE_TOKENS` of prompt + answer + eos) and their tolerance
+(exact 1e-4 only where trainer and engine compute the same thing: the native engine in float32)."""
+
+from types import SimpleNamespace
+
+from beamrl.data.digit_tokenizer import DigitTokenizer
+from beamrl.data.sample import PromptSample
+from beamrl.loop.weight_update import ALARM_TOLERANCE, EXACT_TOLERANCE, PROBE_TOKENS, sync_probe
+
+
+def _data(tok, prompt_lengths):
+    samples = [PromptSample(f"p{i}", list(range(2, 2 + n)), "1+2=3", "s", index=i)
+               for i, n in enumerate(prompt_lengths)]
+    return SimpleNamespace(samples=samples)
+
+
+def test_probes_are_two_short_tails_of_prompt_answer_and_eos():
+    tok = DigitTokenizer()
+    probe = sync_probe(_data(tok, [5, 300, 9]), tok, "float32", "native")
+    answer = tok.encode("1+2=3") + [tok.eos_token_id]
+    assert len(probe.sequences) == 2
+    assert probe.sequences[0] == list(range(2, 7)) + answer  # short sample: all of it
+    assert len(probe.sequences[1]) == PROBE_TOKENS and probe.sequences[1][-len(answer):] == answer
+
+
+def test_tolerance_is_exact_only_where_both_sides_compute_the_same_thing():
+    tok = DigitTokenizer()
+    data = _data(tok, [4, 4])
+    assert sync_probe(data, tok, "float32", "native").tolerance == EXACT_TOLERANCE == 1e-4
+    for dtype, engine in (("bfloat16", "native"), ("float32", "sglang"), ("bfloat16", "sglang")):
+        assert sync_probe(data, tok, dtype, engine).tolerance == ALARM_TOLERANCE

@@ -1,0 +1,153 @@
+"""Reward plugins under faults: one bad component never costs the others their scores or the batch its time.
+
+Wall-time bounds here are generous (a loaded 2-core CI box): they separate "about one per-call timeout" from
+"the batch timeout", nothing finer. Everything else is asserted on exact counts and scores.
+"""
+
+import time
+
+import pytest
+
+from beamrl.rewards import RewardComponentConfig, RewardManager, RewardPoolConfig, RewardSample
+
+from . import sample_reward_fns as fns
+
+M = fns.__name__
+
+
+def comp(name, fn, **kw):
+    return RewardComponentConfig(name=name, fn=f"{M}:{fn}", **kw)
+
+
+def samples(completions, truths=None):
+    truths = truths or ["x"] * len(completions)
+    return [RewardSample(completion=c, ground_truth=g) for c, g in zip(completions, truths, strict=True)]
+
+
+def statuses(res, name):
+    return [s.status for s in res.components[name]]
+
+
+def test_hanging_component_costs_the_others_nothing_and_the_batch_about_one_timeout():
+    """The issue's scenario: match (with a metric), raise-on-some, hang (2 s per-call timeout), async 0.5."""
+    comps = [
+        comp("match", "match_with_metric"),
+        comp("raiser", "raises_on_odd"),
+        comp("hang", "always_hangs", timeout_s=2.0),
+        comp("async", "async_half"),
+    ]
+    completions = [str(i % 13) for i in range(64)]
+    truths = [str(i % 7) for i in range(64)]
+    batch = samples(completions, truths)
+    notices = []
+    results, walls = [], []
+    with RewardManager(comps, RewardPoolConfig(batch_timeout_s=60.0), log=notices.append) as rm:
+        rm.wait_ready()
+        hang_workers = rm.plans[2].num_workers
+        for _ in range(2):  # two steps: the breaker trips in each; the second one retries first
+            t0 = time.monotonic()
+            results.append(rm.score(batch))
+            walls.append(time.monotonic() - t0)
+
+    match = [1.0 if c == g else 0.0 for c, g in zip(completions, truths)]
+    raises = [len(c) % 2 == 1 for c in completions]
+    for res, wall in zip(results, walls):
+        m = res.metrics
+        # Healthy components: every score exact, nothing timed out.
+        assert res.scores("match") == match and m["reward/match/timeouts"] == 0 and m["reward/match/errors"] == 0
+        assert m["reward/match/length"] == sum(map(len, completions)) / 64  # its own metric survives
+        assert res.scores("async") == [0.5] * 64 and m["reward/async/mean"] == 0.5
+        assert m["reward/async/timeouts"] == 0 and m["reward/async/skipped"] == 0
+        # The raising component: exactly its own exceptions, each a cheap failure that never trips the breaker.
+        assert statuses(res, "raiser") == ["error" if r else "ok" for r in raises]
+        assert m["reward/raiser/errors"] == sum(raises) and m["reward/raiser/timeouts"] == 0
+        assert m["reward/raiser/breaker_tripped"] == 0
+        # The hanging component: its first calls time out together, the breaker skips the rest.
+        assert m["reward/hang/breaker_tripped"] == 1
+        assert 3 <= m["reward/hang/timeouts"] <= hang_workers
+        assert m["reward/hang/timeouts"] + m["reward/hang/skipped"] == 64
+        assert res.scores("hang") == [0.0] * 64  # on_error="zero"
+        assert "did not return within 2 s" in res.breaker_trips["hang"]
+        assert res.totals == [a + (0.0 if r else 1.0) + 0.0 + 0.5 for a, r in zip(match, raises)]
+        # About one per-call timeout (plus restarting the hung workers), far from the 60 s batch timeout.
+        assert wall < 20.0, f"a batch took {wall:.1f} s; the hanging component's per-call timeout is 2 s"
+    # Once per batch: the trip (naming the component and its first failure), then the retry, then the trip.
+    assert len(notices) == 3, notices
+    assert all("'hang'" in n and "did not return within 2 s" in n and "tripped after 3" in n for n in notices[::2])
+    assert notices[1] == "reward 'hang': retrying in this batch (its breaker had tripped in the previous one)"
+
+
+@pytest.mark.parametrize("fn, bad, why", [("segfaults_on_crash", "crash", "SIGSEGV"),
+                                          ("dies_on_die", "die", "exit code 3")])
+def test_a_crashing_plugin_costs_only_its_calls_and_its_restarted_worker(fn, bad, why):
+    comps = [comp("len", "needs_completion"), comp("crashy", fn, num_workers=2)]
+    mixed = [bad, "a", "bb", bad, "ccc", "dddd"]  # never 3 crashes in a row: the breaker stays closed
+    notices = []
+    with RewardManager(comps, log=notices.append) as rm:
+        first = rm.score(samples(mixed))
+        all_bad = rm.score(samples([bad] * 10))
+        again = rm.score(samples(mixed))
+        restarts = rm.pool.restarts
+    for res, batch in ((first, mixed), (all_bad, [bad] * 10), (again, mixed)):
+        assert res.scores("len") == [float(len(c)) for c in batch]  # the healthy component: exact, every time
+        assert res.metrics["reward/len/errors"] + res.metrics["reward/len/crashes"] == 0
+    for res in (first, again):
+        assert statuses(res, "crashy") == ["crash" if c == bad else "ok" for c in mixed]
+        assert res.metrics["reward/crashy/crashes"] == 2 and res.metrics["reward/crashy/breaker_tripped"] == 0
+        assert why in res.components["crashy"][0].message
+    # Every call crashes: the breaker trips after 3 crashes in a row and the rest are skipped, not crashed.
+    m = all_bad.metrics
+    assert m["reward/crashy/breaker_tripped"] == 1 and 3 <= m["reward/crashy/crashes"] <= 4
+    assert m["reward/crashy/crashes"] + m["reward/crashy/skipped"] == 10
+    assert restarts["len"] == 0 and restarts["crashy"] == 2 + m["reward/crashy/crashes"] + 2
+    assert sum("circuit breaker tripped after" in n for n in notices) == 1
+    assert sum("retrying" in n for n in notices) == 1
+
+
+def test_async_calls_run_concurrently_up_to_max_concurrency():
+    comps = [comp("peak", "async_peak", num_workers=1, max_concurrency=8)]
+    with RewardManager(comps) as rm:
+        rm.wait_ready()
+        res = rm.score(samples([str(i) for i in range(16)]))
+    peaks = [s.metrics["peak"] for s in res.components["peak"]]
+    assert max(peaks) == 8  # concurrent (a one-at-a-time worker gives 1), never above the bound
+    assert len({s.metrics["pid"] for s in res.components["peak"]}) == 1  # all on the one worker
+
+
+def test_an_async_timeout_cancels_only_that_call():
+    comps = [comp("ah", "async_hangs_on_hang", timeout_s=1.0, num_workers=1, max_concurrency=8)]
+    with RewardManager(comps) as rm:
+        res = rm.score(samples(["hang", "a", "b", "hang", "c"]))
+        assert rm.pool.restarts["ah"] == 0  # cancelled inside the worker, which lives on
+    assert statuses(res, "ah") == ["timeout", "ok", "ok", "timeout", "ok"]
+    assert "the call was cancelled" in res.components["ah"][0].message
+
+
+def test_an_async_function_that_blocks_its_event_loop_gets_its_worker_killed():
+    comps = [comp("ab", "async_blocks_on_block", timeout_s=1.0, num_workers=1, max_concurrency=4)]
+    with RewardManager(comps) as rm:
+        blocked = rm.score(samples(["block"]))
+        after = rm.score(samples(["a", "b"]))
+        assert rm.pool.restarts["ab"] == 1
+    assert statuses(blocked, "ab") == ["timeout"]
+    assert "event loop did not answer" in blocked.components["ab"][0].message
+    assert statuses(after, "ab") == ["ok", "ok"]
+
+
+def test_the_batch_timeout_cuts_only_the_component_that_is_too_slow():
+    comps = [comp("slow", "slow", timeout_s=10.0, num_workers=1), comp("fast", "needs_completion", num_workers=1)]
+    batch = samples(["a", "bb", "ccc", "dddd", "eeeee", "ffffff"])
+    with RewardManager(comps, RewardPoolConfig(batch_timeout_s=4.0)) as rm:
+        rm.wait_ready()
+        res = rm.score(batch)
+    assert res.scores("fast") == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0] and res.metrics["reward/fast/timeouts"] == 0
+    slow = statuses(res, "slow")
+    assert slow[0] == "ok" and slow[-1] == "timeout" and set(slow) == {"ok", "timeout"}  # 1.5 s a call, 4 s limit
+    assert "not started: this component's own earlier calls" in res.components["slow"][-1].message
+
+
+def test_a_disabled_breaker_lets_every_call_run():
+    comps = [comp("hang", "always_hangs", timeout_s=1.0, num_workers=2, breaker_after=0)]
+    with RewardManager(comps) as rm:
+        res = rm.score(samples(["a"] * 4))
+    assert statuses(res, "hang") == ["timeout"] * 4 and res.metrics["reward/hang/breaker_tripped"] == 0

@@ -1,0 +1,133 @@
+"""End to end on CPU through the one orchestrator: perturb the trainer's weights, sync them to the native engine in
+its own process through each transport; the engine's prompt logprobs must match the trainer's (fp32 parity, 1e-4)
+and its version step by one. Plus: a failed verification, an empty export, a failure on another trainer rank, a
+subset sync (one restarted engine, current version), and the progress lines."""
+
+import pytest
+import torch
+
+from beamrl.models.beam import preset
+from beamrl.protocols.weights import WeightSyncError
+from beamrl.sync.export import StateDictSource
+from beamrl.sync.local_receiver import model_receiver
+from beamrl.sync.orchestrator import ProbeCheck, SyncTimeouts, WeightSync
+from beamrl.sync.transports import TRANSPORTS
+
+from .conftest import perturb
+
+PROBES = [[1, 5, 9, 200, 17, 3, 88, 41, 2, 9], [7, 7, 7, 300, 2, 511, 64]]
+TIMEOUTS = SyncTimeouts(connect=60, call=30, bucket=60, verify=60)
+
+
+def transport_factory(name, tmp_path):
+    kwargs = {}
+    if name == "distributed":
+        kwargs = {"device": "cpu"}
+    if name == "disk":
+        kwargs = {"directory": tmp_path / "sync", "config": preset("tiny").replace(dtype="float32")}
+    return lambda receivers: TRANSPORTS.get(name)(receivers, **kwargs)
+
+
+@pytest.mark.parametrize("transport_name", ["colocated", "distributed", "disk"])
+def test_perturbed_sync_matches_trainer_logprobs(transport_name, hosted_engine, trainer_model, tmp_path):
+    perturb(trainer_model, seed=len(transport_name))
+    source = StateDictSource.of_model(trainer_model, unit_size=25)
+    before = hosted_engine.score(PROBES, timeout=30)
+    want = source.logprobs(PROBES)
+    assert max(abs(a - b) for x, y in zip(before, want) for a, b in zip(x, y)) > 1e-3  # the sync must matter
+
+    v0 = hosted_engine.weight_version
+    sync = WeightSync(transport_factory(transport_name, tmp_path), [hosted_engine], bucket_bytes=64 * 1024,
+                      probe=ProbeCheck(PROBES, tolerance=1e-4), timeouts=TIMEOUTS, initial_version=v0, progress=None)
+    try:
+        report = sync.sync(source)
+    finally:
+        sync.close()
+    assert report.version == v0 + 1 == hosted_engine.weight_version
+    assert report.verified and report.max_abs_logprob_diff <= 1e-4
+    assert report.bytes == sum(p.numel() * p.element_size() for p in trainer_model.parameters())
+    assert report.buckets == len(sync.plan(source).buckets) > 3
+    assert report.seconds > 0 and report.gbps == pytest.approx(report.bytes / report.seconds / 1e9, rel=1e-12)
+    assert report.code_path == "beamrl.sync.orchestrator.WeightSync + beamrl.sync.packing.pack_bucket"
+    if transport_name == "colocated":
+        assert sync.transport.mode == "staged"  # the native engine takes staged buckets, shared once
+
+
+def test_failed_verification_raises_and_blocks_further_syncs(hosted_engine, trainer_model):
+    """A trainer/engine disagreement after a sync is an error, never a silent pass."""
+    frozen = StateDictSource.of_model(trainer_model).logprobs(PROBES)  # logprobs of the UNperturbed weights
+    perturb(trainer_model, seed=77)
+    source = StateDictSource(list(trainer_model.named_parameters()), score=lambda seqs: frozen)
+    sync = WeightSync(TRANSPORTS.get("colocated")([hosted_engine]), [hosted_engine],
+                      probe=ProbeCheck(PROBES, tolerance=1e-4), timeouts=TIMEOUTS,
+                      initial_version=hosted_engine.weight_version, progress=None)
+    with pytest.raises(WeightSyncError, match="native-engine-0: post-sync verification failed"):
+        sync.sync(source)
+    assert "native-engine-0" in sync.unhealthy
+    with pytest.raises(WeightSyncError, match="refusing to sync"):
+        sync.sync(source)
+    sync.close()
+
+
+def test_empty_export_raises_before_touching_engines(hosted_engine):
+    transport = TRANSPORTS.get("colocated")([hosted_engine])
+    sync = WeightSync(transport, [hosted_engine], timeouts=TIMEOUTS, initial_version=hosted_engine.weight_version,
+                      progress=None)
+    v = hosted_engine.weight_version
+    with pytest.raises(WeightSyncError, match="zero tensors"):
+        sync.sync(StateDictSource([]))
+    assert sync.version == v == hosted_engine.weight_version  # no version bump
+    assert not transport.unhealthy and transport.manifest is None  # refused before any engine call
+
+
+class FailingRank(StateDictSource):
+    """The shipping rank's view of an export that another trainer rank failed (`finish` says so)."""
+
+    def finish(self, ok):
+        return False
+
+
+def test_a_failure_on_another_rank_aborts_the_session_and_keeps_the_weights(trainer_model):
+    engine_model = type(trainer_model)(preset("tiny"), dtype=torch.float32, seed=5).eval()
+    snap = {n: p.clone() for n, p in engine_model.named_parameters()}
+    receiver = model_receiver(engine_model, name="eng")
+    sync = WeightSync(TRANSPORTS.get("colocated")([receiver]), [receiver], timeouts=TIMEOUTS, progress=None,
+                      bucket_bytes=32 * 1024)
+    with pytest.raises(WeightSyncError, match="another trainer rank failed its part of the export"):
+        sync.sync(FailingRank(list(trainer_model.named_parameters())))
+    assert receiver.weight_version == 0 and not receiver.in_session  # every bucket was loaded, then rolled back
+    assert all(torch.equal(p, snap[n]) for n, p in engine_model.named_parameters())
+    assert not sync.transport.unhealthy  # rolled back: it may serve and take the next sync
+    assert sync.sync(StateDictSource(list(trainer_model.named_parameters()))).version == 1
+
+
+def test_a_subset_sync_gives_one_restarted_engine_the_current_weights(trainer_model):
+    models = [type(trainer_model)(preset("tiny"), dtype=torch.float32, seed=s).eval() for s in (5, 6)]
+    receivers = [model_receiver(m, name=f"eng-{i}") for i, m in enumerate(models)]
+    sync = WeightSync(lambda recs: TRANSPORTS.get("colocated")(recs), receivers, timeouts=TIMEOUTS, progress=None)
+    source = StateDictSource(list(trainer_model.named_parameters()))
+    assert sync.sync(source).engines == ["eng-0", "eng-1"] and sync.version == 1
+    restarted = type(trainer_model)(preset("tiny"), dtype=torch.float32, seed=9).eval()
+    replacement = model_receiver(restarted, name="eng-1")  # serves version 0 from its checkpoint
+    report = sync.sync(source, engines=[replacement])
+    assert report.engines == ["eng-1"] and report.version == 1 == replacement.weight_version == sync.version
+    assert all(torch.equal(a, b) for a, b in zip(restarted.parameters(), trainer_model.parameters()))
+    with pytest.raises(WeightSyncError, match="refusing a stale weight version"):
+        sync.sync(source, engines=[replacement])  # it already serves the current version
+
+
+def test_timeouts_must_be_finite():
+    with pytest.raises(ValueError, match="SyncTimeouts.bucket"):
+        SyncTimeouts(bucket=float("inf"))
+
+
+def test_progress_lines_say_bucket_i_of_n_and_the_rate(trainer_model):
+    lines = []
+    receiver = model_receiver(type(trainer_model)(preset("tiny"), dtype=torch.float32, seed=1), name="local")
+    sync = WeightSync(TRANSPORTS.get("colocated")([receiver]), [receiver], bucket_bytes=256 * 1024,
+                      progress=lines.append, progress_every_s=0.0)
+    report = sync.sync(StateDictSource(list(trainer_model.named_parameters())))
+    assert report.version == 1 == receiver.weight_version
+    assert len(lines) == report.buckets + 1
+    assert lines[0].startswith(f"[weight sync v1] bucket 1/{report.buckets}:")
+    assert "GB/s" in lines[-1] and f"in {report.buckets} buckets" in lines[-1] and "checksums verified" in lines[-1]
