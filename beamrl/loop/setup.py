@@ -202,10 +202,11 @@ def start_ray(recipe: Recipe, resources: Resources, verbose: bool = False) -> No
 
 
 def trainer_setup(recipe: Recipe, model: BeamConfig, lr: float | None = None):
-    """The `TrainerSetup` of every rank: the trainer section (with `lr` replaced for the SFT warm start)."""
+    """The `TrainerSetup` of every rank: the trainer section (with `lr` replaced for the SFT warm start, which
+    trains every weight even in a LoRA run: it makes the base that the adapters then train on)."""
     from beamrl.trainer.megatron.worker import TrainerSetup
 
-    trainer = recipe.trainer if lr is None else recipe.trainer.model_copy(update={"lr": lr})
+    trainer = recipe.trainer if lr is None else recipe.trainer.model_copy(update={"lr": lr, "lora": None})
     seed = trainer.seed if trainer.seed is not None else recipe.run.seed
     return TrainerSetup(model=model, trainer=trainer, dtype=recipe.model.dtype, seed=seed,
                         timeout_s=recipe.timeouts.train_step_s)

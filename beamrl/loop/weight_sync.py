@@ -5,6 +5,7 @@ driver makes one call to the trainer group per sync (`TrainerGroup.sync_weights`
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -187,14 +188,25 @@ def sync_on_rank(trainer, rank: int, receivers, engine_names, engine_tp, req: Sy
     return None if report is None else asdict(report)
 
 
+def _merged_if_lora(trainer):
+    """LoRA: export what the trainer computes with, W' = merge(W0, A, B, s) (the base alone is its input)."""
+    if trainer.lora is None:
+        return contextlib.nullcontext()
+    from beamrl.trainer.megatron.lora_mapping import merged_base_weights
+
+    return merged_base_weights(trainer.models)
+
+
 def save_hf_export(trainer, rank: int, out_dir: str) -> str | None:
-    """Write the trainer's current weights as an HF Beam checkpoint (SGLang's format) from rank 0."""
+    """Write the trainer's current weights as an HF Beam checkpoint (SGLang's format) from rank 0 (a LoRA trainer:
+    the merged weights)."""
     from beamrl.models.beam.checkpoint import save_checkpoint
 
     tensors = {}
-    for unit in trainer.export_hf():
-        if rank == 0:
-            tensors.update(unit)
+    with _merged_if_lora(trainer):
+        for unit in trainer.export_hf():
+            if rank == 0:
+                tensors.update(unit)
     if rank != 0:
         return None
     save_checkpoint(trainer.config.model, tensors, Path(out_dir))

@@ -39,6 +39,7 @@ from megatron.core.tensor_parallel.mappings import (
 
 from beamrl.models.beam.lora import init_lora_a, merge_lora_weight
 from beamrl.models.beam.lora_config import LoRAConfig
+from beamrl.trainer.megatron.model import sharding
 from beamrl.trainer.megatron.model.moe import BeamExperts
 
 #: Set on every adapter parameter; the HF mapping and `freeze_base` read it.
@@ -97,6 +98,18 @@ class _LoRALinearMixin:
 
     def _forward_impl(self, input, weight, *args, **kwargs):
         return super()._forward_impl(input, self.merged_weight(weight), *args, **kwargs)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+        """The linear's own state, with each TP-split factor described as split (Megatron would mark the
+        submodule's parameters replicated: wrong for a factor that differs per TP rank)."""
+        sd = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        for key, f in self.lora.items():
+            for name in ("lora_A", "lora_B"):
+                p = getattr(f, name)
+                if getattr(p, "tensor_model_parallel", False):
+                    k = f"{prefix}lora.{key}.{name}"
+                    sd[k] = sharding.tp_sharded(p, k, p.partition_dim, sharded_offsets, metadata)
+        return sd
 
 
 class LoRAColumnParallelLinear(_LoRALinearMixin, ColumnParallelLinear):
@@ -176,6 +189,18 @@ class LoRABeamExperts(BeamExperts):
                                  for j in range(num_local_experts)])
             b = torch.zeros(num_local_experts, out_f, lora.rank)
             self.lora[_key(target)] = LoRAFactors(a.to(dtype), b.to(dtype), expert=True)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+        """The expert weights (`BeamExperts`) and the factors, split over EP like them: per-expert factors along
+        the expert dim, a shared A along its columns."""
+        sd = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        ep_rank, ep_size = self.first // self.num_local, self.config.beam.num_experts // self.num_local
+        for key, f in self.lora.items():
+            for name in ("lora_A", "lora_B"):
+                k = f"{prefix}lora.{key}.{name}"
+                axis = 1 if (name == "lora_A" and self.share_a) else 0
+                sd[k] = sharding.ep_sharded(getattr(f, name), k, sharded_offsets, ep_rank, ep_size, axis=axis)
+        return sd
 
     def _merge(self, w0: torch.Tensor, target: str) -> torch.Tensor:
         key = _key(target)
