@@ -44,7 +44,7 @@ def test_dry_run_prints_the_projection_for_the_production_recipes():
                                           "b200")):
         r = load_recipe("grpo_dapo_math", overrides)
         e = estimate_sync_time(r, preset("beam-501b"))
-        report = dry_run(r, check_rewards=False).report
+        report = dry_run(r, checks=False).report
         assert f"projected, as built (gathered on trainer rank 0, one stream): {e.as_built_s:.1f} s" in report
         assert f"projected, per-source-rank broadcasts: {e.per_source_s:.1f} s (within the 5 s target" in report
         assert f"per-GPU rates ({gpu}): colocated {RATES[gpu].colocated:g}" in report
