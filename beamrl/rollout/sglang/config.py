@@ -115,6 +115,9 @@ class SGLangEngineConfig:
         if self.enable_memory_saver and self.device == "cpu":
             raise SGLangConfigError(
                 "SGLangEngineConfig.enable_memory_saver=True needs CUDA (torch_memory_saver); device is 'cpu'")
+        if self.lora is not None and not isinstance(self.lora, LoRAConfig):
+            raise SGLangConfigError(f"SGLangEngineConfig.lora must be a LoRAConfig (trainer.lora), got "
+                                    f"{type(self.lora).__name__}")
         clash = set(self.server_args) & set(self._modelled_kwargs())
         if clash:
             raise SGLangConfigError(f"SGLangEngineConfig.server_args must not override modelled fields: "

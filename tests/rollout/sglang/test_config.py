@@ -33,3 +33,21 @@ def test_invalid_fields_are_named(kwargs, field):
 def test_deterministic_with_explicit_backend_is_accepted():
     cfg = SGLangEngineConfig(model_path="/ckpt", deterministic=True, attention_backend="fa3")
     assert "--enable-deterministic-inference" in cfg.launch_argv()
+
+
+def test_lora_engine_launches_beamrls_model_class_with_the_trainers_lora_config():
+    import json
+
+    from beamrl.models.beam.lora_config import LoRAConfig
+    from beamrl.rollout.sglang.config import EXTERNAL_MODEL_PACKAGE, LORA_FIELD
+
+    lora = LoRAConfig(rank=4, alpha=8.0, targets=("self_attn.q_proj", "mlp.experts.down_proj"))
+    cfg = SGLangEngineConfig.on_cpu("/ckpt", dtype="float32", lora=lora)
+    assert json.loads(cfg.engine_kwargs()["json_model_override_args"]) == {LORA_FIELD: lora.to_dict()}
+    assert cfg.launch_env() == {"SGLANG_EXTERNAL_MODEL_PACKAGE": EXTERNAL_MODEL_PACKAGE}
+    argv = cfg.launch_argv()
+    assert json.loads(argv[argv.index("--json-model-override-args") + 1])[LORA_FIELD]["rank"] == 4
+    plain = SGLangEngineConfig.on_cpu("/ckpt", dtype="float32")
+    assert "json_model_override_args" not in plain.engine_kwargs() and plain.launch_env() == {}
+    with pytest.raises(SGLangConfigError, match="lora"):
+        SGLangEngineConfig(model_path="/ckpt", lora={"rank": 4})
