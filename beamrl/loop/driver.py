@@ -70,7 +70,10 @@ class RLDriver:
         log(f"starting Ray ({'a local instance' if run.cpu else 'joining the cluster'})")
         start_ray(r, self.resources, self.verbose)
         policy = run.initial_checkpoint
-        if run.resume_dir is None and r.sft is not None:
+        # A resumed run loads every trainer weight from its checkpoint and a full sync brings the engines there;
+        # a LoRA run syncs only adapters, so its engines must start from the base it trains on (the SFT export,
+        # reused when the run already wrote it).
+        if r.sft is not None and (run.resume_dir is None or r.trainer.lora is not None):
             policy = sft_warm_start(run)
         log(f"starting the trainer ({r.trainer.num_gpus} Megatron rank(s)) and {r.rollout.num_engines} "
             f"{r.rollout.engine} engine(s) from {policy}")

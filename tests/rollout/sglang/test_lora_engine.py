@@ -1,7 +1,8 @@
 """The real SGLang 0.5.23 CPU engine with beamrl's out-of-tree Beam class (one engine start), synced through the
 one orchestrator: an adapter-only sync gives bit-identical effective weights and the trainer's logprobs; a
 corrupted bucket (before or while the adapter completes) or a scale the engine's LoRA config does not have is
-refused with its reason, leaving the weights and the version unchanged."""
+refused with its reason, leaving the weights and the version unchanged; a session aborted after its adapter was
+merged is rolled back to the committed adapter."""
 
 import pytest
 import torch
@@ -96,4 +97,17 @@ def test_sglang_refuses_a_corrupted_or_foreign_adapter(setup):
         sync(engine, adapter_source(trained["adapter"], foreign))
     assert engine.weight_version == version and engine.lora_status(60)["applied"] == applied
     assert all(torch.equal(engine.lora_effective_weight(n, 60), w) for n, w in weights.items())
+    # Every bucket arrived (the class merged the new adapter), then the trainer ranks disagree and the session is
+    # aborted: the engine adapter re-sends the committed adapter, which merges back to the same weights.
+    with pytest.raises(WeightSyncError):
+        sync(engine, Disagrees(other.named, mode=ADAPTER))
+    assert engine.weight_version == version and engine.lora_status(60)["applied"] == applied + 2
+    assert all(torch.equal(engine.lora_effective_weight(n, 60), w) for n, w in weights.items())
     assert engine.health(30)
+
+
+class Disagrees(StateDictSource):
+    """An export whose trainer ranks report a failure after every unit was shipped (the session is aborted)."""
+
+    def finish(self, ok: bool) -> bool:
+        return False
