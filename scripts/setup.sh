@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 VENV=.venv
-STAMP=$VENV/.beamrl-setup-v3
+STAMP=$VENV/.beamrl-setup-v4
 if [ -f "$STAMP" ] && [ "${BEAMRL_SETUP_FORCE:-0}" != 1 ]; then
   "$VENV/bin/python" -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || {
     echo "setup: re-installing beamrl (editable) failed" >&2; exit 1; }
@@ -51,6 +51,12 @@ pip install -q "ray[default]==2.60.0" "datasets==5.2.0" "wandb==0.31.0" "tensorb
   "math-verify[antlr4_13_2]==0.9.0" "pyyaml>=6" "matplotlib>=3.8" "pytest==9.2.0" "pytest-timeout==2.4.0" \
   "tokenizers==0.23.2" "transformers==5.19.0"
 
+# peft 0.21.2: loads beamrl's PEFT-format LoRA adapters onto the reference model (tests, evaluation). The newest
+# release (declares no transformers upper bound; imports and runs with the transformers 5.19.0 pinned above);
+# accelerate 1.15.0 is its one dependency not already here. Pinned with torch/transformers/tokenizers so pip
+# cannot move them.
+pip install -q "peft==0.21.2" "accelerate==1.15.0" "torch==2.13.0" "transformers==5.19.0" "tokenizers==0.23.2"
+
 # shellcheck: lints the launch/ scripts in the test suite (Debian package; best effort, root only).
 if ! command -v shellcheck >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
   (apt-get install -y -q shellcheck >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && \
@@ -64,7 +70,7 @@ echo "setup: [6/6] import check"
 "$VENV/bin/python" - <<'PY'
 import importlib, sys
 # sglang: a required dependency (the rollout engine); a broken install must fail here, not skip tests.
-for mod in ("torch", "megatron.core", "ray", "sglang", "datasets", "math_verify", "safetensors", "yaml", "beamrl"):
+for mod in ("torch", "megatron.core", "ray", "sglang", "datasets", "math_verify", "safetensors", "yaml", "peft", "beamrl"):
     importlib.import_module(mod)
 import torch; assert torch.__version__.startswith("2.13.0"), torch.__version__
 print("setup: imports ok; torch", torch.__version__, "python", sys.version.split()[0])

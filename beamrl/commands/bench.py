@@ -49,6 +49,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="float32: max |engine - reference| prompt logprob to pass verification (default 1e-4); "
                         "bfloat16 is checked by exact agreement with a freshly loaded engine")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds allowed for each engine call")
+    p.add_argument("--lora", action="store_true", help="after the full sync, an adapter-only sync into an engine "
+                   "started with a LoRA config; reports both and the projection for --lora-recipe (docs/lora.md)")
+    p.add_argument("--lora-rank", type=int, default=8, help="--lora: adapter rank (alpha = 2 * rank)")
+    p.add_argument("--lora-targets", default="", help="--lora: comma-separated targets (default: every kind)")
+    p.add_argument("--lora-recipe", default="lora_grpo_dapo_math",
+                   help="--lora: the LoRA recipe whose bytes per sync are projected (default lora_grpo_dapo_math)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="device of trainer buffers and engine (default: cuda if available)")
 
@@ -79,7 +85,7 @@ def start_engine(args: argparse.Namespace):
         # Its own process, as in deployment: the distributed group needs a separate rank, and the colocated
         # path then really crosses a process boundary (shared memory on CPU, CUDA-IPC on GPU).
         cfg = NativeEngineConfig(model_path=str(args.checkpoint), dtype=args.dtype, device=args.device,
-                                 name="native-0")
+                                 name="native-0", lora=_lora(args))
         engine = HostedEngine(NativeEngine, (cfg,), name="native-0", start_timeout=args.timeout)
         return engine, engine.shutdown
     from beamrl.rollout.sglang.config import SGLangEngineConfig
@@ -88,12 +94,20 @@ def start_engine(args: argparse.Namespace):
     fp32_head = args.dtype == "float32"  # the head GEMM in FP32, as the trainer computes it
     if args.device == "cpu":
         cfg = SGLangEngineConfig.on_cpu(str(args.checkpoint), dtype=args.dtype, return_routed_experts=False,
-                                        enable_fp32_lm_head=fp32_head)
+                                        enable_fp32_lm_head=fp32_head, lora=_lora(args))
     else:
         cfg = SGLangEngineConfig(model_path=str(args.checkpoint), dtype=args.dtype, device="cuda",
-                                 enable_fp32_lm_head=fp32_head)
+                                 enable_fp32_lm_head=fp32_head, lora=_lora(args))
     engine = SGLangEngine(cfg, start_timeout=args.timeout)
     return engine, engine.shutdown
+
+
+def _lora(args: argparse.Namespace):
+    if not getattr(args, "lora", False):
+        return None
+    from beamrl.commands.bench_lora import lora_config
+
+    return lora_config(args)
 
 
 def run_sync(args: argparse.Namespace) -> dict:
@@ -106,6 +120,9 @@ def run_sync(args: argparse.Namespace) -> dict:
 
     if args.bucket_mb <= 0:
         raise SystemExit(f"error: --bucket-mb must be > 0, got {args.bucket_mb}")
+    if args.lora and args.engine == "sglang" and args.dtype != "float32":
+        raise SystemExit("error: --lora with --engine sglang is verified in float32 only (its weights cannot be read "
+                         "back whole); use --dtype float32")
     trainer = BeamForCausalLM.from_pretrained(args.checkpoint, dtype=torch_dtype(args.dtype), device=args.device).eval()
     exact = args.dtype == "float32"
     perturb_(trainer, args.noise, args.seed, bf16_lm_head=args.engine == "sglang")
@@ -140,13 +157,19 @@ def run_sync(args: argparse.Namespace) -> dict:
             verified = synced == loaded
             print(f"bench sync: max |synced - freshly loaded| prompt logprob {after:.3e} (must be 0); vs the "
                   f"reference model {max_abs_diff(synced, want):.3e}", file=sys.stderr)
+        lora = None
+        if args.lora:  # the engine holds the perturbed base (synced, or reloaded from its checkpoint)
+            from beamrl.commands.bench_lora import run_lora_sync
+
+            lora = run_lora_sync(args, trainer, report, engine, probes)
     finally:
         stop()
     print(f"bench sync: {report.code_path}; max |engine - perturbed reference| prompt logprob: before sync "
           f"{before:.3e}, after sync {max_abs_diff(synced, want) if not exact else after:.3e}", file=sys.stderr)
     return {"engine": args.engine, "transport": args.transport, "dtype": args.dtype, "bytes": int(report.bytes),
             "seconds": float(report.seconds), "gbps": float(report.gbps), "verified": bool(verified), "check": check,
-            "max_abs_logprob_diff_after_sync": float(after), "code_path": report.code_path}
+            "max_abs_logprob_diff_after_sync": float(after), "code_path": report.code_path,
+            **({"lora": lora} if lora is not None else {})}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -159,7 +182,11 @@ def run(args: argparse.Namespace) -> int:
     print(f"{result['engine']:>8} {result['transport']:>12}  {result['bytes'] / 2**20:10.2f} MiB  "
           f"{result['seconds']:8.3f} s  {result['gbps']:8.3f} GB/s  verified={result['verified']}  "
           f"max|dlogprob|={result['max_abs_logprob_diff_after_sync']:.2e}")
+    if "lora" in result:
+        from beamrl.commands.bench_lora import format_lines
+
+        print("\n".join(format_lines(result)))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2) + "\n")
-    return 0 if result["verified"] else 1
+    return 0 if result["verified"] and result.get("lora", {}).get("verified", True) else 1

@@ -87,6 +87,10 @@ class TrainerActor:
 
         return sync_on_rank(self.trainer, self.rank, receivers, engine_names, engine_tp, request)
 
+    def save_lora_adapter(self, out_dir: str) -> str | None:
+        self.trainer.save_lora_adapter(out_dir)  # collective; rank 0 writes
+        return out_dir if self.rank == 0 else None
+
     def export_hf_checkpoint(self, out_dir: str) -> str | None:
         from beamrl.loop.weight_sync import save_hf_export
 

@@ -73,7 +73,10 @@ class RLDriver:
         log(f"starting Ray ({'a local instance' if run.cpu else 'joining the cluster'})")
         start_ray(run, self.resources, self.verbose)
         policy = run.initial_checkpoint
-        if run.resume_dir is None and r.sft is not None:
+        # A resumed run loads every trainer weight from its checkpoint and a full sync brings the engines there;
+        # a LoRA run syncs only adapters, so its engines must start from the base it trains on (the SFT export,
+        # reused when the run already wrote it).
+        if r.sft is not None and (run.resume_dir is None or r.trainer.lora is not None):
             policy = sft_warm_start(run)
         log(f"starting the trainer ({r.trainer.num_gpus} Megatron rank(s)) and {r.rollout.num_engines} "
             f"{r.rollout.engine} engine(s) from {policy}")
@@ -158,7 +161,10 @@ class RLDriver:
         r, run = self.recipe, self.ctx
         self._save(r.run.num_steps, None)  # the final checkpoint, also with every_n_steps: 0 ("only at the end")
         self.checkpoints.wait(self.trainer)
-        hf = None
+        hf = adapter = None
+        if r.trainer.lora is not None:  # the trained adapter, in the format `peft` loads (docs/lora.md)
+            adapter = self.trainer.save_lora_adapter(str(run.out_dir / "adapter"))
+            log(f"final LoRA adapter (PEFT format): {adapter}")
         if r.checkpoint.export_hf_at_end:
             hf = self.trainer.export_hf_checkpoint(str(run.out_dir / "hf_final"))
             log(f"final HF checkpoint (SGLang format): {hf}")
@@ -169,4 +175,4 @@ class RLDriver:
             "name": r.run.name, "num_steps": r.run.num_steps, "wall_time_s": round(elapsed_s, 3),
             "resumed_from": str(run.resume_dir) if run.resume_dir else None,
             "output_dir": str(run.out_dir), "checkpoint_dir": str(run.checkpoint_root),
-            "last_checkpoint": str(last[-1]) if last else None, "hf_export": hf})
+            "last_checkpoint": str(last[-1]) if last else None, "hf_export": hf, "lora_adapter": adapter})

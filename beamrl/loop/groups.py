@@ -80,6 +80,10 @@ class TrainerGroup:
             receivers=engines.actors, engine_names=engines.names, engine_tp=engines.tp_sizes, request=request))
         return out[0]
 
+    def save_lora_adapter(self, out_dir: str) -> str:
+        """Write the trainer's LoRA adapter in PEFT format (docs/lora.md) into `out_dir`; returns it."""
+        return self._all("save_lora_adapter", None, lambda a: a.save_lora_adapter.remote(out_dir=out_dir))[0]
+
     def export_hf_checkpoint(self, out_dir: str) -> str:
         return self._all("export_hf_checkpoint", None, lambda a: a.export_hf_checkpoint.remote(out_dir=out_dir))[0]
 

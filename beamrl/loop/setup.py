@@ -232,10 +232,11 @@ def start_ray(run: "RunContext", resources: Resources, verbose: bool = False) ->
 
 
 def trainer_setup(recipe: Recipe, model: BeamConfig, lr: float | None = None):
-    """The `TrainerSetup` of every rank: the trainer section (with `lr` replaced for the SFT warm start)."""
+    """The `TrainerSetup` of every rank: the trainer section (with `lr` replaced for the SFT warm start, which
+    trains every weight even in a LoRA run: it makes the base that the adapters then train on)."""
     from beamrl.trainer.megatron.worker import TrainerSetup
 
-    trainer = recipe.trainer if lr is None else recipe.trainer.model_copy(update={"lr": lr})
+    trainer = recipe.trainer if lr is None else recipe.trainer.model_copy(update={"lr": lr, "lora": None})
     seed = trainer.seed if trainer.seed is not None else recipe.run.seed
     return TrainerSetup(model=model, trainer=trainer, dtype=recipe.model.dtype, seed=seed,
                         timeout_s=recipe.timeouts.train_step_s)
@@ -266,7 +267,7 @@ def engine_factories(run: RunContext, checkpoint: str) -> list[list]:
     return [node_factories(r.rollout, EngineLaunch(
         checkpoint=checkpoint, dtype=r.model.dtype, device=device, seed=r.run.seed + e.index, name=e.name,
         start_timeout=r.timeouts.generate_s, return_routed_experts=run.return_routed_experts,
-        memory_saver=memory_saver, api_key=run.api_key), e, run.groups) for e in run.placement.engines]
+        memory_saver=memory_saver, api_key=run.api_key, lora=r.trainer.lora), e, run.groups) for e in run.placement.engines]
 
 
 def node_factories(rollout, launch, engine, groups) -> list:

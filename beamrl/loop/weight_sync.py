@@ -5,6 +5,7 @@ driver makes one call to the trainer group per sync (`TrainerGroup.sync_weights`
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -13,12 +14,14 @@ import torch
 import torch.distributed as dist
 
 from beamrl.loop.ray_utils import ActorCallError, ray_get
+from beamrl.models.beam.lora_payload import ADAPTER, SCALE_NAME, scale_tensor
 from beamrl.protocols.weights import PendingCall, WeightSyncError
 from beamrl.sync.export import ExportSource, TensorSpec
 from beamrl.sync.forwarding_receiver import ForwardingReceiver
 from beamrl.sync.orchestrator import ProbeCheck, SyncTimeouts, WeightSync
 
 _LAYOUTS: dict[int, list[list[TensorSpec]]] = {}  # per trainer object: its export layout
+_ADAPTER_LAYOUTS: dict[int, list[list[TensorSpec]]] = {}  # per trainer object: its adapter export layout
 # Ray adds its own latency on top of an engine call's timeout; the engine enforces the call's own limit.
 _RPC_SLACK_S = 10.0
 
@@ -93,6 +96,38 @@ class MegatronExportSource(ExportSource):
         return [lp[a + 1:b].tolist() for a, b in zip(cu[:-1], cu[1:])]
 
 
+class LoRAExportSource(MegatronExportSource):
+    """An adapter-only sync (apply mode `adapter`, docs/lora.md): the scale, then the trainer's full adapter
+    tensors one layer per unit (`MegatronTrainer.export_lora`); probes are scored with the trainer's merged
+    weights (its forward), which the engines must reproduce after merging."""
+
+    mode = ADAPTER
+
+    def __init__(self, trainer) -> None:
+        self.trainer = trainer
+        layout = _ADAPTER_LAYOUTS.get(id(trainer))
+        if layout is None:
+            scale = [TensorSpec(SCALE_NAME, torch.float32, (1,))]
+            units = [[TensorSpec(n, dtype, tuple(shape)) for n, shape, dtype in unit]
+                     for unit in trainer.export_lora_layout()]
+            layout = _ADAPTER_LAYOUTS[id(trainer)] = [scale] + units
+        self._units = layout
+
+    @property
+    def layout_key(self) -> object:
+        return ("megatron-adapter", id(self._units))
+
+    def stream(self):
+        mine = not dist.is_initialized() or dist.get_rank() == 0
+        yield [(SCALE_NAME, scale_tensor(self.trainer.lora).to(self.trainer.device))] if mine else []
+        yield from self.trainer.export_lora()
+
+
+def export_source(trainer) -> ExportSource:
+    """What a sync of this trainer sends: the adapters when it trains LoRA (`trainer.lora`), else every weight."""
+    return LoRAExportSource(trainer) if trainer.lora is not None else MegatronExportSource(trainer)
+
+
 @dataclass(frozen=True)
 class SyncRequest:
     """What every trainer rank is told for one sync (picklable, the same on every rank)."""
@@ -149,18 +184,29 @@ def sync_on_rank(trainer, rank: int, receivers, engine_names, engine_tp, req: Sy
     """Run inside every trainer rank (a collective): the sync of `req.version`. Rank 0 returns the report as a
     dict; other ranks return None."""
     ws = _orchestrator(trainer, rank, receivers, engine_names, engine_tp, req)
-    report = ws.sync(MegatronExportSource(trainer), version=req.version)
+    report = ws.sync(export_source(trainer), version=req.version)
     return None if report is None else asdict(report)
 
 
+def _merged_if_lora(trainer):
+    """LoRA: export what the trainer computes with, W' = merge(W0, A, B, s) (the base alone is its input)."""
+    if trainer.lora is None:
+        return contextlib.nullcontext()
+    from beamrl.trainer.megatron.lora_mapping import merged_base_weights
+
+    return merged_base_weights(trainer.models)
+
+
 def save_hf_export(trainer, rank: int, out_dir: str) -> str | None:
-    """Write the trainer's current weights as an HF Beam checkpoint (SGLang's format) from rank 0."""
+    """Write the trainer's current weights as an HF Beam checkpoint (SGLang's format) from rank 0 (a LoRA trainer:
+    the merged weights)."""
     from beamrl.models.beam.checkpoint import save_checkpoint
 
     tensors = {}
-    for unit in trainer.export_hf():
-        if rank == 0:
-            tensors.update(unit)
+    with _merged_if_lora(trainer):
+        for unit in trainer.export_hf():
+            if rank == 0:
+                tensors.update(unit)
     if rank != 0:
         return None
     save_checkpoint(trainer.config.model, tensors, Path(out_dir))

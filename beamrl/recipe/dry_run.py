@@ -45,9 +45,12 @@ def dry_run(r: "Recipe", checks: bool = True) -> DryRunResult:
     report = format_layout(r, config, source, lay, tmem, emem, gpu_capacity(r))
     problems = memory_problems(r, lay, tmem, emem)
     if r.cluster.device != "cpu":
-        from beamrl.recipe.sync_time import estimate_sync_time, format_estimate
+        from beamrl.recipe.sync_time import estimate_sync_time, format_estimate, format_lora_estimate
 
-        report += "\n" + format_estimate(estimate_sync_time(r, config), r)
+        estimate = estimate_sync_time(r, config)
+        report += "\n" + format_estimate(estimate, r)
+        if r.trainer.lora is not None:
+            report += "\n" + format_lora_estimate(estimate, r, config)
     if checks:
         found = preflight(r, config)
         report += "\nstart-up checks:\n" + "\n".join(f"  {line}" for line in found.lines)

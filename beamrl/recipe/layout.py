@@ -169,7 +169,8 @@ def format_layout(r: "Recipe", c: BeamConfig, source: str, lay: Layout,
         add(f"  trainer stage {m.stage}: {_gib(m.total)} = weights {_gib(m.weights)} + grads {_gib(m.grads)} + "
             f"optimizer {_gib(m.optimizer)} + activations {_gib(m.activations)} + reference {_gib(m.reference)} + "
             f"runtime {_gib(m.runtime)}  [{_params(m.params_dense)} dense + {_params(m.params_expert)} expert "
-            f"params per rank]")
+            f"params per rank" + (f"; frozen, LoRA adapters {_params(m.adapter_params)} trainable" if r.trainer.lora
+                                  else "") + "]")
     e = engine_mem
     if capacity is None:
         add(f"  rollout engine rank: weights {_gib(e.weights)}; KV {_gib(e.bytes_per_token)}/token "
@@ -182,6 +183,9 @@ def format_layout(r: "Recipe", c: BeamConfig, source: str, lay: Layout,
             f"{r.rollout.swa_full_tokens_ratio:g} x {e.swa_layers} SWA layers) -> {e.kv_tokens:,} tokens = "
             f"{e.max_full_requests:,} requests of {e.request_tokens} tokens at once "
             f"(this step: {lay.samples_per_step // max(lay.num_engines, 1)} per engine)")
+    if e.lora_w0:
+        add(f"    +  LoRA W0 copies {_gib(e.lora_w0)} (the targeted weights, kept to merge each "
+            "adapter; outside the static budget)")
     if lay.placement == "colocated":
         add(f"  colocated peak (trainer and engine swap via memory release): {_gib(colocated_peak(trainer_mem, e))}")
     if capacity is None:

@@ -11,7 +11,12 @@ SGLang shard them; nothing is fitted to a measurement. Byte rules (trainer, Mega
   * reference policy (algorithm.kl.reference): one more copy of the bf16 weights, kept on the GPU;
   * activations: see `_activation_bytes` (full recompute keeps only each layer's input; one layer's saved
     set is counted once more for its activation gradients during backward);
-  * runtime: a fixed reserve for the CUDA context, NCCL communicators and allocator fragmentation.
+  * runtime: a fixed reserve for the CUDA context, NCCL communicators and allocator fragmentation;
+  * LoRA (`trainer.lora`): the frozen base has weights only (no grads, no optimizer state); the adapters have
+    weights, grads and Adam state, sharded like the weights they adapt (TP-split B of column-parallel and A of
+    row-parallel bases, experts over EP); the merged weights W' of the targeted weights are saved for backward
+    like activations (all of the stage's without recompute, one layer's with full recompute). An engine keeps a
+    W0 copy of every targeted weight (beamrl's SGLang class: full HF tensors on each rank).
 Capacities are the vendors' nominal sizes in 10^9 bytes (H200 141 GB, B200 180 GB), which is below what
 the driver reports (about 140 GiB on an H200), so the check errs on the safe side.
 """
@@ -46,6 +51,7 @@ class TrainerMemory:
     activations: float
     reference: float
     runtime: float
+    adapter_params: int = 0  # LoRA: trainable adapter parameters per rank (the grads/optimizer are theirs)
 
     @property
     def total(self) -> float:
@@ -62,10 +68,11 @@ class EngineMemory:
     request_tokens: int
     full_layers: int
     swa_layers: int
+    lora_w0: float = 0.0  # LoRA: W0 copies of the targeted weights, outside SGLang's static budget
 
     @property
     def total(self) -> float:
-        return self.static_budget
+        return self.static_budget + self.lora_w0
 
     @property
     def max_full_requests(self) -> int:
@@ -121,6 +128,8 @@ def trainer_memory(r: "Recipe", c: BeamConfig, lay: "Layout") -> list[TrainerMem
                 expert += n_local
             else:
                 dense += n_local
+            if tr.lora is not None:
+                continue  # the frozen base: no grads, no optimizer state
             g += n_local * (4 if fp32 else grad_bytes)
             state = 8 if fp32 else 12
             shard = (lay.expert_dp if is_expert else lay.dp) if tr.distributed_optimizer else 1
@@ -128,8 +137,44 @@ def trainer_memory(r: "Recipe", c: BeamConfig, lay: "Layout") -> list[TrainerMem
         ref = float(w) if r.algorithm.kl.reference else 0.0
         runtime = 0.0 if r.cluster.device == "cpu" else float(RUNTIME_RESERVE_BYTES)
         act = _activation_bytes(r, c, lay, p)
-        out.append(TrainerMemory(p, int(dense), int(expert), w, g, o, act, ref, runtime))
+        adapter = 0.0
+        if tr.lora is not None:
+            a_w, a_g, a_o, adapter, merged = _lora_trainer_bytes(r, c, lay, p, stage_of, model_bytes, grad_bytes)
+            w, g, o, act = w + a_w, g + a_g, o + a_o * on_gpu, act + merged
+        out.append(TrainerMemory(p, int(dense), int(expert), w, g, o, act, ref, runtime, int(adapter)))
     return out
+
+
+def _lora_trainer_bytes(r: "Recipe", c: BeamConfig, lay: "Layout", stage: int, stage_of: dict, model_bytes: int,
+                        grad_bytes: int) -> tuple[float, float, float, float, float]:
+    """(adapter weights, grads, optimizer, adapter params, merged-W' bytes) per rank of pipeline stage `stage`."""
+    from beamrl.models.beam.lora import adapted_weights
+
+    tr, lora = r.trainer, r.trainer.lora
+    column = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+    params = merged_total = 0.0
+    per_layer: dict[int, float] = {}
+    shared_a: set[tuple[int, str]] = set()
+    for wt in adapted_weights(c, lora):
+        if stage_of[wt.layer] != stage:
+            continue
+        out_f, in_f, rk = wt.out_features, wt.in_features, lora.rank
+        if wt.expert is not None:
+            a = 0.0 if (wt.layer, wt.a) in shared_a else rk * in_f
+            shared_a.add((wt.layer, wt.a))
+            n = (a + out_f * rk) / lay.ep
+            merged = out_f * in_f / lay.ep
+        else:
+            tp_a, tp_b = (1, lay.tp) if wt.weight.rsplit(".", 2)[1] in column else (lay.tp, 1)
+            n = rk * in_f / tp_a + out_f * rk / tp_b
+            merged = out_f * in_f / lay.tp
+        params += n
+        per_layer[wt.layer] = per_layer.get(wt.layer, 0.0) + merged * model_bytes
+        merged_total += merged * model_bytes
+    state = 8 if model_bytes == 4 else 12
+    shard = lay.dp if tr.distributed_optimizer else 1  # (experts' factors: expert-dp; the difference is small)
+    saved = max(per_layer.values(), default=0.0) if tr.recompute == "full" else merged_total
+    return params * model_bytes, params * grad_bytes, params * state / shard, params, saved
 
 
 def _layer_working_bytes(c: BeamConfig, layer: int, T: int, tp: int, sp: bool, etp: int, topk: int) -> float:
@@ -187,6 +232,11 @@ def engine_memory(r: "Recipe", c: BeamConfig, lay: "Layout") -> EngineMemory:
         else:
             shards = et
         w += n / shards * (4 if spec_fp32 else model_bytes)
+    w0 = 0.0
+    if r.trainer.lora is not None:  # W0 copies of the targeted weights, full HF tensors on every engine rank
+        from beamrl.models.beam.lora import adapted_num_parameters
+
+        w0 = adapted_num_parameters(c, r.trainer.lora) * model_bytes
     request = r.data.max_prompt_len + r.rollout.max_new_tokens
     full = sum(1 for l in range(c.num_hidden_layers) if not c.is_sliding(l))
     swa = c.num_hidden_layers - full
@@ -195,10 +245,10 @@ def engine_memory(r: "Recipe", c: BeamConfig, lay: "Layout") -> EngineMemory:
     bytes_per_token = per_layer * (full + ratio * swa) if full else per_layer * swa
     capacity = gpu_capacity(r)
     if capacity is None:
-        return EngineMemory(w, w, 0.0, bytes_per_token, 0, request, full, swa)
+        return EngineMemory(w, w, 0.0, bytes_per_token, 0, request, full, swa, w0)
     budget = r.rollout.mem_fraction * capacity
     pool = max(budget - w, 0.0)
-    return EngineMemory(w, budget, pool, bytes_per_token, int(pool // bytes_per_token), request, full, swa)
+    return EngineMemory(w, budget, pool, bytes_per_token, int(pool // bytes_per_token), request, full, swa, w0)
 
 
 def colocated_peak(trainer: list[TrainerMemory], engine: EngineMemory) -> float:
@@ -223,6 +273,10 @@ def memory_problems(r: "Recipe", lay: "Layout", trainer: list[TrainerMemory], en
     if engine.weights >= engine.static_budget:
         problems.append(f"rollout.mem_fraction={r.rollout.mem_fraction}: the static budget {gib(engine.static_budget)} "
                         f"does not hold the weights {gib(engine.weights)} per engine rank; raise rollout.engine_tp")
+    elif engine.lora_w0 and engine.total > capacity:
+        problems.append(f"rollout: the static budget {gib(engine.static_budget)} + the LoRA W0 copies "
+                        f"{gib(engine.lora_w0)} (trainer.lora.targets) exceed {gib(capacity)} per engine rank; lower "
+                        "rollout.mem_fraction or target fewer weights")
     elif engine.max_full_requests < 1:
         problems.append(f"rollout: the KV pool ({engine.kv_tokens} tokens) cannot hold one request of "
                         f"{engine.request_tokens} tokens; raise rollout.mem_fraction or rollout.engine_tp, or lower "

@@ -130,6 +130,27 @@ def estimate_sync_time(r: "Recipe", config: "BeamConfig") -> SyncTimeEstimate:
                             transfer, load, per_source, rates)
 
 
+def adapter_sync_bytes(config: "BeamConfig", lora, dtype: str) -> int:
+    """Bytes of one adapter-only sync (`trainer.lora`): every adapter tensor at the model dtype, plus the FP32
+    scale (docs/lora.md)."""
+    from beamrl.models.beam.lora import adapter_num_parameters
+
+    return adapter_num_parameters(config, lora) * torch_dtype(dtype).itemsize + 4
+
+
+def format_lora_estimate(e: SyncTimeEstimate, r: "Recipe", config: "BeamConfig") -> str:
+    """The dry-run line of a LoRA recipe: its syncs are adapter-only."""
+    nbytes = adapter_sync_bytes(config, r.trainer.lora, r.model.dtype)
+    rate = e.transfer_s and e.total_bytes / e.transfer_s
+    return (f"  trainer.lora: every sync is adapter-only (apply mode 'adapter'): {nbytes / 1e6:.1f} MB per sync = "
+            f"{100 * nbytes / e.total_bytes:.3f} % of the full sync above; transfer ~{nbytes / rate:.3f} s at the same "
+            f"rate, then each engine merges W0 + s * B A into its {_targets(r)} (docs/lora.md)")
+
+
+def _targets(r: "Recipe") -> str:
+    return "targeted weights (" + ", ".join(r.trainer.lora.targets) + ")"
+
+
 def format_estimate(e: SyncTimeEstimate, r: "Recipe") -> str:
     """The dry-run lines."""
     rt = e.rates

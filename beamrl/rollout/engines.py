@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
+from beamrl.models.beam.lora_config import LoRAConfig
 from beamrl.registry import Registry
 
 if TYPE_CHECKING:
@@ -32,7 +33,8 @@ class EngineLaunch:
     that spans nodes runs one process per node), `base_gpu_id` (its first GPU among `visible_gpus`, the GPU ids
     of its node; None = as the actor sees them). `host`, `port` and `dist_init_addr` (the leader's host:port,
     where the nodes meet) are filled in by the engine's actors at start-up, and `api_key` is the run's secret,
-    required by every server that listens on more than loopback."""
+    required by every server that listens on more than loopback. lora: the trainer's `trainer.lora` (the engine
+    accepts adapter-only syncs for it; docs/lora.md)."""
 
     checkpoint: str
     dtype: str
@@ -50,6 +52,7 @@ class EngineLaunch:
     port: int = 0
     dist_init_addr: str | None = None
     api_key: str | None = field(default=None, repr=False)
+    lora: LoRAConfig | None = None
 
 
 EngineBuilder = Callable[["RolloutConfig", EngineLaunch], "RolloutEngine"]
@@ -87,7 +90,7 @@ def build_native_engine(rollout: "RolloutConfig", launch: EngineLaunch) -> "Roll
     from beamrl.rollout.native import NativeEngine, NativeEngineConfig
 
     return NativeEngine(NativeEngineConfig(model_path=launch.checkpoint, dtype=launch.dtype, device=launch.device,
-                                           seed=launch.seed, name=launch.name))
+                                           seed=launch.seed, name=launch.name, lora=launch.lora))
 
 
 @ENGINES.register("sglang")
@@ -99,7 +102,7 @@ def build_sglang_engine(rollout: "RolloutConfig", launch: EngineLaunch):
     from beamrl.rollout.sglang import SGLangEngineConfig
 
     placed = dict(engine_tp=rollout.engine_tp, base_gpu_id=launch.base_gpu_id, random_seed=launch.seed,
-                  dtype=launch.dtype, return_routed_experts=launch.return_routed_experts)
+                  dtype=launch.dtype, return_routed_experts=launch.return_routed_experts, lora=launch.lora)
     if launch.device == "cpu" and launch.nnodes == 1:
         from beamrl.rollout.sglang.engine import SGLangEngine
 

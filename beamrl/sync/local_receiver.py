@@ -42,6 +42,10 @@ from beamrl.sync.update_group import destroy_update_group, init_update_group
 class ApplyTarget(abc.ABC):
     """Where the tensors of one apply mode go in a receiver."""
 
+    #: True when `destinations` are staging buffers of the target, not the weights: writing them changes nothing
+    #: the engine serves until `commit` (so they need no undo log, and a failed session leaves the weights untouched).
+    staged: bool = False
+
     @abc.abstractmethod
     def table(self) -> WeightTable:
         """Every tensor this mode accepts: name -> (shape, dtype)."""
@@ -144,9 +148,10 @@ class LocalWeightReceiver(WeightReceiver):
         dst = self._dst.get(index)
         if dst is None:
             dst = self._dst[index] = self.targets[session.manifest.mode].destinations(session.manifest.bucket(index).metas)
-        if self._undo is not None:
-            self._undo.save(dst)
-        self._touched = True
+        if not self.targets[session.manifest.mode].staged:
+            if self._undo is not None:
+                self._undo.save(dst)
+            self._touched = True
         if dst:
             with torch.no_grad():
                 torch._foreach_copy_(dst, src, non_blocking=True)
@@ -208,11 +213,11 @@ class LocalWeightReceiver(WeightReceiver):
                     raise WeightSyncError(f"{self._name}: end_weight_update({new_version}) but the session's "
                                           f"manifest is for version {session.version}")
                 session.settle()
-            except WeightSyncError as exc:
+                self.targets[session.manifest.mode].commit()  # a staged target may still refuse (nothing applied)
+            except Exception as exc:
                 outcome = self._abort(str(exc))
                 raise WeightSyncError(f"{self._name}: session closed without serving version {new_version} "
                                       f"({outcome}): {exc}") from None
-            self.targets[session.manifest.mode].commit()
             if session.manifest.mode == FULL:
                 self.failure = None  # every weight was replaced
             self.weight_version = session.version

@@ -19,8 +19,8 @@ SMALL = ["sft=null", "rollout.prompts_per_step=4", "rollout.n_samples_per_prompt
          "timeouts.generate_s=300", "timeouts.train_step_s=300", "timeouts.sync_s=120"]
 
 
-def train_cmd(out_dir: Path, *overrides: str, resume: bool = False) -> list[str]:
-    cmd = [sys.executable, "-m", "beamrl.cli", "train", str(QUICKSTART), f"run.output_dir={out_dir}", *SMALL,
+def train_cmd(out_dir: Path, *overrides: str, resume: bool = False, recipe: Path = QUICKSTART) -> list[str]:
+    cmd = [sys.executable, "-m", "beamrl.cli", "train", str(recipe), f"run.output_dir={out_dir}", *SMALL,
            *overrides]
     return cmd + (["--resume"] if resume else [])
 
@@ -31,9 +31,10 @@ def env() -> dict[str, str]:
     return e
 
 
-def run_train(out_dir: Path, *overrides: str, resume: bool = False, timeout: float = 900) -> subprocess.CompletedProcess:
-    p = subprocess.run(train_cmd(out_dir, *overrides, resume=resume), env=env(), cwd=ROOT, capture_output=True,
-                       text=True, timeout=timeout)
+def run_train(out_dir: Path, *overrides: str, resume: bool = False, timeout: float = 900,
+              recipe: Path = QUICKSTART) -> subprocess.CompletedProcess:
+    p = subprocess.run(train_cmd(out_dir, *overrides, resume=resume, recipe=recipe), env=env(), cwd=ROOT,
+                       capture_output=True, text=True, timeout=timeout)
     return p
 
 
@@ -42,9 +43,11 @@ def metrics(out_dir: Path) -> list[dict]:
     return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
 
 
-def kill_after(out_dir: Path, marker: Path, *overrides: str, timeout: float = 900) -> None:
+def kill_after(out_dir: Path, marker: Path, *overrides: str, timeout: float = 900,
+               recipe: Path = QUICKSTART) -> None:
     """Start a run and SIGKILL its whole process group as soon as `marker` exists (a crash mid-run)."""
-    p = subprocess.Popen(train_cmd(out_dir, *overrides), env=env(), cwd=ROOT, stdout=subprocess.DEVNULL,
+    p = subprocess.Popen(train_cmd(out_dir, *overrides, recipe=recipe), env=env(), cwd=ROOT,
+                         stdout=subprocess.DEVNULL,
                          stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + timeout
     try:

@@ -40,6 +40,11 @@ OWNERS = {
 NOT_READ_BY_NAME = {
     "run.output_dir": "derived: read through `RunSection.resolved_output_dir` (null = outputs/<run.name>)",
     "sync.bucket_mb": "derived: read through `SyncConfig.bucket_bytes` (MiB -> bytes at the transport)",
+    "trainer.lora.alpha": "derived: read through `LoRAConfig.scale` (fp32(alpha / rank), rounded once) by the "
+                          "trainer's LoRA modules and the engines' merge; `beamrl/models/beam/peft_io.py` writes it "
+                          "as PEFT's lora_alpha",
+    "trainer.lora.dropout": "validated only (must be 0.0: the trainer's forward must be the engines'); "
+                            "`beamrl/models/beam/peft_io.py` writes it as PEFT's lora_dropout",
 }
 
 # (config class, keyword, recipe field) allowed by check 3, and why.

@@ -47,13 +47,16 @@ class RMSNorm(nn.Module):
         return numerics.rms_norm(x, self.weight, self.eps)
 
 
-class Linear(nn.Module):
+class Linear(nn.Linear):
     """Bias-free linear layer with uninitialised weight [out, in] (weights always come from a state dict;
-    nn.Linear's random init would cost time and, on the meta device, a torch._refs import)."""
+    nn.Linear's random init would cost time and, on the meta device, a torch._refs import). An `nn.Linear` so
+    that PEFT can put LoRA adapters on it (docs/lora.md)."""
 
     def __init__(self, n_in: int, n_out: int):
-        super().__init__()
+        nn.Module.__init__(self)  # not nn.Linear.__init__: no random init
+        self.in_features, self.out_features = n_in, n_out
         self.weight = nn.Parameter(torch.empty(n_out, n_in))
+        self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)

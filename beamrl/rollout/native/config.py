@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from beamrl.dtypes import RUN_DTYPES
-
+from beamrl.models.beam.lora_config import LoRAConfig
 
 
 class NativeEngineConfigError(ValueError):
@@ -19,7 +19,8 @@ class NativeEngineConfig:
     per-request seeds of requests that give none. name: labels errors and weight-sync reports. num_threads: if
     set, `torch.set_num_threads` for this (engine) process: tiny models decode fastest with 1 intra-op thread,
     and an oversubscribed CPU makes more threads much slower. rollback: undo a failed weight-update session from
-    host copies of what it overwrote (None: on CPU only; docs/weight-sync.md, "Failures")."""
+    host copies of what it overwrote (None: on CPU only; docs/weight-sync.md, "Failures"). lora: the trainer's
+    `trainer.lora`: the engine then accepts adapter-only syncs for it (docs/lora.md); None: full syncs only."""
 
     model_path: str
     dtype: str = "float32"
@@ -30,6 +31,7 @@ class NativeEngineConfig:
     weight_version: int = 0
     num_threads: int | None = None
     rollback: bool | None = None
+    lora: LoRAConfig | None = None
 
     def __post_init__(self) -> None:
         if not self.model_path:
@@ -42,5 +44,7 @@ class NativeEngineConfig:
             raise NativeEngineConfigError(f"NativeEngineConfig.max_batch_size={self.max_batch_size} must be >= 1")
         if self.num_threads is not None and self.num_threads < 1:
             raise NativeEngineConfigError(f"NativeEngineConfig.num_threads={self.num_threads} must be >= 1 or None")
+        if self.lora is not None and not isinstance(self.lora, LoRAConfig):
+            raise NativeEngineConfigError(f"NativeEngineConfig.lora must be a LoRAConfig, got {type(self.lora).__name__}")
         if self.weight_version < 0:
             raise NativeEngineConfigError(f"NativeEngineConfig.weight_version={self.weight_version} must be >= 0")

@@ -19,12 +19,15 @@ from typing import Iterator
 import torch
 
 from beamrl.dtypes import dtype_name, torch_dtype
+from beamrl.models.beam.lora_config import LoRAConfig
+from beamrl.models.beam.lora_payload import ADAPTER
 from beamrl.models.beam.model import BeamForCausalLM
 from beamrl.rollout.native.config import NativeEngineConfig
 from beamrl.rollout.native.generation import generate_batch, routes_array
 from beamrl.protocols.rollout import EngineError, GenerateRequest, GenerateResult, RolloutEngine
 from beamrl.protocols.flat_bucket import FlatBucket
-from beamrl.protocols.manifest import SyncManifest
+from beamrl.protocols.manifest import FULL, SyncManifest
+from beamrl.rollout.native.lora_target import AdapterTarget, LoRABaseWeights
 from beamrl.sync.local_receiver import LocalWeightReceiver
 from beamrl.protocols.weights import WeightReceiver, WeightSyncError
 
@@ -50,15 +53,21 @@ class NativeEngine(RolloutEngine, WeightReceiver):
         self._seeds = random.Random(config.seed)
         self._host_weights: dict[str, torch.Tensor] | None = None  # set while 'weights' are released
         self._closed = False
+        targets = {}
+        self._adapter: AdapterTarget | None = None
+        if config.lora is not None:  # adapter-only syncs (docs/lora.md): merged into the weights at commit
+            self._adapter = AdapterTarget(self.model, config.lora)
+            targets = {ADAPTER: self._adapter, FULL: LoRABaseWeights(self.model, self._adapter)}
         self._receiver = LocalWeightReceiver(self.model, name=config.name, initial_version=config.weight_version,
-                                             rollback=config.rollback)
+                                             rollback=config.rollback, targets=targets)
 
     @classmethod
     def from_model(cls, model: BeamForCausalLM, name: str = "native-0", max_batch_size: int = 64, seed: int = 0,
-                   weight_version: int = 0, rollback: bool | None = None) -> "NativeEngine":
+                   weight_version: int = 0, rollback: bool | None = None,
+                   lora: LoRAConfig | None = None) -> "NativeEngine":
         cfg = NativeEngineConfig(model_path="<in-memory>", dtype=dtype_name(model.dtype), device=str(model.device),
                                  max_batch_size=max_batch_size, seed=seed, name=name, weight_version=weight_version,
-                                 rollback=rollback)
+                                 rollback=rollback, lora=lora)
         return cls(cfg, model)
 
     @property
@@ -192,6 +201,11 @@ class NativeEngine(RolloutEngine, WeightReceiver):
     @property
     def tp_size(self) -> int:
         return 1
+
+    @property
+    def adapters_applied(self) -> int:
+        """LoRA: how many adapter syncs were committed (0: base weights only, or no LoRA config)."""
+        return 0 if self._adapter is None else self._adapter.adapter_version
 
     def _require_weights(self, what: str) -> None:
         if self._host_weights is not None:

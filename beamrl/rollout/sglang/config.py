@@ -10,11 +10,13 @@ Fields that are also recipe fields (`rollout.engine_tp`, `rollout.mem_fraction`,
 from __future__ import annotations
 
 import ipaddress
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from beamrl.dtypes import DTYPES as DTYPE_NAMES
+from beamrl.models.beam.lora_config import LoRAConfig
 
 # SGLang 0.5.23's deterministic-inference backends on the devices beamrl runs on (srt/arg_groups/choices.py:113-120;
 # its other two, ascend and intel_xpu, are other vendors' devices). Beam's default on sm90+, trtllm_mha, is not one.
@@ -37,6 +39,10 @@ CPU_SETTINGS: dict[str, Any] = dict(
     device="cpu", attention_backend="torch_native", sampling_backend="pytorch", disable_overlap_schedule=True,
     max_total_tokens=2048, max_running_requests=4, chunked_prefill_size=256, mem_fraction=0.3,
     return_routed_experts=True)
+#: The package of beamrl's out-of-tree SGLang model classes (`beamrl/rollout/sglang/models/`).
+EXTERNAL_MODEL_PACKAGE = "beamrl.rollout.sglang.models"
+#: The HF config field that tells that class the LoRA config (set through `json_model_override_args`).
+LORA_FIELD = "beamrl_lora"
 
 
 class SGLangConfigError(ValueError):
@@ -77,6 +83,9 @@ class SGLangEngineConfig:
     chunked_prefill_size: int | None = None
     disable_overlap_schedule: bool = False
     weight_version: int = 0
+    #: The trainer's LoRA config (`trainer.lora`): this engine accepts adapter-only syncs for it (docs/lora.md),
+    #: served by beamrl's out-of-tree Beam class, which keeps W0 of the targeted weights. None = SGLang's own class.
+    lora: LoRAConfig | None = None
     log_level: str = "warning"
     host: str = "127.0.0.1"
     port: int = 30000
@@ -140,6 +149,9 @@ class SGLangEngineConfig:
         if self.enable_memory_saver and self.device == "cpu":
             raise SGLangConfigError(
                 "SGLangEngineConfig.enable_memory_saver=True needs CUDA (torch_memory_saver); device is 'cpu'")
+        if self.lora is not None and not isinstance(self.lora, LoRAConfig):
+            raise SGLangConfigError(f"SGLangEngineConfig.lora must be a LoRAConfig (trainer.lora), got "
+                                    f"{type(self.lora).__name__}")
         clash = set(self.server_args) & (set(self._modelled_kwargs()) | set(PLACEMENT_ARGS))
         if clash:
             raise SGLangConfigError(f"SGLangEngineConfig.server_args must not override modelled fields: "
@@ -171,7 +183,17 @@ class SGLangEngineConfig:
             kw.update(nnodes=self.nnodes, node_rank=self.node_rank, dist_init_addr=self.dist_init_addr)
         if self.base_gpu_id:
             kw["base_gpu_id"] = self.base_gpu_id
-        return {SGLANG_NAMES.get(k, k): v for k, v in kw.items()}
+        kw = {SGLANG_NAMES.get(k, k): v for k, v in kw.items()}
+        if self.lora is not None:
+            kw["json_model_override_args"] = json.dumps({LORA_FIELD: self.lora.to_dict()})
+        return kw
+
+    def launch_env(self) -> dict[str, str]:
+        """Environment variables the engine's own processes need (SGLang's hook for out-of-tree model classes,
+        set only when this engine serves LoRA adapters)."""
+        if self.lora is None:
+            return {}
+        return {"SGLANG_EXTERNAL_MODEL_PACKAGE": EXTERNAL_MODEL_PACKAGE}
 
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of the in-process `sglang.Engine` (always token ids in/out: skip_tokenizer_init)."""

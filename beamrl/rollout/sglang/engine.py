@@ -37,6 +37,7 @@ from beamrl.rollout.sglang import payloads
 from beamrl.rollout.sglang.config import SGLangEngineConfig
 from beamrl.protocols.weights import UNTOUCHED, WeightReceiver, WeightSyncError
 from beamrl.rollout.sglang.sync_guard import SGLangSyncGuard
+from beamrl.rollout.sglang.lora_status import STATUS_NAME, check_adapter_applied, decode_status
 
 _LIVE_ENGINES: "weakref.WeakSet[SGLangEngine]" = weakref.WeakSet()
 PAUSE_MODES = ("abort", "retract", "in_place")
@@ -74,7 +75,9 @@ class SGLangEngine(RolloutEngine, WeightReceiver):
         self._version = config.weight_version
         self._in_session = False
         self._guard = SGLangSyncGuard(self.name, self.beam_config, config.dtype, config.model_path,
-                                      rollback=config.device == "cpu" if rollback is None else rollback)
+                                      rollback=config.device == "cpu" if rollback is None else rollback,
+                                      lora=config.lora)
+        self._adapters_before = 0  # LoRA: adapters the model class had applied when this adapter session began
         if start:
             self.start()
 
@@ -112,7 +115,7 @@ class SGLangEngine(RolloutEngine, WeightReceiver):
 
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         t0 = time.monotonic()
-        with _stderr_to(self.log_path), _spawn_env(self.config):
+        with _stderr_to(self.log_path), _spawn_env(self.config), _environ(self.config.launch_env()):
             thread = threading.Thread(target=launch, name="sglang-engine-owner", daemon=True)
             thread.start()
             started.wait(self.start_timeout)
@@ -147,6 +150,8 @@ class SGLangEngine(RolloutEngine, WeightReceiver):
         atexit.register(self.shutdown)
         _LIVE_ENGINES.add(self)
         self.startup_seconds = time.monotonic() - t0
+        if self.config.lora is not None:
+            self._check_lora_class()
 
     @property
     def name(self) -> str:
@@ -326,6 +331,8 @@ class SGLangEngine(RolloutEngine, WeightReceiver):
 
         self._guard.begin(manifest, self._version)
         try:
+            if self._guard.adapter_session:
+                self._adapters_before = self.lora_status(timeout)["applied"]
             self._rpc("begin_weight_update", BeginWeightUpdateReqInput(selector="all"), timeout)
         except BaseException:
             self._guard.aborted("SGLang refused begin_weight_update", restored=False)
@@ -389,6 +396,8 @@ class SGLangEngine(RolloutEngine, WeightReceiver):
         the prefix cache (routes/KV of old weights). A failed commit is aborted (rolled back or unhealthy)."""
         try:
             self._guard.settle(new_version)
+            if self._guard.adapter_session:
+                self._check_adapter_merged(timeout)
         except WeightSyncError as exc:
             outcome = self.abort_weight_update(str(exc), timeout)
             raise WeightSyncError(f"{self.name}: session closed without serving version {new_version} "
@@ -403,6 +412,12 @@ class SGLangEngine(RolloutEngine, WeightReceiver):
         version change; otherwise the engine stops serving (`SGLangSyncGuard`)."""
         if self._guard.session is None:
             return UNTOUCHED
+        if self._guard.adapter_merged:
+            try:
+                if self.lora_status(timeout)["applied"] == self._adapters_before:
+                    self._guard.adapter_refused()  # nothing was merged: nothing to undo
+            except WeightSyncError:
+                pass  # cannot tell: undo as if it had been merged
         undo = self._guard.undo_buckets()
         restored = False
         if undo is not None:
@@ -445,6 +460,58 @@ class SGLangEngine(RolloutEngine, WeightReceiver):
         return digest
 
 
+    # ------------------------------------------------------------------ LoRA adapters (docs/lora.md)
+    def _check_lora_class(self) -> None:
+        """SGLang skips an out-of-tree model module that fails to import (a warning in its log) and serves its
+        own class: refuse to run a LoRA engine that way."""
+        try:
+            self.lora_status(60.0)
+        except WeightSyncError as e:
+            self.shutdown()
+            raise EngineError(f"SGLang engine started without beamrl's LoRA model class ({e}); see the engine log "
+                              f"{self.log_path}\n{log_tail(self.log_path)}") from None
+
+    def lora_status(self, timeout: float) -> dict:
+        """The LoRA state of beamrl's model class: {"adapter_id", "adapter_digest", "error", "targets", ...}."""
+        return decode_status(self._get_weights_by_name(STATUS_NAME, timeout), self.name)
+
+    def lora_effective_weight(self, name: str, timeout: float):
+        """The HF weight `name` as the engine now computes with it (rank 0's TP shard), as an FP32 tensor."""
+        import torch
+
+        out = self._get_weights_by_name(name, timeout)
+        if out is None:
+            raise WeightSyncError(f"SGLang engine: no weight {name!r}")
+        return torch.tensor(out, dtype=torch.float64).float()
+
+    def _get_weights_by_name(self, name: str, timeout: float):
+        from sglang.srt.managers.io_struct import GetWeightsByNameReqInput
+
+        tm = self._engine.tokenizer_manager if self._engine is not None else None
+        return self._run(lambda: tm.get_weights_by_name(GetWeightsByNameReqInput(name=name, truncate_size=1 << 62),
+                                                        None), timeout, "get_weights_by_name", WeightSyncError)
+
+    def _check_adapter_merged(self, timeout: float) -> None:
+        """After an adapter session's last bucket: beamrl's model class must have merged exactly one more adapter
+        and recorded no refusal (it cannot raise out of SGLang's loader)."""
+        check_adapter_applied(self.lora_status(timeout), self._adapters_before, self.name)
+
+
+@contextmanager
+def _environ(values: dict[str, str]) -> Iterator[None]:
+    """Set environment variables for the engine's spawned processes while it starts."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 @contextmanager
 def _spawn_env(config: SGLangEngineConfig) -> Iterator[None]:
     """On CPU, SGLang's spawned processes need the compat shims (beamrl.compat.sglang_cpu.spawn_env) and, with
@@ -455,17 +522,8 @@ def _spawn_env(config: SGLangEngineConfig) -> Iterator[None]:
     from beamrl.compat.sglang_cpu import spawn_env, tp_env
 
     extra = tp_env(config.base_gpu_id + config.engine_tp) if config.engine_tp > 1 else {}
-    saved = {k: os.environ.get(k) for k in extra}
-    os.environ.update(extra)
-    try:
-        with spawn_env():
-            yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    with _environ(extra), spawn_env():
+        yield
 
 
 @contextmanager

@@ -12,10 +12,12 @@ from __future__ import annotations
 from typing import Any
 
 from beamrl.models.beam.config import BeamConfig
+from beamrl.models.beam.lora_config import LoRAConfig
 from beamrl.protocols.rollout import EngineError, GenerateRequest, GenerateResult, RolloutEngine, SamplingParams
 from beamrl.rollout.sglang import payloads
 from beamrl.rollout.sglang.engine import PAUSE_MODES
 from beamrl.protocols.weights import UNTOUCHED, WeightReceiver, WeightSyncError
+from beamrl.rollout.sglang.lora_status import STATUS_NAME, check_adapter_applied, decode_status
 from beamrl.rollout.sglang.sync_guard import SGLangSyncGuard
 
 
@@ -24,7 +26,7 @@ class SGLangHTTPEngine(RolloutEngine, WeightReceiver):
 
     def __init__(self, url: str, beam_config: BeamConfig, tp_size: int = 1, weight_version: int = 0,
                  memory_saver: bool = False, server=None, dtype: str = "auto", model_path: str | None = None,
-                 rollback: bool = False, api_key: str | None = None) -> None:
+                 rollback: bool = False, api_key: str | None = None, lora: LoRAConfig | None = None) -> None:
         """`dtype`: the engine's serving dtype ('auto': the checkpoint's). `rollback` (needs `model_path`, the
         checkpoint the server started from): undo a failed weight-update session from a host mirror
         (`SGLangSyncGuard`; off by default: GPU servers hold weights too large to mirror). `api_key`: the
@@ -43,7 +45,8 @@ class SGLangHTTPEngine(RolloutEngine, WeightReceiver):
         if api_key:
             self._session.headers["Authorization"] = f"Bearer {api_key}"
         self._in_session = False
-        self._guard = SGLangSyncGuard(self.name, beam_config, dtype, model_path or "", rollback=rollback)
+        self._guard = SGLangSyncGuard(self.name, beam_config, dtype, model_path or "", rollback=rollback, lora=lora)
+        self._adapters_before = 0  # LoRA: adapters the model class had applied when this adapter session began
 
     @classmethod
     def launch(cls, config, start_timeout: float = 600.0, log_path=None) -> "SGLangHTTPEngine":
@@ -56,7 +59,7 @@ class SGLangHTTPEngine(RolloutEngine, WeightReceiver):
         server = SGLangServer(config, log_path=log_path).start(start_timeout)
         return cls(server.url, BeamConfig.from_json_file(config.model_path), tp_size=config.engine_tp,
                    weight_version=config.weight_version, memory_saver=config.enable_memory_saver, server=server,
-                   dtype=config.dtype, model_path=config.model_path, api_key=config.api_key)
+                   dtype=config.dtype, model_path=config.model_path, api_key=config.api_key, lora=config.lora)
 
     @property
     def name(self) -> str:
@@ -164,6 +167,8 @@ class SGLangHTTPEngine(RolloutEngine, WeightReceiver):
         """Check the session's manifest (`SGLangSyncGuard`), then open the server's session."""
         self._guard.begin(manifest, self._version)
         try:
+            if self._guard.adapter_session:
+                self._adapters_before = self.lora_status(timeout)["applied"]
             self._post("/begin_weight_update", {"selector": "all"}, timeout, WeightSyncError)
         except BaseException:
             self._guard.aborted("the server refused begin_weight_update", restored=False)
@@ -217,6 +222,8 @@ class SGLangHTTPEngine(RolloutEngine, WeightReceiver):
         """Commit (every bucket arrived intact), close the session, then set the version and flush the cache."""
         try:
             self._guard.settle(new_version)
+            if self._guard.adapter_session:
+                check_adapter_applied(self.lora_status(timeout), self._adapters_before, self.name)
         except WeightSyncError as exc:
             outcome = self.abort_weight_update(str(exc), timeout)
             raise WeightSyncError(f"{self.name}: session closed without serving version {new_version} "
@@ -229,6 +236,12 @@ class SGLangHTTPEngine(RolloutEngine, WeightReceiver):
     def abort_weight_update(self, reason: str, timeout: float) -> str:
         if self._guard.session is None:
             return UNTOUCHED
+        if self._guard.adapter_merged:
+            try:
+                if self.lora_status(timeout)["applied"] == self._adapters_before:
+                    self._guard.adapter_refused()  # nothing was merged: nothing to undo
+            except WeightSyncError:
+                pass  # cannot tell: undo as if it had been merged
         undo = self._guard.undo_buckets()
         restored = False
         if undo is not None:
@@ -244,6 +257,12 @@ class SGLangHTTPEngine(RolloutEngine, WeightReceiver):
         except WeightSyncError:
             restored = False
         return self._guard.aborted(reason, restored)
+
+    def lora_status(self, timeout: float) -> dict:
+        """The LoRA state of beamrl's model class (`lora_status.decode_status`)."""
+        out = self._post("/get_weights_by_name", {"name": STATUS_NAME, "truncate_size": 1 << 62}, timeout,
+                         WeightSyncError)
+        return decode_status(out, self.name)
 
     def update_weight_version(self, new_version: int, timeout: float) -> None:
         if int(new_version) < 0:

@@ -51,9 +51,10 @@ class SGLangServer:
     def _env(self) -> dict[str, str] | None:
         c = self.config
         if c.device != "cpu":
-            if c.visible_gpus is None:
-                return None
-            return dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(str(g) for g in c.visible_gpus))
+            extra = dict(c.launch_env())
+            if c.visible_gpus is not None:
+                extra["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in c.visible_gpus)
+            return {**os.environ, **extra} if extra else None
         from beamrl.compat.sglang_cpu import child_env, tp_env
 
         import torch
@@ -64,6 +65,7 @@ class SGLangServer:
         env = child_env()
         if c.engine_tp > 1:
             env.update(tp_env(c.base_gpu_id + c.tp_per_node))
+        env.update(c.launch_env())
         return env
 
     def _write_secrets(self) -> None:

@@ -15,6 +15,10 @@ how it undoes a failed session. Shared by the in-process (`engine.py`) and HTTP 
   a distributed session (whose bytes the adapter never saw), an aborted session that touched the weights leaves
   the adapter `failure` set: generate/score are refused until `update_weights_from_disk` reloads every weight (or
   the engine is restarted with the current weights).
+- LoRA (an engine launched with `SGLangEngineConfig.lora`): mode `adapter` is checked against the adapter table
+  of the engine's LoRA config; beamrl's model class stages the adapter and merges it when its last bucket
+  arrives. The adapter keeps the last committed adapter (host copies; with rollback) so that an aborted session
+  whose adapter was already merged re-sends the previous one (or a zero adapter, which merges to W0 exactly).
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ import torch
 
 from beamrl.dtypes import torch_dtype
 from beamrl.models.beam.config import BeamConfig
+from beamrl.models.beam.lora_config import LoRAConfig
+from beamrl.models.beam.lora_payload import ADAPTER, SCALE_NAME, adapter_table, scale_tensor
 from beamrl.models.beam.weights import expected_tensors
 from beamrl.protocols.flat_bucket import FlatBucket, aligned_order
 from beamrl.protocols.manifest import FULL, BucketLayout, SyncManifest
@@ -33,10 +39,16 @@ from beamrl.sync.receive_session import ManifestCache, ReceiveSession
 class SGLangSyncGuard:
     """Per-engine session checks, rollback mirror and failure state (module docstring)."""
 
-    def __init__(self, engine: str, beam_config: BeamConfig, dtype: str, checkpoint: str, rollback: bool) -> None:
+    def __init__(self, engine: str, beam_config: BeamConfig, dtype: str, checkpoint: str, rollback: bool,
+                 lora: LoRAConfig | None = None) -> None:
         self.engine = engine
         model_dtype = torch_dtype(beam_config.dtype if dtype == "auto" else dtype)
         self.table = {n: (tuple(s.shape), s.dtype(model_dtype)) for n, s in expected_tensors(beam_config).items()}
+        self.tables = {FULL: self.table}
+        self.lora = lora
+        if lora is not None:
+            self.tables[ADAPTER] = adapter_table(beam_config, lora, model_dtype)
+        self._adapter_mirror: dict[str, torch.Tensor] | None = None  # the last committed adapter (host)
         self.rollback = rollback
         self.failure: str | None = None  # set when a failed session left SGLang's weights partly updated
         self._mirror_source: str | None = checkpoint  # where the mirror is (re)loaded from, lazily
@@ -47,12 +59,13 @@ class SGLangSyncGuard:
         self._applied: list[int] = []  # buckets of this session SGLang has loaded
         self._pending: dict[str, torch.Tensor] = {}  # their new values (host copies), committed into the mirror
         self._blind = False  # a distributed bucket was loaded: the adapter never saw its bytes
+        self._adapter_refused = False  # LoRA: the model class merged nothing in this session
 
     # -- session ---------------------------------------------------------------------------------------------
     def begin(self, manifest: SyncManifest, served_version: int) -> None:
         if self.session is not None:
             raise WeightSyncError(f"{self.engine}: a weight-update session is already open")
-        self.session = ReceiveSession(self.engine, manifest, served_version, {FULL: self.table}, self._manifests)
+        self.session = ReceiveSession(self.engine, manifest, served_version, self.tables, self._manifests)
         self._applied, self._pending, self._blind = [], {}, False
         if self.rollback and self._mirror_valid and self._mirror is None:
             from beamrl.models.beam.checkpoint import load_checkpoint
@@ -76,7 +89,10 @@ class SGLangSyncGuard:
 
     def tensor_bucket_loaded(self, bucket: FlatBucket) -> None:
         self._applied.append(bucket.index)
-        if self.rollback and self._mirror is not None:
+        if self.adapter_session:
+            if self.rollback:
+                self._pending.update((n, t.detach().to("cpu", copy=True)) for n, t in bucket.unflatten())
+        elif self.rollback and self._mirror is not None:
             for name, t in bucket.unflatten():
                 self._pending[name] = t.detach().to("cpu", copy=True)
         self.session.advance()
@@ -99,7 +115,25 @@ class SGLangSyncGuard:
                                   f"for version {session.version}")
         session.settle()
 
+    @property
+    def adapter_session(self) -> bool:
+        return self.session is not None and self.session.manifest.mode == ADAPTER
+
+    @property
+    def adapter_merged(self) -> bool:
+        """Whether this adapter session's last bucket reached SGLang (beamrl's model class then merged it)."""
+        return (self.adapter_session and len(self._applied) == len(self.session.manifest.buckets)
+                and not self._adapter_refused)
+
+    def adapter_refused(self) -> None:
+        """beamrl's model class reports that it merged nothing in this session (it refused the adapter)."""
+        self._adapter_refused = True
+
     def committed(self) -> None:
+        if self.adapter_session:
+            self._adapter_mirror = dict(self._pending) if self.rollback and not self._blind else None
+            self._close()
+            return
         if self._blind:  # the mirror no longer matches what the engine serves
             self._mirror, self._mirror_valid = None, False
         elif self._mirror is not None:
@@ -111,9 +145,19 @@ class SGLangSyncGuard:
         """The buckets that restore what this session overwrote (None: it cannot be undone)."""
         if not self._applied:
             return []
+        manifest = self.session.manifest
+        if self.adapter_session:
+            if not self.adapter_merged:
+                return []  # only staged in the model class: the weights are untouched
+            if not self.rollback or self._blind:
+                return None
+            previous = self._adapter_mirror or {n: torch.zeros(shape, dtype=dt) for n, (shape, dt)
+                                                in self.tables[ADAPTER].items()}
+            previous[SCALE_NAME] = scale_tensor(self.lora)  # a zero adapter merges to W0 bit for bit
+            return [FlatBucket.from_named_tensors(aligned_order([(n, previous[n]) for n in b.names]))
+                    for b in manifest.buckets]
         if not self.rollback or self._blind or self._mirror is None:
             return None
-        manifest = self.session.manifest
         return [FlatBucket.from_named_tensors(aligned_order([(n, self._mirror[n])
                                                              for n in manifest.bucket(i).names]))
                 for i in self._applied]
@@ -121,7 +165,7 @@ class SGLangSyncGuard:
     def aborted(self, reason: str, restored: bool) -> str:
         """Close the session after `undo_buckets` were re-sent (`restored`) or could not be."""
         session = self.session
-        if not self._applied:
+        if not self._applied or (self.adapter_session and not self.adapter_merged):
             outcome = UNTOUCHED
         elif restored:
             outcome = ROLLED_BACK
@@ -134,6 +178,7 @@ class SGLangSyncGuard:
 
     def _close(self) -> None:
         self.session, self._applied, self._pending, self._blind = None, [], {}, False
+        self._adapter_refused = False
 
     def disk_loaded(self, path: str) -> None:
         """Every weight was reloaded by SGLang's own loader: serving again; the mirror is read from `path` now (a

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import Field, model_validator
 
 from beamrl.config import ConfigError, Section
+from beamrl.models.beam.lora_config import LoRAConfig
 
 if TYPE_CHECKING:
     from beamrl.models.beam.config import BeamConfig
@@ -199,6 +200,9 @@ class TrainerConfig(OptimizerConfig, ParallelConfig):
     recompute: Literal["none", "full"] = "none"
     use_fused_kernels: bool = False
     seed: int | None = Field(None, description="null = run.seed")
+    # LoRA adapters (docs/lora.md): only they train, the base is frozen, and weight syncs send only them; the
+    # engines take their targets, rank and scale from here. null = full-parameter training.
+    lora: LoRAConfig | None = None
 
     @model_validator(mode="after")
     def _check_world(self) -> "TrainerConfig":

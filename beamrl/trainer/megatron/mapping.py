@@ -33,11 +33,8 @@ Megatron-side layout (local spec, this package's modules), for global layer l on
 | output_layer.weight                                    | lm_head.weight                       | vocab rows / TP  |
 (e = ep_rank * E_local + j.)
 
-LoRA (next step): adapters wrap `linear_qkv`, `linear_proj`, `linear_fc1`, `linear_fc2` with A/B factors that
-shard like their base (column-parallel: B by output rows, A replicated; row-parallel: A by input columns, B
-replicated). Export then merges `W + B @ A * scale` per *local shard* before the same TP gather/unpacking below
-(`_LayerTensors` reads the merged local weight through `_local_weight`), and adapter-only export emits only the
-units of the targeted modules (SGLang refuses LoRA for Beam, so sync pushes merged BF16 tensors of those units).
+LoRA: adapter parameters are not HF weights; they are skipped here (this mapping moves the frozen base W0) and
+mapped by `lora_mapping.py` to PEFT-style adapter names.
 """
 
 from __future__ import annotations
@@ -104,7 +101,8 @@ def _owner_of_layers(config) -> dict[int, tuple[int, int, int]]:
 
 
 def _tensors(chunk: BeamGPTModel) -> dict[str, torch.Tensor]:
-    named = dict(chunk.named_parameters())
+    """The chunk's base tensors (LoRA adapter parameters have their own mapping, `lora_mapping.py`)."""
+    named = {n: p for n, p in chunk.named_parameters() if not getattr(p, "is_lora_adapter", False)}
     named.update(dict(chunk.named_buffers()))
     return named
 

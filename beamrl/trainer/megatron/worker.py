@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from beamrl.dtypes import RUN_DTYPES, torch_dtype
 from beamrl.models.beam.config import BeamConfig
+from beamrl.models.beam.lora_config import LoRAConfig
 from beamrl.trainer.megatron import train_step as schedule
 from beamrl.trainer.megatron.config import ParallelConfig, TrainerConfig
 from beamrl.trainer.megatron.parallel import destroy_parallel, initialize_parallel
@@ -92,7 +93,8 @@ def _beam_builder(cfg: TrainerSetup):
     from beamrl.trainer.megatron.model import beam_transformer_config, build_beam_gpt_model
 
     tconfig = beam_transformer_config(cfg.model, cfg.parallel, dtype=cfg.params_dtype,
-                                      use_fused_kernels=cfg.trainer.use_fused_kernels, recompute=cfg.trainer.recompute)
+                                      use_fused_kernels=cfg.trainer.use_fused_kernels, recompute=cfg.trainer.recompute,
+                                      lora=cfg.trainer.lora)
 
     def build(tc, pre_process: bool, post_process: bool, vp_stage: int | None):
         return build_beam_gpt_model(cfg.model, pre_process=pre_process, post_process=post_process,
@@ -431,6 +433,59 @@ class MegatronTrainer(TrainerWorker):
         from beamrl.trainer.megatron import mapping
 
         yield from mapping.export_hf_tensors(self.models, dst_rank=dst_rank)
+
+    # ------------------------------------------------------------------------------------------------ LoRA
+    @property
+    def lora(self) -> LoRAConfig | None:
+        """The trainer's LoRA config (`trainer.lora`; None: full-parameter training)."""
+        return self.config.trainer.lora
+
+    def export_lora(self, dst_rank: int = 0) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Stream the full adapter tensors (PEFT names), one list per layer (`lora_mapping.export_adapter_tensors`).
+        Collective: every rank must iterate to the end; tensors on `dst_rank` only."""
+        from beamrl.trainer.megatron import lora_mapping
+
+        yield from lora_mapping.export_adapter_tensors(self.models, dst_rank=dst_rank)
+
+    def export_lora_layout(self) -> list[list[tuple[str, tuple[int, ...], torch.dtype]]]:
+        """(name, shape, dtype) per unit of `export_lora`, the same on every rank, without communication."""
+        from beamrl.trainer.megatron import lora_mapping
+
+        return lora_mapping.export_adapter_layout(self.models)
+
+    def load_lora_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Load full adapter tensors (every rank passes the same dict) into this rank's adapter shards."""
+        from beamrl.trainer.megatron import lora_mapping
+
+        lora_mapping.load_adapter_tensors(self.models, tensors, strict=True)
+        self._sync_main_params()
+
+    def save_lora_adapter(self, directory: str | Path) -> None:
+        """Write the adapter in PEFT format (`beamrl.models.beam.peft_io`) on global rank 0. Collective."""
+        from beamrl.models.beam.peft_io import save_peft_adapter
+
+        tensors = {k: v for unit in self.export_lora() for k, v in unit}
+        if dist.get_rank() == 0:
+            save_peft_adapter(directory, tensors, self.lora, self.config.model)
+
+    def load_lora_adapter(self, directory: str | Path) -> None:
+        """Load a PEFT-format adapter (resume, evaluation); its LoRAConfig must equal the trainer's."""
+        from beamrl.models.beam.peft_io import load_peft_adapter
+
+        lora, tensors = load_peft_adapter(directory, self.config.model)
+        if self.lora is None or lora.to_dict() != self.lora.to_dict():
+            raise TrainerConfigError(f"{directory}: adapter LoRAConfig {lora.to_dict()} differs from "
+                                     f"trainer.lora {None if self.lora is None else self.lora.to_dict()}")
+        self.load_lora_state_dict(tensors)
+
+    def lora_gradients(self) -> dict[str, torch.Tensor]:
+        """Adapter gradients left by `forward_backward` as full adapter tensors on global rank 0 ({} elsewhere).
+        Needs `distributed_optimizer=False` (as `hf_gradients`). Collective."""
+        from beamrl.trainer.megatron import lora_mapping
+
+        if self.config.trainer.distributed_optimizer:
+            raise TrainerConfigError("lora_gradients needs TrainerConfig.distributed_optimizer=False")
+        return {k: v for unit in lora_mapping.export_adapter_tensors(self.models, source="main_grad") for k, v in unit}
 
     def export_hf_layout(self) -> list[list[tuple[str, tuple[int, ...], torch.dtype]]]:
         """(name, shape, dtype) per unit of `export_hf`, the same on every rank, without communication."""

@@ -87,3 +87,21 @@ def test_server_gets_its_gpus_and_cpu_tp_settings(monkeypatch):
     assert env["SGLANG_USE_CPU_ENGINE"] == "1" and env["SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK"] == "0"
     assert len(env["SGLANG_CPU_OMP_THREADS_BIND"].split("|")) == 2  # rank slots 0 and 1 (base_gpu_id 1)
     assert "SGLANG_CPU_OMP_THREADS_BIND" not in SGLangServer(SGLangEngineConfig.on_cpu("/ckpt"))._env()
+
+
+def test_lora_engine_launches_beamrls_model_class_with_the_trainers_lora_config():
+    import json
+
+    from beamrl.models.beam.lora_config import LoRAConfig
+    from beamrl.rollout.sglang.config import EXTERNAL_MODEL_PACKAGE, LORA_FIELD
+
+    lora = LoRAConfig(rank=4, alpha=8.0, targets=("self_attn.q_proj", "mlp.experts.down_proj"))
+    cfg = SGLangEngineConfig.on_cpu("/ckpt", dtype="float32", lora=lora)
+    assert json.loads(cfg.engine_kwargs()["json_model_override_args"]) == {LORA_FIELD: lora.to_dict()}
+    assert cfg.launch_env() == {"SGLANG_EXTERNAL_MODEL_PACKAGE": EXTERNAL_MODEL_PACKAGE}
+    argv = cfg.launch_argv()
+    assert json.loads(argv[argv.index("--json-model-override-args") + 1])[LORA_FIELD]["rank"] == 4
+    plain = SGLangEngineConfig.on_cpu("/ckpt", dtype="float32")
+    assert "json_model_override_args" not in plain.engine_kwargs() and plain.launch_env() == {}
+    with pytest.raises(SGLangConfigError, match="lora"):
+        SGLangEngineConfig(model_path="/ckpt", lora={"rank": 4})

@@ -23,6 +23,7 @@ import torch
 from megatron.core.transformer import TransformerConfig
 
 from beamrl.models.beam.config import BeamConfig
+from beamrl.models.beam.lora_config import LoRAConfig
 from beamrl.trainer.megatron.config import ParallelConfig
 
 
@@ -33,10 +34,12 @@ class BeamTransformerConfig(TransformerConfig):
     beam: the HF `BeamConfig` (layer types, window, residual scales, routing, softcap).
     use_fused_kernels: modules call `beamrl.kernels.ops` with the fused backends ("triton" / "flex") instead of
         "eager". CPU must use False.
+    lora: LoRA adapters on the targeted projections (`beamrl.trainer.megatron.model.lora`); None = full training.
     """
 
     beam: Optional[BeamConfig] = None
     use_fused_kernels: bool = False
+    lora: Optional[LoRAConfig] = None
 
     @property
     def kernel_backend(self) -> str:

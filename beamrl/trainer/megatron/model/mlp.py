@@ -17,15 +17,17 @@ class BeamDenseMLP(MegatronModule):
     then its shard of up_proj); `linear_fc2` is row-parallel (down_proj). Builder signature of Megatron's
     `MlpBuilder`: `(config=, pg_collection=, is_mtp_layer=, name=)`."""
 
-    def __init__(self, config, pg_collection=None, is_mtp_layer: bool = False, name=None, **_unused):
+    def __init__(self, config, pg_collection=None, is_mtp_layer: bool = False, name=None,
+                 linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear, **_unused):
+        """linear_fc1 / linear_fc2: the linear classes (the spec passes LoRA ones for adapted projections)."""
         super().__init__(config=config)
         beam = config.beam
         tp_group = pg_collection.tp if pg_collection is not None else None
-        self.linear_fc1 = ColumnParallelLinear(
+        self.linear_fc1 = linear_fc1(
             beam.hidden_size, 2 * beam.intermediate_size, config=config, init_method=config.init_method,
             gather_output=False, bias=False, skip_bias_add=True, is_expert=False, tp_comm_buffer_name="fc1",
             tp_group=tp_group)
-        self.linear_fc2 = RowParallelLinear(
+        self.linear_fc2 = linear_fc2(
             beam.intermediate_size, beam.hidden_size, config=config, init_method=config.output_layer_init_method,
             bias=False, input_is_parallel=True, skip_bias_add=True, is_expert=False, tp_comm_buffer_name="fc2",
             tp_group=tp_group)

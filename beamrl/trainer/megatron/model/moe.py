@@ -99,6 +99,10 @@ class BeamExperts(MegatronModule):
             init(p.data)
             setattr(p, "allreduce", False)  # expert-parallel param: reduced over the expert-DP group
 
+    def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up [E_local, 2I, H], down [E_local, H, I]) as the forward uses them (LoRA merges here)."""
+        return self.gate_up_weight, self.down_weight
+
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
         """Both weights split over EP along dim 0 (global expert id `first + e`), one main replica per expert-DP
         group. The default would store this rank's experts as if they were all of them."""
@@ -109,8 +113,8 @@ class BeamExperts(MegatronModule):
 
     def combined(self, x, ids, weights, scaling: float) -> torch.Tensor:
         """All experts local (EP = 1): `bf16(scaling * sum_k y_k)` in slot order (`ops.grouped_experts`)."""
-        return ops.grouped_experts(x, ids, weights, self.gate_up_weight, self.down_weight, scaling,
-                                   backend=self.config.kernel_backend)
+        gate_up, down = self.expert_weights()
+        return ops.grouped_experts(x, ids, weights, gate_up, down, scaling, backend=self.config.kernel_backend)
 
     def pair_outputs(self, x, local_expert, weights) -> torch.Tensor:
         """Per (token, slot) pair routed to a local expert: `y = bf16(w * acc_fp32(down(bf16(silu(g) * u))))`
@@ -118,22 +122,23 @@ class BeamExperts(MegatronModule):
         FP32 [m]. Returns [m, H] in x's dtype. With fused kernels: two `torch._grouped_mm` GEMMs, whose BF16 output
         rounds the down accumulator once before the weight (the deviation documented for
         `ops.grouped_experts(backend="triton")`)."""
-        I = self.gate_up_weight.shape[1] // 2
+        gate_up_weight, down_weight = self.expert_weights()
+        I = gate_up_weight.shape[1] // 2
         order = torch.argsort(local_expert, stable=True)
         xs, es, ws = x[order], local_expert[order], weights[order]
         counts = torch.bincount(es, minlength=self.num_local)
         if self.config.use_fused_kernels:
             offs = torch.cumsum(counts, 0).to(torch.int32)
-            gate_up = torch._grouped_mm(xs, self.gate_up_weight.transpose(-2, -1), offs=offs)
+            gate_up = torch._grouped_mm(xs, gate_up_weight.transpose(-2, -1), offs=offs)
             act = numerics.swiglu(gate_up[:, :I], gate_up[:, I:])
-            down = torch._grouped_mm(act, self.down_weight.transpose(-2, -1), offs=offs)
+            down = torch._grouped_mm(act, down_weight.transpose(-2, -1), offs=offs)
             ys = (down.float() * ws.float().unsqueeze(-1)).to(x.dtype)
         else:
             parts, start = [], 0
             for e, n in enumerate(counts.tolist()):
                 if n:
-                    gu = self.gate_up_weight[e]
-                    parts.append(numerics.expert_output(xs[start:start + n], gu[:I], gu[I:], self.down_weight[e],
+                    gu = gate_up_weight[e]
+                    parts.append(numerics.expert_output(xs[start:start + n], gu[:I], gu[I:], down_weight[e],
                                                         ws[start:start + n]))
                 start += n
             ys = torch.cat(parts) if parts else x.new_zeros(0, x.shape[1])
@@ -157,7 +162,10 @@ class BeamMoELayer(MegatronModule):
     Builder signature of Megatron's `MlpBuilder`; `set_layer_number` (called by `TransformerLayer`) tells the
     layer its global id, used to pick its column of `BeamPackedSeqParams.routes` / `recorded`."""
 
-    def __init__(self, config, pg_collection=None, is_mtp_layer: bool = False, name=None, **_unused):
+    def __init__(self, config, pg_collection=None, is_mtp_layer: bool = False, name=None, experts=None,
+                 **_unused):
+        """experts: builder `(config, num_local, first_expert)` of the experts module (default `BeamExperts`;
+        the spec passes LoRA experts when experts are adapted)."""
         super().__init__(config=config)
         beam = config.beam
         self.scaling = beam.routed_scaling_factor
@@ -167,7 +175,7 @@ class BeamMoELayer(MegatronModule):
         ep_rank = self.ep_group.rank()
         num_local = beam.num_experts // self.ep_size
         self.router = BeamRouter(config)
-        self.experts = BeamExperts(config, num_local, ep_rank * num_local)
+        self.experts = (experts or BeamExperts)(config, num_local, ep_rank * num_local)
         self.layer: Optional[int] = None
 
     def set_layer_number(self, layer_number: int) -> None:

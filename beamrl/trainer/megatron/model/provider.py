@@ -26,6 +26,7 @@ from beamrl.models.beam import numerics
 from beamrl.models.beam.config import BeamConfig
 from beamrl.trainer.megatron.config import ParallelConfig
 from beamrl.trainer.megatron.model.config_bridge import BeamTransformerConfig, beam_transformer_config
+from beamrl.trainer.megatron.model.lora import freeze_base
 from beamrl.trainer.megatron.model.spec import beam_block_spec
 
 
@@ -72,9 +73,12 @@ def build_beam_gpt_model(config: BeamConfig, *, params_dtype: torch.dtype = torc
             use_fused_kernels=use_fused_kernels, recompute=recompute)
     if transformer_config.beam is None:
         raise ValueError("transformer_config.beam is None: build it with beam_transformer_config(config, ...)")
-    return BeamGPTModel(
+    model = BeamGPTModel(
         config=transformer_config,
         transformer_layer_spec=beam_block_spec(transformer_config, vp_stage=vp_stage),
         vocab_size=config.vocab_size, max_sequence_length=config.max_position_embeddings,
         pre_process=pre_process, post_process=post_process, parallel_output=True,
         share_embeddings_and_output_weights=False, position_embedding_type="none", vp_stage=vp_stage)
+    if transformer_config.lora is not None:
+        freeze_base(model)  # before DDP and the optimizer see the parameters: only adapters train
+    return model

@@ -10,6 +10,9 @@ the router's `expert_bias` buffer, and wrong for three Beam tensors, which these
 - `mlp.experts.gate_up_weight` / `down_weight` [E_local, ...]: split over EP along dim 0 (global expert id) and
   replicated over the expert-data-parallel group.
 
+LoRA adapter factors (`model/lora.py`) are described by their modules with the same helpers: a factor split over
+TP (B of a column-parallel base, A of a row-parallel one) along its split dim, expert factors over EP.
+
 With correct global offsets and replica ids, a checkpoint written at one TP/EP/PP/DP layout loads at another.
 """
 
@@ -38,10 +41,12 @@ def glu_fc1(sharded: ShardedTensor, sharded_offsets: tuple, metadata: dict | Non
                                         dp_group=metadata["dp_cp_group"])
 
 
-def ep_sharded(param: torch.Tensor, key: str, sharded_offsets: tuple, ep_rank: int, ep_size: int) -> ShardedTensor:
-    """`param` [E_local, ...] holding experts `ep_rank * E_local ...`: split over EP along dim 0, one main replica
-    per expert-data-parallel group (Beam supports etp = 1 only, so experts are never split over TP)."""
+def ep_sharded(param: torch.Tensor, key: str, sharded_offsets: tuple, ep_rank: int, ep_size: int,
+               axis: int = 0) -> ShardedTensor:
+    """`param` [E_local, ...] holding experts `ep_rank * E_local ...`: split over EP along dim 0 (`axis`: another
+    dim, e.g. the columns of a LoRA A shared by the experts), one main replica per expert-data-parallel group
+    (Beam supports etp = 1 only, so experts are never split over TP)."""
     n = len(sharded_offsets)
     return ShardedTensor.from_rank_offsets(
-        key, param, *sharded_offsets, (n, ep_rank, ep_size),
+        key, param, *sharded_offsets, (n + axis, ep_rank, ep_size),
         replica_id=(0, 0, parallel_state.get_expert_data_parallel_rank()), prepend_axis_num=n)
