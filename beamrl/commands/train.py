@@ -1,7 +1,8 @@
 """`beamrl train RECIPE [key=value ...] [--dry-run] [--resume | --overwrite] [--verbose]`: run (or only check) a
 recipe. The first line is printed before anything heavy is imported; every start-up failure a user can cause (a
 recipe field, the checkpoint's tensors, the tokenizer, the data source, a reward import, the output directory,
-the resume point) is one line on stderr naming the field, exit 2, with nothing written."""
+the resume point) is one line on stderr naming the field, exit 2, with nothing written. A trainer rank that dies
+during the run is one line naming the rank, where it ran and the checkpoint to resume from, exit 1."""
 
 from __future__ import annotations
 
@@ -63,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
     say(f"run {recipe.run.name}: {recipe.run.num_steps} steps, outputs in {recipe.run.resolved_output_dir}")
     try:  # imported here: the loop pulls in Ray, Megatron and SGLang, which --dry-run never needs
         from beamrl.loop import run_training
+        from beamrl.loop.driver import TrainerRankLost
     except ImportError as e:
         if e.name in (None, "beamrl.loop") or "run_training" in str(e):
             raise NotImplementedError(f"beamrl.loop.run_training is not available ({e}); only --dry-run works") \
@@ -73,4 +75,7 @@ def run(args: argparse.Namespace) -> int:
     except RecipeError as e:  # what only a run checks: files, tokenizer, data, rewards, output directory, resume
         print(f"beamrl train: {e}", file=sys.stderr)
         return 2
+    except TrainerRankLost as e:
+        print(f"beamrl train: {e}", file=sys.stderr)  # one line: the rank, where it ran, the checkpoint
+        return 1
     return result if isinstance(result, int) else 0

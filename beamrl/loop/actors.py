@@ -56,6 +56,10 @@ class TrainerActor:
                 reserved.close()
         return True
 
+    def pid(self) -> int:
+        """This rank's OS process (logged at start-up, so an operator can find it)."""
+        return os.getpid()
+
     def data_parallel_rank(self) -> tuple[int, int]:
         """(dp rank, dp size) of this rank: which share of a step's micro-batches it trains on."""
         from megatron.core import parallel_state as ps
@@ -90,6 +94,14 @@ class TrainerActor:
     def save_lora_adapter(self, out_dir: str) -> str | None:
         self.trainer.save_lora_adapter(out_dir)  # collective; rank 0 writes
         return out_dir if self.rank == 0 else None
+
+    def sync_restarted(self, *, receivers: list, engine_names: list[str], engine_tp: list[int], index: int,
+                       request):
+        """Collective over trainer ranks: bring restarted engine `index` to `request.version` through the same
+        orchestrator (a subset sync; `beamrl.loop.weight_sync.resync_on_rank`)."""
+        from beamrl.loop.weight_sync import resync_on_rank
+
+        return resync_on_rank(self.trainer, self.rank, receivers, engine_names, engine_tp, index, request)
 
     def export_hf_checkpoint(self, out_dir: str) -> str | None:
         from beamrl.loop.weight_sync import save_hf_export
@@ -137,6 +149,10 @@ class EngineActor:
 
     def ready(self) -> bool:
         return True
+
+    def pid(self) -> int:
+        """This node process's OS process id (logged at start-up and at each restart)."""
+        return os.getpid()
 
     def tp_size(self) -> int:
         return self.engine.tp_size

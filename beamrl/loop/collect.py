@@ -49,6 +49,8 @@ class RolloutCollector:
 
     def start(self, step: int) -> PendingRollout:
         r = self.run.recipe
+        if self.engines.recovery is not None:  # a call boundary: restart dead engines before submitting
+            self.engines.recovery.check()
         data_state = self.run.data.state_dict()
         prompts = self.run.data.next_batch(r.rollout.prompts_per_step)
         groups = S.make_requests(prompts, r.rollout, r.run.seed, step, 0, self.run.stop_ids,
@@ -83,6 +85,8 @@ class RolloutCollector:
         metrics.update({"time/rollout_s": gen_s, "time/rollout_wait_s": wait_s,
                         "throughput/rollout_tokens_per_s": n_tokens / max(gen_s, 1e-9),
                         "rollout/weight_version": float(min(x.result.weight_version for x in rollouts))})
+        recovery = self.engines.recovery  # restarts while this batch was generated (dynamic sampling included)
+        metrics["engine/restarts"] = float(recovery.take_restarts() if recovery is not None else 0)
         return RolloutBatch(rollouts, metrics)
 
     def _dynamic_sampling(self, rollouts: list[Rollout], pending: PendingRollout):

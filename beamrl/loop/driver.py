@@ -15,7 +15,8 @@ from pathlib import Path
 from beamrl.cluster.report import format_placement
 from beamrl.loop.checkpoints import RunCheckpoints, published, restore_driver_state, save_due, step_of
 from beamrl.loop.collect import PendingRollout, RolloutBatch, RolloutCollector
-from beamrl.loop.groups import EngineGroup, TrainerGroup
+from beamrl.loop.engine_recovery import EngineRecovery
+from beamrl.loop.groups import EngineGroup, TrainerGroup, TrainerRankError
 from beamrl.loop.log import log
 from beamrl.loop.run_dir import plan_start
 from beamrl.loop.samples import completion_samples
@@ -24,10 +25,15 @@ from beamrl.loop.setup import (Resources, RunContext, check_launchable, prepare_
 from beamrl.loop.sft import sft_warm_start
 from beamrl.loop.summary import plot_and_summarize
 from beamrl.loop.train import train_on_rollouts
-from beamrl.loop.weight_update import SyncProbe, publish_weights, release_engine_memory, sync_probe
+from beamrl.loop.weight_update import SyncProbe, publish_weights, release_engine_memory, resync_engine, sync_probe
 from beamrl.metrics import keys
 from beamrl.metrics.samples import samples_due
 from beamrl.recipe.schema import Recipe
+
+
+class TrainerRankLost(RuntimeError):
+    """A trainer rank died: the run stopped; the one-line message names the rank and the checkpoint to resume from
+    (`beamrl train` prints it and exits 1)."""
 
 
 class RLDriver:
@@ -86,16 +92,32 @@ class RLDriver:
             reference = str(sft_out) if r.sft is not None and (sft_out / "config.json").exists() else policy
             self.reference = self._own("reference", start_trainer(run, reference, reference=True))
         self.engines = self._own("engines", start_engines(run, policy))
+        EngineRecovery(self.engines, self._resync_engine, max_restarts=r.rollout.max_engine_restarts,
+                       interval_s=r.rollout.health_check_interval_s, health_timeout_s=r.timeouts.health_s, log=log)
         self.collector = RolloutCollector(run, self.engines)
         if r.sync.verify:
             self.probe = sync_probe(run.data, run.tokenizer, r.model.dtype, r.rollout.engine)
-        start_step = self._resume() if run.resume_dir is not None else 0
-        log(f"training steps {start_step + 1}..{r.run.num_steps} (one line per step; sampled completions every "
-            f"{r.logging.samples.every_n_steps} steps)" if r.logging.samples.every_n_steps else
-            f"training steps {start_step + 1}..{r.run.num_steps} (one line per step)")
-        self._steps(start_step)
-        self._finish(time.perf_counter() - t0)
+        try:
+            start_step = self._resume() if run.resume_dir is not None else 0
+            log(f"training steps {start_step + 1}..{r.run.num_steps} (one line per step; sampled completions every "
+                f"{r.logging.samples.every_n_steps} steps)" if r.logging.samples.every_n_steps else
+                f"training steps {start_step + 1}..{r.run.num_steps} (one line per step)")
+            self._steps(start_step)
+            self._finish(time.perf_counter() - t0)
+        except TrainerRankError as e:
+            raise self._rank_lost(e) from None
         return run.out_dir
+
+    def _rank_lost(self, err: TrainerRankError) -> TrainerRankLost:
+        """A dead trainer rank ends the run: the ranks are killed at once (live ones may be blocked in a collective
+        with it; the engines are shut down on the way out) and the message says where to resume from."""
+        self.trainer.kill()
+        if self.reference is not None:
+            self.reference.kill()
+        last = published(self.ctx.checkpoint_root)
+        where = (f"resume from checkpoint {last[-1]} with `beamrl train <recipe> --resume`" if last else
+                 f"no checkpoint under {self.ctx.checkpoint_root} yet: start the run again")
+        return TrainerRankLost(f"{err}; {where}")
 
     def _steps(self, start_step: int) -> None:
         """The RL loop, one step per iteration (see the module docstring)."""
@@ -131,6 +153,11 @@ class RLDriver:
         return train_on_rollouts(batch.rollouts, trainer=self.trainer, reference=self.reference,
                                  trainer_config=r.trainer, algorithm=r.algorithm, temperature=r.rollout.temperature,
                                  model=self.ctx.model, replay=self.ctx.routing_replay)
+
+    def _resync_engine(self, index: int) -> None:
+        """Bring restarted engine `index` to the weights the others serve (`EngineRecovery`'s resync)."""
+        r = self.recipe
+        resync_engine(self.trainer, self.engines, index, self.version, r.sync, r.timeouts.sync_s, self.probe)
 
     def _publish(self, version: int, staged: bool) -> dict[str, float]:
         metrics = publish_weights(self.trainer, self.engines, version, self.recipe.sync, self.recipe.timeouts.sync_s,

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-import itertools
+import time
+from dataclasses import dataclass, field
 
 import ray
 
@@ -10,6 +11,11 @@ from beamrl.cluster.placement import sync_rank_offsets
 from beamrl.loop.actors import EngineActor, TrainerActor, TrainerRankSpec
 from beamrl.loop.ray_utils import ActorCallError, ray_get
 from beamrl.protocols.rollout import EngineError, GenerateRequest, GenerateResult
+from beamrl.rollout.router import EngineRouter
+
+#: After one trainer rank's call failed, how long the others get to report a dead rank (the usual root cause of a
+#: failed collective on a live rank), so the message names the rank that died.
+RANK_DEATH_GRACE_S = 10.0
 
 
 def shutdown_actors(actors: list, names: list[str]) -> None:
@@ -25,12 +31,29 @@ def shutdown_actors(actors: list, names: list[str]) -> None:
             pass
 
 
+class TrainerRankError(ActorCallError):
+    """A trainer rank died (or its call failed) during a collective call; names the rank and where it ran."""
+
+    def __init__(self, message: str, rank: int, label: str):
+        super().__init__(message)
+        self.rank, self.label = rank, label
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return " ".join(text.splitlines()[0].split()) if text else type(err).__name__
+
+
 class TrainerGroup:
-    """All Megatron ranks of the policy. Every call goes to every rank (SPMD); rank 0's answer is returned."""
+    """All Megatron ranks of the policy. Every call goes to every rank (SPMD); rank 0's answer is returned.
+
+    A rank that dies ends the call at once (not at its timeout: the live ranks may be blocked in a collective with
+    it) with a `TrainerRankError` naming the rank and `labels[rank]` (its placement, e.g. node and GPU)."""
 
     def __init__(self, setup, hf_checkpoint: str, world_size: int, timeout: float,
-                 actor_options: list[dict], num_threads: int = 1):
+                 actor_options: list[dict], num_threads: int = 1, labels: list[str] | None = None):
         self.timeout = timeout
+        self.labels = labels or [f"rank {r}" for r in range(world_size)]
         self.actors = [TrainerActor.options(**actor_options[r]).remote(num_threads=num_threads)
                        for r in range(world_size)]
         addr, port = ray_get(self.actors[0].rendezvous_address.remote(), timeout, "trainer rank 0 address")
@@ -42,7 +65,66 @@ class TrainerGroup:
         self.dp_size = dp[0][1]
 
     def _all(self, what: str, timeout: float | None, fn):
-        return ray_get([fn(a) for a in self.actors], timeout or self.timeout, f"trainer.{what}")
+        return self._gather([fn(a) for a in self.actors], timeout or self.timeout, f"trainer.{what}")
+
+    def _gather(self, refs: list, timeout: float, what: str) -> list:
+        """Every rank's answer, in rank order; the first failure raises at once (`TrainerRankError`), preferring a
+        rank whose process died over a live rank whose collective broke because of it."""
+        pending = {ref: r for r, ref in enumerate(refs)}
+        out: list = [None] * len(refs)
+        deadline = time.monotonic() + timeout
+        while pending:
+            left = deadline - time.monotonic()
+            ready = ray.wait(list(pending), num_returns=1, timeout=max(left, 0.0))[0] if left > 0 else []
+            if not ready:
+                ranks = sorted(pending.values())
+                raise TrainerRankError(f"{what}: trainer rank(s) {', '.join(self._name(r) for r in ranks)} gave no "
+                                       f"answer within {timeout:.0f} s", ranks[0], self.labels[ranks[0]])
+            for ref in ready:
+                r = pending.pop(ref)
+                try:
+                    out[r] = ray.get(ref, timeout=0)
+                except ray.exceptions.RayActorError as e:
+                    raise self._rank_error(r, what, e, died=True) from None
+                except ray.exceptions.RayTaskError as e:
+                    raise self._dead_rank_among(pending, what) or self._rank_error(r, what, e, died=False) from None
+        return out
+
+    def _name(self, rank: int) -> str:
+        return f"{rank} ({self.labels[rank]})"
+
+    def _rank_error(self, rank: int, what: str, err: BaseException, died: bool) -> TrainerRankError:
+        cause = getattr(err, "cause", None) or err
+        how = "died" if died else f"failed ({type(cause).__name__})"
+        return TrainerRankError(f"trainer rank {self._name(rank)} {how} during {what}: {_first_line(cause)}", rank,
+                                self.labels[rank])
+
+    def _dead_rank_among(self, pending: dict, what: str) -> TrainerRankError | None:
+        if not pending:
+            return None
+        ready = ray.wait(list(pending), num_returns=len(pending), timeout=RANK_DEATH_GRACE_S)[0]
+        for ref in ready:
+            try:
+                ray.get(ref, timeout=0)
+            except ray.exceptions.RayActorError as e:
+                return self._rank_error(pending[ref], what, e, died=True)
+            except Exception:  # noqa: BLE001 - another live rank's failure: the first one is reported
+                pass
+        return None
+
+    def pids(self) -> list[int]:
+        """Each rank's OS process id (logged at start-up)."""
+        return self._gather([a.pid.remote() for a in self.actors], self.timeout, "trainer.pid")
+
+    def kill(self) -> None:
+        """End every rank now, without the polite shutdown (live ranks may be blocked in a collective with a dead
+        one; asking them first would wait out each call's limit)."""
+        for a in self.actors:
+            try:
+                ray.kill(a)
+            except Exception:  # noqa: BLE001 - already dead
+                pass
+        self.actors = []
 
     def compute_logprobs(self, batch, temperature: float, replay: bool, return_entropy: bool = False):
         return self._all("compute_logprobs", None, lambda a: a.compute_logprobs.remote(
@@ -57,8 +139,8 @@ class TrainerGroup:
                              f"data-parallel ranks")
         per = len(micro_batches) // self.dp_size
         shares = [micro_batches[d * per:(d + 1) * per] for d in range(self.dp_size)]
-        return ray_get([a.train_step.remote(shares[d], loss_fn=loss_fn, replay=replay, temperature=temperature)
-                        for a, d in zip(self.actors, self.dp_ranks)], self.timeout, "trainer.train_step")[0]
+        return self._gather([a.train_step.remote(shares[d], loss_fn=loss_fn, replay=replay, temperature=temperature)
+                             for a, d in zip(self.actors, self.dp_ranks)], self.timeout, "trainer.train_step")[0]
 
     # Checkpoint calls wait up to `timeout_s` inside the ranks; the actor call gets a minute more.
     def save_checkpoint(self, directory: str, async_save: bool, timeout_s: float) -> None:
@@ -84,6 +166,13 @@ class TrainerGroup:
         """Write the trainer's LoRA adapter in PEFT format (docs/lora.md) into `out_dir`; returns it."""
         return self._all("save_lora_adapter", None, lambda a: a.save_lora_adapter.remote(out_dir=out_dir))[0]
 
+    def sync_restarted(self, engines: "EngineGroup", index: int, request) -> dict:
+        """Bring restarted engine `index` to `request.version` (a subset sync through the same orchestrator)."""
+        wait = request.timeout * 4 + 60
+        return self._all("sync_restarted", wait, lambda a: a.sync_restarted.remote(
+            receivers=engines.actors, engine_names=engines.names, engine_tp=engines.tp_sizes, index=index,
+            request=request))[0]
+
     def export_hf_checkpoint(self, out_dir: str) -> str:
         return self._all("export_hf_checkpoint", None, lambda a: a.export_hf_checkpoint.remote(out_dir=out_dir))[0]
 
@@ -92,10 +181,52 @@ class TrainerGroup:
         self.actors = []
 
 
+@dataclass
+class PendingGenerate:
+    """A rollout in flight (`EngineGroup.generate_async`): the flat requests, their group keys and sizes, the
+    results so far, and the calls in flight (ref -> (engine, request positions, deadline))."""
+
+    requests: list[GenerateRequest]
+    keys: list[int]
+    group_sizes: list[int]
+    timeout: float
+    results: list = field(default_factory=list)
+    inflight: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.results = [None] * len(self.requests)
+
+
+class EngineHandle:
+    """Engine `index` of an `EngineGroup` as the router and the health monitor see an engine (`generate`,
+    `health`, `shutdown`); it follows the engine across restarts (the group holds the current actors)."""
+
+    def __init__(self, group: "EngineGroup", index: int):
+        self.group, self.index = group, index
+
+    @property
+    def name(self) -> str:
+        return self.group.names[self.index]
+
+    def generate(self, requests: list[GenerateRequest], timeout: float) -> list[GenerateResult]:
+        return ray_get(self.group.nodes[self.index][0].call.remote("generate", requests=requests, timeout=timeout),
+                       timeout + 30, f"{self.name}.generate")
+
+    def health(self, timeout: float) -> bool:
+        return self.group.engine_health(self.index, timeout)
+
+    def shutdown(self) -> None:
+        self.group.stop_engine(self.index)
+
+
 class EngineGroup:
     """Rollout engines as actors: one `EngineActor` per node of each engine. All API traffic (generation, scoring,
     weight updates) goes to each engine's leader (node rank 0, `actors`); the other nodes (`followers`) are
-    watched for liveness. Requests of one prompt group go to one engine (prefix-cache affinity).
+    watched for liveness. Requests go through the router (`beamrl.rollout.router.EngineRouter`, one
+    `EngineHandle` per engine): the requests of one prompt group go to one healthy engine (prefix-cache affinity).
+    With `recovery` set (the RL loop's `beamrl.loop.engine_recovery.EngineRecovery`), an engine that fails or
+    stops answering while a rollout waits on it is restarted and resynced, and its requests are re-issued
+    unchanged (same seeds); without it, the failure raises `ActorCallError` naming the engine.
 
     Start-up has two phases: every node actor reserves its address and ports, then all nodes of every engine
     start together, each told the leader's meeting point (`dist_init_addr`). `engines[k]` lists engine k's node
@@ -106,11 +237,13 @@ class EngineGroup:
         self.factories, self.node_options = engines, node_options
         self.names = [nodes[0].name for nodes in engines]
         self.nodes: list[list] = [[] for _ in engines]
+        self.recovery = None  # `EngineRecovery`, set by the RL loop
         try:
             self._start(list(range(len(engines))))
         except BaseException:
             self.shutdown()  # the servers that did start must not outlive a failed start-up
             raise
+        self.router = EngineRouter([EngineHandle(self, k) for k in range(len(engines))])
 
     @property
     def actors(self) -> list:
@@ -143,6 +276,26 @@ class EngineGroup:
         if self.tp_sizes != planned:
             raise EngineError(f"engines report TP sizes {self.tp_sizes}, the plan has {planned} (rollout.engine_tp)")
 
+    def restart_engine(self, k: int) -> None:
+        """Start engine `k` again (all its nodes, through the same two-phase start on the same placement-group
+        bundles) after `stop_engine(k)`; on failure whatever started is stopped again."""
+        try:
+            self._start([k])
+        except BaseException:
+            self.stop_engine(k)
+            raise
+
+    def stop_engine(self, k: int) -> None:
+        """Shut engine `k` down (leader first, then its followers) and kill its actors; a dead one is skipped."""
+        nodes, self.nodes[k] = self.nodes[k], []
+        if nodes:
+            name = self.names[k]
+            shutdown_actors(nodes, [name] + [f"{name}/node{j}" for j in range(1, len(nodes))])
+
+    def pids(self, k: int) -> list[int]:
+        """The OS process of each node actor of engine `k` (node-rank order)."""
+        return ray_get([a.pid.remote() for a in self.nodes[k]], self.timeout, f"{self.names[k]}.pid")
+
     @property
     def rank_offsets(self) -> list[int]:
         """Each engine's first rank in the weight-update group (`sync_rank_offsets`: the trainer is rank 0, engine
@@ -155,40 +308,89 @@ class EngineGroup:
 
     def health(self, timeout: float) -> list[bool]:
         """Per engine: its leader and every follower answer `health` within `timeout` s (a dead actor: False)."""
-        refs = [[a.health.remote(timeout) for a in nodes] for nodes in self.nodes]
-        out = []
-        for name, rs in zip(self.names, refs):
-            try:
-                out.append(all(ray_get(rs, timeout + 30, f"{name}.health")))
-            except Exception:  # noqa: BLE001 - any failure to answer is "not healthy"
-                out.append(False)
+        return [self.engine_health(k, timeout) for k in range(len(self.nodes))]
+
+    def engine_health(self, k: int, timeout: float) -> bool:
+        """Engine `k`'s leader and every follower answer `health` within `timeout` s (stopped or dead: False)."""
+        if not self.nodes[k]:
+            return False
+        try:
+            return all(ray_get([a.health.remote(timeout) for a in self.nodes[k]], timeout + 30,
+                               f"{self.names[k]}.health"))
+        except Exception:  # noqa: BLE001 - any failure to answer is "not healthy"
+            return False
+
+    def generate_async(self, groups: list[list[GenerateRequest]], timeout: float) -> "PendingGenerate":
+        """Submit every group (the router picks a healthy engine per group) and return a handle for `collect`."""
+        requests = [req for group in groups for req in group]
+        keys = [g for g, group in enumerate(groups) for _ in group]
+        pending = PendingGenerate(requests, keys, [len(g) for g in groups], timeout)
+        self._submit(pending, list(range(len(requests))))
+        return pending
+
+    def _submit(self, pending: "PendingGenerate", positions: list[int]) -> None:
+        plan = self.router.assign([pending.requests[p] for p in positions], [pending.keys[p] for p in positions])
+        for e, idx in sorted(plan.items()):
+            mine = [positions[i] for i in idx]
+            ref = self.nodes[e][0].call.remote("generate", requests=[pending.requests[p] for p in mine],
+                                               timeout=pending.timeout)
+            pending.inflight[ref] = (e, mine, time.monotonic() + pending.timeout + 30)
+
+    def collect(self, pending: "PendingGenerate") -> list[list[GenerateResult]]:
+        """Wait for every request of `pending`; results grouped as submitted. While waiting, engines with requests
+        in flight are health-checked every `recovery.interval_s`; a failed engine is recovered (restart, resync,
+        re-issue) when `recovery` is set, else the call raises naming it."""
+        while pending.inflight:
+            failed = self._wait_round(pending)
+            if not failed:
+                continue
+            if self.recovery is None:
+                e, (reason, _) = next(iter(failed.items()))
+                raise ActorCallError(f"{reason}{self._dead_followers(e)}")
+            lost = sorted(p for _, positions in failed.values() for p in positions)
+            self.recovery.recover({e: reason for e, (reason, _) in failed.items()})
+            self._submit(pending, lost)  # the same requests (same seeds) on healthy engines
+        out, start = [], 0
+        for n in pending.group_sizes:
+            out.append(pending.results[start:start + n])
+            start += n
         return out
 
-    def generate_async(self, groups: list[list[GenerateRequest]], timeout: float):
-        """Submit every group (round-robin over engines) and return a handle for `collect`."""
-        per_engine: list[list[GenerateRequest]] = [[] for _ in self.actors]
-        placement = []
-        for gi, (group, e) in enumerate(zip(groups, itertools.cycle(range(len(self.actors))))):
-            placement.append((e, len(per_engine[e]), len(group)))
-            per_engine[e].extend(group)
-        refs = [a.call.remote("generate", requests=reqs, timeout=timeout) if reqs else None
-                for a, reqs in zip(self.actors, per_engine)]
-        return refs, placement, timeout
-
-    def collect(self, handle) -> list[list[GenerateResult]]:
-        refs, placement, timeout = handle
-        results = []
-        for e, (r, n) in enumerate(zip(refs, self.names)):
+    def _wait_round(self, pending: "PendingGenerate") -> dict[int, tuple[str, list[int]]]:
+        """Wait until an answer arrives, a deadline passes or a health round is due; returns the engines that failed
+        (engine -> (reason, the positions they lost))."""
+        now = time.monotonic()
+        interval = self.recovery.interval_s if self.recovery is not None else float("inf")
+        wait_s = max(0.0, min(interval, min(d for _, _, d in pending.inflight.values()) - now))
+        ready = ray.wait(list(pending.inflight), num_returns=1, timeout=wait_s)[0]
+        failed: dict[int, tuple[str, list[int]]] = {}
+        for ref in ready:
+            e, positions, _ = pending.inflight.pop(ref)
             try:
-                results.append(ray_get(r, timeout + 30, f"{n}.generate") if r is not None else [])
-            except ActorCallError as err:  # a dead follower node is the likely cause: name it
-                raise ActorCallError(f"{err}{self._dead_followers(e)}") from None
-        out = []
-        for e, start, n in placement:
-            out.append(results[e][start:start + n])
-            if len(out[-1]) != n:
-                raise EngineError(f"{self.names[e]} returned {len(results[e])} results for {len(refs)} requests")
-        return out
+                out = ray_get(ref, 30, f"{self.names[e]}.generate")
+            except ActorCallError as err:
+                failed[e] = (str(err), positions)
+                continue
+            if len(out) != len(positions):
+                raise EngineError(f"{self.names[e]} returned {len(out)} results for {len(positions)} requests")
+            for p, res in zip(positions, out):
+                pending.results[p] = res
+        if ready:
+            return failed
+        now = time.monotonic()
+        for ref, (e, positions, deadline) in list(pending.inflight.items()):
+            if deadline <= now:
+                del pending.inflight[ref]
+                failed.setdefault(e, (f"{self.names[e]}.generate: no answer within {pending.timeout + 30:.0f} s",
+                                      []))[1].extend(positions)
+        if self.recovery is not None:
+            for e in sorted({k for k, _, _ in pending.inflight.values()} - set(failed)):
+                if not self.engine_health(e, self.recovery.health_timeout_s):
+                    failed[e] = (f"{self.names[e]} failed its health check while generating", [])
+        for e, (_, lost) in failed.items():  # everything else in flight on a failed engine is lost with it
+            for ref in [r for r, (k, _, _) in pending.inflight.items() if k == e]:
+                lost.extend(pending.inflight.pop(ref)[1])
+        return failed
 
     def _dead_followers(self, e: int) -> str:
         dead = []

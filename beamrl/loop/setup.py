@@ -250,9 +250,13 @@ def start_trainer(run: RunContext, hf_checkpoint: str, lr: float | None = None,
     share = REFERENCE_SHARE if reference else POLICY_SHARE
     options = [run.groups.actor_options(t.slot, share) for t in run.placement.trainer]
     t0 = time.perf_counter()
+    unit = "slot" if run.cpu else "GPU"
+    labels = [f"node {t.slot.node}, {unit} {t.slot.gpu}" for t in run.placement.trainer]
     group = TrainerGroup(trainer_setup(r, run.model, lr), hf_checkpoint, len(options), r.timeouts.train_step_s,
-                         options)
-    log(f"trainer: {len(options)} Megatron rank(s) ready in {time.perf_counter() - t0:.1f} s")
+                         options, labels=labels)
+    where = "; ".join(f"rank {k} on {lb} (pid {pid})" for k, (lb, pid) in enumerate(zip(labels, group.pids())))
+    log(f"{'reference' if reference else 'trainer'}: {len(options)} Megatron rank(s) ready in "
+        f"{time.perf_counter() - t0:.1f} s: {where}")
     return group
 
 
@@ -294,6 +298,7 @@ def start_engines(run: RunContext, checkpoint: str) -> EngineGroup:
     t0 = time.perf_counter()
     engines = EngineGroup(factories, r.timeouts.generate_s, options)
     n_proc = sum(len(e.nodes) for e in run.placement.engines)
+    pids = "; ".join(f"{name} pid(s) {engines.pids(k)}" for k, name in enumerate(engines.names))
     log(f"rollout: {len(factories)} {r.rollout.engine} engine(s) ({n_proc} node process(es)) ready in "
-        f"{time.perf_counter() - t0:.1f} s")
+        f"{time.perf_counter() - t0:.1f} s: {pids}")
     return engines

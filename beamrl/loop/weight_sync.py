@@ -197,6 +197,20 @@ def _merged_if_lora(trainer):
     return merged_base_weights(trainer.models)
 
 
+def resync_on_rank(trainer, rank: int, receivers, engine_names, engine_tp, index: int,
+                   req: SyncRequest) -> dict | None:
+    """Run inside every trainer rank (a collective): restarted engine `index` (new actors behind `receivers[index]`)
+    replaces the old one in this run's orchestrator and gets `req.version` alone (a subset sync: the same
+    manifest, checksums, version check and probe verification). Rank 0 returns the report as a dict."""
+    ws = _orchestrator(trainer, rank, receivers, engine_names, engine_tp, req)
+    targets = []
+    if rank == 0:
+        ws.replace_engine(index, ActorReceiver(receivers[index], engine_names[index], engine_tp[index]))
+        targets = [ws.engines[index]]
+    report = ws.sync(MegatronExportSource(trainer), engines=targets, version=req.version)
+    return None if report is None else asdict(report)
+
+
 def save_hf_export(trainer, rank: int, out_dir: str) -> str | None:
     """Write the trainer's current weights as an HF Beam checkpoint (SGLang's format) from rank 0 (a LoRA trainer:
     the merged weights)."""

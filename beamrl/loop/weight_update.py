@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from beamrl.loop.groups import EngineGroup, TrainerGroup
 from beamrl.loop.log import log
 from beamrl.loop.weight_sync import SyncRequest
+from beamrl.protocols.rollout import EngineError
 from beamrl.sync.config import SyncConfig
 
 #: Probe length: the last tokens of each probe sample (its answer and the end of its prompt). Short, so the probe
@@ -56,16 +57,32 @@ def release_engine_memory(engines: EngineGroup, staged: bool, timeout: float) ->
 _announced: set[str] = set()
 
 
+def sync_request(version: int, sync: SyncConfig, timeout: float, probe: SyncProbe | None,
+                 staged: bool = False) -> SyncRequest:
+    return SyncRequest(version=version, transport=sync.transport, bucket_bytes=sync.bucket_bytes, timeout=timeout,
+                       probe_sequences=tuple(tuple(s) for s in probe.sequences) if probe else (),
+                       probe_tolerance=probe.tolerance if probe else 0.0, probe_every=sync.probe_every,
+                       staged_memory=staged)
+
+
+def resync_engine(trainer: TrainerGroup, engines: EngineGroup, index: int, version: int, sync: SyncConfig,
+                  timeout: float, probe: SyncProbe | None) -> None:
+    """Bring restarted engine `index` to `version` (what the others serve): a subset sync through the same
+    orchestrator (checksums, version check, probe verification), then its served version is checked here too."""
+    if version > 0:
+        trainer.sync_restarted(engines, index, sync_request(version, sync, timeout, probe))
+    served = engines.versions()[index]
+    if served != version:
+        raise EngineError(f"{engines.names[index]} serves weight version {served} after its restart; the trainer is "
+                          f"at {version}")
+
+
 def publish_weights(trainer: TrainerGroup, engines: EngineGroup, version: int, sync: SyncConfig, timeout: float,
                     probe: SyncProbe | None, staged: bool = False) -> dict[str, float]:
     """Sync the trainer's weights into every engine as `version`, checked (per-bucket checksums, served versions)
     and, when `probe` is given, verified on the probe sequences, all in one call to the trainer group. Returns the
     sync metrics."""
-    request = SyncRequest(version=version, transport=sync.transport, bucket_bytes=sync.bucket_bytes, timeout=timeout,
-                          probe_sequences=tuple(tuple(s) for s in probe.sequences) if probe else (),
-                          probe_tolerance=probe.tolerance if probe else 0.0, probe_every=sync.probe_every,
-                          staged_memory=staged)
-    report = trainer.sync_weights(engines, request)
+    report = trainer.sync_weights(engines, sync_request(version, sync, timeout, probe, staged))
     if report["code_path"] not in _announced:
         _announced.add(report["code_path"])
         log(f"weight sync: {report['code_path']} ({sync.transport}, {report['buckets']} buckets, "

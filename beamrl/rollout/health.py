@@ -3,7 +3,10 @@
 Each check calls `engine.health(timeout)` (which must itself return within the timeout; a check that raises
 counts as a failure). After `max_failures` consecutive failures the engine is marked unhealthy in the router,
 shut down (best effort) and rebuilt with `factory(index)`; the new engine enters the router healthy. Restarts
-are reported through `on_event` (default: print), never silent.
+are reported through `on_event` (default: print), never silent. Every restart attempt counts against
+`max_restarts` (None: no limit); one more than that raises `RestartBudgetExceeded`, so repeated failure is a loud
+error, not an endless loop. The RL loop runs `check_once` at call boundaries and `restart` for an engine whose call
+failed (`beamrl.loop.engine_recovery`); `start` runs the same round in a background thread.
 """
 
 from __future__ import annotations
@@ -13,8 +16,12 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from beamrl.protocols.rollout import RolloutEngine
+from beamrl.protocols.rollout import EngineError, RolloutEngine
 from beamrl.rollout.router import EngineRouter
+
+
+class RestartBudgetExceeded(EngineError):
+    """An engine needed restarting after the restart budget (`HealthConfig.max_restarts`) was spent."""
 
 
 @dataclass(frozen=True)
@@ -22,12 +29,15 @@ class HealthConfig:
     interval: float = 30.0  # seconds between rounds
     timeout: float = 10.0  # per health call
     max_failures: int = 2  # consecutive failures before a restart
+    max_restarts: int | None = None  # restart attempts allowed over the monitor's life (None: unlimited)
 
     def __post_init__(self) -> None:
         if self.interval <= 0 or self.timeout <= 0:
             raise ValueError(f"HealthConfig interval/timeout must be > 0, got {self.interval}/{self.timeout}")
         if self.max_failures < 1:
             raise ValueError(f"HealthConfig.max_failures={self.max_failures} must be >= 1")
+        if self.max_restarts is not None and self.max_restarts < 0:
+            raise ValueError(f"HealthConfig.max_restarts={self.max_restarts} must be >= 0")
 
 
 class HealthMonitor:
@@ -41,6 +51,8 @@ class HealthMonitor:
         self.on_event = on_event
         self.failures = [0] * len(router.engines)
         self.restarts = [0] * len(router.engines)
+        self.attempts = 0  # restart attempts, successful or not (what the budget counts)
+        self.last_error: dict[int, str] = {}  # engine index -> why its last restart failed
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -62,10 +74,20 @@ class HealthMonitor:
             self.failures[i] += 1
             self.on_event(f"engine {i} failed its health check ({self.failures[i]}/{self.config.max_failures})")
             if self.failures[i] >= self.config.max_failures:
-                self._restart(i, engine)
+                self.restart(i, f"{self.failures[i]} failed health check(s)")
         return states
 
-    def _restart(self, index: int, engine: RolloutEngine) -> None:
+    def restart(self, index: int, reason: str) -> bool:
+        """Shut engine `index` down and rebuild it with the factory (also for a caller that saw it fail a call).
+        Returns whether the new engine is in the router; raises `RestartBudgetExceeded` past the budget."""
+        budget = self.config.max_restarts
+        if budget is not None and self.attempts >= budget:
+            raise RestartBudgetExceeded(f"engine {index} needs a restart ({reason}) but the restart budget is spent: "
+                                        f"{self.attempts} restart(s) already (rollout.max_engine_restarts={budget})")
+        self.attempts += 1
+        return self._restart(index, self.router.engines[index])
+
+    def _restart(self, index: int, engine: RolloutEngine) -> bool:
         self.router.set_healthy(index, False)
         try:
             engine.shutdown()
@@ -74,13 +96,18 @@ class HealthMonitor:
         t0 = time.monotonic()
         try:
             new = self.factory(index)
+        except RestartBudgetExceeded:
+            raise
         except Exception as e:  # noqa: BLE001 - stay unhealthy; retried next round
-            self.on_event(f"engine {index}: restart failed: {type(e).__name__}: {e}")
-            return
+            self.last_error[index] = f"{type(e).__name__}: {e}"
+            self.on_event(f"engine {index}: restart failed: {self.last_error[index]}")
+            return False
         self.router.replace(index, new)
         self.failures[index] = 0
         self.restarts[index] += 1
+        self.last_error.pop(index, None)
         self.on_event(f"engine {index} restarted in {time.monotonic() - t0:.1f} s (restart #{self.restarts[index]})")
+        return True
 
     def start(self) -> None:
         """Run `check_once` every `interval` seconds in a daemon thread until `stop()`."""

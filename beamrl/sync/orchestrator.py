@@ -194,6 +194,21 @@ class WeightSync:
     def mark_unhealthy(self, engine: str, reason: str) -> None:
         self.unhealthy.setdefault(engine, reason)
 
+    def replace_engine(self, index: int, receiver: WeightReceiver) -> None:
+        """A restarted engine takes engine `index`'s place: the old one's failure marks are dropped, and the
+        transport (built for the old receivers, e.g. an update group the dead engine was in) is closed, so the next
+        full sync builds it again for the current engines. Bring the new engine to the current version with
+        `sync(source, engines=[receiver])` before that."""
+        self.unhealthy.pop(self._label(self.engines[index], index), None)
+        self.engines[index] = receiver
+        if self._factory is not None and self._transport is not None:
+            transport, self._transport = self._transport, None
+            try:
+                transport.close()
+            except Exception as exc:  # noqa: BLE001 - the dead engine cannot answer its part of the teardown
+                self._say(f"[weight sync] closing the transport of the replaced engine {self._label(receiver, index)}: "
+                          f"{type(exc).__name__}: {exc}")
+
     # ----------------------------------------------------------------------------------------------- the steps
     def _prepare(self, transport: WeightTransport, targets: Sequence[WeightReceiver]) -> float:
         """Connect, pause the engines and (colocated GPUs) resume their weight memory; returns the seconds."""

@@ -1,0 +1,74 @@
+"""Engine fault tolerance in the RL loop: a dead rollout engine (any of its node processes) is restarted through
+the same engine-actor start path, given the current weights (a subset sync through the run's sync orchestrator,
+verified: it must serve the trainer's version afterwards) and handed the requests it lost again.
+
+`EngineRecovery` wraps the router's `HealthMonitor` (`beamrl.rollout.health`): `check` runs one health round at a
+call boundary (the start of each step's rollout), and `EngineGroup.collect` calls `recover` for an engine whose
+call failed or that failed a health check while a rollout waited on it (every `rollout.health_check_interval_s`).
+Every restart attempt counts against `rollout.max_engine_restarts`; one more ends the run with
+`RestartBudgetExceeded`. Successful restarts are counted per step (`take_restarts`, the `engine/restarts` metric).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from beamrl.loop.groups import EngineGroup, EngineHandle
+from beamrl.protocols.rollout import EngineError
+from beamrl.rollout.health import HealthConfig, HealthMonitor
+
+
+class EngineRecovery:
+    """Restarts and resyncs `engines`' dead engines. `resync(k)` brings restarted engine k to the trainer's current
+    weight version and checks it serves it (the driver's: it owns the trainer and the version)."""
+
+    def __init__(self, engines: EngineGroup, resync: Callable[[int], None], *, max_restarts: int,
+                 interval_s: float, health_timeout_s: float, log: Callable[[str], None]):
+        self.engines, self.resync, self.log = engines, resync, log
+        self.interval_s, self.health_timeout_s = interval_s, health_timeout_s
+        # One failed check is enough: a caller only asks after a failed call or a missed health answer.
+        self.monitor = HealthMonitor(engines.router, self._rebuild,
+                                     HealthConfig(interval=interval_s, timeout=health_timeout_s, max_failures=1,
+                                                  max_restarts=max_restarts),
+                                     on_event=lambda msg: log(f"rollout: {msg}"))
+        self._restarts = 0
+        engines.recovery = self
+
+    def check(self) -> None:
+        """One health round over every engine (restarting the dead ones); raises if none is left healthy."""
+        self.monitor.check_once()
+        self._require_one()
+
+    def recover(self, failed: dict[int, str]) -> None:
+        """Engines `failed` (index -> what went wrong) failed a call: restart each (their requests are re-issued
+        by the caller, to whichever engines are healthy then)."""
+        for k, reason in sorted(failed.items()):
+            self.log(f"rollout: engine {k} ({self.engines.names[k]}) failed: {reason}; restarting it")
+            self.monitor.restart(k, reason)
+        self._require_one()
+
+    def _require_one(self) -> None:
+        router = self.engines.router
+        if not any(router.is_healthy(k) for k in range(len(self.engines.names))):
+            why = "; ".join(f"{self.engines.names[k]}: {e}" for k, e in sorted(self.monitor.last_error.items()))
+            raise EngineError(f"no rollout engine is healthy (restarts failed: {why or 'no reason recorded'})")
+
+    def _rebuild(self, k: int) -> EngineHandle:
+        """The monitor's factory: start engine k again (the monitor shut it down) and resync it."""
+        t0 = time.perf_counter()
+        self.engines.restart_engine(k)
+        try:
+            self.resync(k)
+        except BaseException:
+            self.engines.stop_engine(k)  # an engine on stale weights must not serve
+            raise
+        self._restarts += 1
+        self.log(f"rollout: {self.engines.names[k]} restarted (node pids {self.engines.pids(k)}) and synced in "
+                 f"{time.perf_counter() - t0:.1f} s")
+        return EngineHandle(self.engines, k)
+
+    def take_restarts(self) -> int:
+        """Successful restarts since the last call (the step's `engine/restarts`)."""
+        n, self._restarts = self._restarts, 0
+        return n
