@@ -87,6 +87,13 @@ class TrainerActor:
 
         return sync_on_rank(self.trainer, self.rank, receivers, engine_names, engine_tp, request)
 
+    def sleep(self) -> dict:
+        """Colocated placement: release this rank's device state (`MegatronTrainer.sleep`); the report as a dict."""
+        return self.trainer.sleep().as_dict()
+
+    def wake(self) -> dict:
+        return self.trainer.wake().as_dict()
+
     def export_hf_checkpoint(self, out_dir: str) -> str | None:
         from beamrl.loop.weight_sync import save_hf_export
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from beamrl.loop.checkpoints import RunCheckpoints, published, restore_driver_state, save_due, step_of
 from beamrl.loop.collect import PendingRollout, RolloutBatch, RolloutCollector
+from beamrl.loop.colocated import ColocatedMemory, engines_stage_memory, trainer_sleeps
 from beamrl.loop.groups import EngineGroup, TrainerGroup
 from beamrl.loop.log import log
 from beamrl.loop.run_dir import plan_start
@@ -23,7 +24,7 @@ from beamrl.loop.setup import (Resources, RunContext, check_launchable, prepare_
 from beamrl.loop.sft import sft_warm_start
 from beamrl.loop.summary import plot_and_summarize
 from beamrl.loop.train import train_on_rollouts
-from beamrl.loop.weight_update import SyncProbe, publish_weights, release_engine_memory, sync_probe
+from beamrl.loop.weight_update import SyncProbe, publish_weights, sync_probe
 from beamrl.metrics import keys
 from beamrl.metrics.samples import samples_due
 from beamrl.recipe.schema import Recipe
@@ -42,6 +43,7 @@ class RLDriver:
         self.collector: RolloutCollector | None = None
         self.probe: SyncProbe | None = None  # post-sync verification (sync.verify)
         self.checkpoints: RunCheckpoints | None = None
+        self.colocated: ColocatedMemory | None = None  # the devices' hand-over within a step (colocated)
         self.version = 0  # the weight version the engines serve
 
     def __enter__(self) -> "RLDriver":
@@ -81,6 +83,9 @@ class RLDriver:
             self.reference = self._own("reference", start_trainer(run, reference, reference=True))
         self.engines = self._own("engines", start_engines(run, policy))
         self.collector = RolloutCollector(run, self.engines)
+        self.colocated = ColocatedMemory([g for g in (self.trainer, self.reference) if g is not None], self.engines,
+                                         sleep=trainer_sleeps(r), staged=engines_stage_memory(r),
+                                         timeout=r.timeouts.train_step_s)
         if r.sync.verify:
             self.probe = sync_probe(run.data, run.tokenizer, r.model.dtype, r.rollout.engine)
         start_step = self._resume() if run.resume_dir is not None else 0
@@ -95,18 +100,19 @@ class RLDriver:
         """The RL loop, one step per iteration (see the module docstring)."""
         r = self.recipe
         one_step_off = r.placement.off_policy_steps == 1
-        staged = r.placement.mode == "colocated" and not self.ctx.cpu  # engines lend their GPU memory to training
+        coloc = self.colocated  # colocated: the trainer sleeps during rollout, the engines during training
         pending: PendingRollout | None = None
         for step in range(start_step, r.run.num_steps):
             t0 = time.perf_counter()
+            memory = coloc.before_rollout()
             batch = self.collector.finish(pending if pending is not None else self.collector.start(step))
             last = step + 1 == r.run.num_steps
             pending = self.collector.start(step + 1) if one_step_off and not last else None  # overlaps training
-            release_engine_memory(self.engines, staged, r.timeouts.sync_s)
-            metrics = {**batch.metrics, **self._train(batch)}
+            memory.update(coloc.before_train())
+            metrics = {**batch.metrics, **memory, **self._train(batch)}
             if pending is not None:  # engines must be idle to update: collect step k+1 (it sampled version k)
                 self.collector.collect_early(pending)
-            metrics.update(self._publish(step + 1, staged))
+            metrics.update(self._publish(step + 1, coloc.staged))
             metrics[keys.TIME_STEP] = time.perf_counter() - t0
             metrics[keys.TOKENS_PER_S] = batch.num_tokens / max(metrics[keys.TIME_STEP], 1e-9)
             self.ctx.logger.log(step, metrics)
@@ -127,8 +133,9 @@ class RLDriver:
                                  model=self.ctx.model, replay=self.ctx.routing_replay)
 
     def _publish(self, version: int, staged: bool) -> dict[str, float]:
+        resume = self.colocated.resume_after_sync if self.colocated is not None else ()
         metrics = publish_weights(self.trainer, self.engines, version, self.recipe.sync, self.recipe.timeouts.sync_s,
-                                  self.probe, staged=staged)
+                                  self.probe, staged=staged, resume_after_sync=resume)
         self.version = version
         return metrics
 

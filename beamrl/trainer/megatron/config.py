@@ -158,6 +158,10 @@ class TrainerConfig(OptimizerConfig, ParallelConfig):
     recompute: Literal["none", "full"] = "none"
     use_fused_kernels: bool = False
     seed: int | None = Field(None, description="null = run.seed")
+    # Colocated placement: the trainer releases its device memory (params, grads, optimizer state) while the engines
+    # generate, and takes it back before training (beamrl.trainer.megatron.sleep; docs/colocated.md).
+    sleep_during_rollout: bool | None = Field(None, description="null = on for colocated placement on cuda, "
+                                              "off otherwise")
 
     @model_validator(mode="after")
     def _check_world(self) -> "TrainerConfig":
