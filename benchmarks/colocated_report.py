@@ -77,11 +77,13 @@ def print_table(report: dict, out=sys.stdout) -> None:
     for s in report["steps"]:
         print(f"| {s['step']} | " + " | ".join(_fmt(s[k]) for k in PHASES + MEMORY) + " |", file=out)
     m = report["summary"]
-    ratio = "-" if m["asleep_over_peak"] is None else f"{100 * m['asleep_over_peak']:.2f} %"
+    if m["asleep_over_peak"] is None:  # a CPU run: no device allocator to measure
+        verdict = "no device memory measured (CPU run)"
+    else:
+        verdict = (f"{100 * m['asleep_over_peak']:.2f} % (target < {100 * m['target']:.0f} %: "
+                   f"{'met' if m['meets_target'] else 'NOT met'})")
     print(f"\ntrainer memory while asleep: {m['trainer_asleep_gib']:.3f} GiB of a {m['trainer_peak_gib']:.3f} GiB "
-          f"training peak = {ratio} (target < {100 * m['target']:.0f} %: "
-          f"{'met' if m['meets_target'] else 'NOT met'}); moved to host per sleep: "
-          f"{m['trainer_offloaded_gib']:.3f} GiB", file=out)
+          f"training peak = {verdict}; moved to host per sleep: {m['trainer_offloaded_gib']:.3f} GiB", file=out)
     print(f"sleep {_fmt(m['sleep_s_mean'])} s, wake {_fmt(m['wake_s_mean'])} s (means over steps "
           f"{m['steps_summarized']})", file=out)
 
