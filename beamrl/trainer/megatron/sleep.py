@@ -4,7 +4,7 @@ engines between train steps, and take it back bit-exactly.
 Dependency-free (no `torch-memory-saver`): every device storage the rank owns long-term -- Megatron's contiguous
 param and grad buffers (`DistributedDataParallel.buffers` / `expert_parallel_buffers`), the modules' parameters and
 buffers outside them, the optimizer's FP32 main params, their grads and the Adam state -- is copied into a host
-buffer (pinned on CUDA, allocated once and reused every cycle) and its storage is resized to 0 bytes
+buffer (page-locked on CUDA, exactly sized, allocated once and reused every cycle) and its storage is resized to 0 bytes
 (`untyped_storage().resize_(0)`). Every tensor viewing such a storage keeps its shape, strides and identity, so
 Megatron's views (params into `param_data`, `main_grad` into `grad_data`, bucket views, the optimizer's
 references) stay valid; waking resizes each storage back and copies the bytes in. On CUDA the freed blocks go back
@@ -22,7 +22,9 @@ release, the bit-exact restore and identical training after a cycle.
 
 from __future__ import annotations
 
+import sys
 import time
+import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -95,6 +97,29 @@ def megatron_state_tensors(chunks: Iterable, optimizer) -> Iterator[torch.Tensor
             yield from _tensors(state)
 
 
+_warned_pinning = False
+
+
+def _pinned_host(nbytes: int) -> torch.Tensor:
+    """Page-locked host memory of exactly `nbytes` (plain host memory registered with CUDA). torch's pinned caching
+    allocator rounds every block up to a power of two (up to 2x the trainer's state in host memory); registering
+    an exact allocation does not. If registration is unavailable, the caching allocator is used (said once)."""
+    global _warned_pinning
+    host = torch.empty(nbytes, dtype=torch.uint8)
+    try:
+        from torch.cuda._pin_memory_utils import pin_memory, unpin_memory  # torch's own helpers (FSDP, DCP)
+
+        pin_memory(host.data_ptr(), nbytes)
+    except (ImportError, RuntimeError, AttributeError) as e:
+        if not _warned_pinning:
+            _warned_pinning = True
+            print(f"[beamrl] trainer sleep: cannot register host memory with CUDA ({type(e).__name__}: {e}); using "
+                  f"torch's pinned allocator (blocks rounded up to powers of two)", file=sys.stderr, flush=True)
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    weakref.finalize(host, unpin_memory, host.data_ptr())  # unregistered before the memory is freed
+    return host
+
+
 class _Held:
     """One device storage while asleep: the storage object (resizing it resizes it for every view) and its bytes."""
 
@@ -147,7 +172,7 @@ class DeviceStateSleeper:
         free = pool.get(nbytes)
         if free:
             return free.pop()
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.cuda)
+        return _pinned_host(nbytes) if self.cuda else torch.empty(nbytes, dtype=torch.uint8)
 
     def sleep(self) -> SleepReport:
         """Copy every storage to host and free it on the device. Idempotent (a second call does nothing)."""

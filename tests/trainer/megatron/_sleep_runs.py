@@ -16,11 +16,11 @@ from tests.trainer.megatron import _checkpoint_runs as C
 K, N = 2, 2
 
 
-def sleep_cycle(dtype: str) -> dict:
+def sleep_cycle(dtype: str, layout: dict | None = None) -> dict:
     from beamrl.models.beam.weights import random_state_dict
     from beamrl.trainer.megatron.sleep import TrainerAsleepError, megatron_state_tensors
 
-    layout = {"tp": 2, "sp": True}
+    layout = {"tp": 2, "sp": True} if layout is None else layout
     weights = None
     out: dict = {}
     for mode in ("sleep", "plain"):
@@ -32,7 +32,12 @@ def sleep_cycle(dtype: str) -> dict:
         if mode == "sleep":
             tensors = list(megatron_state_tensors(t.chunks, t.optimizer))
             before = [x.detach().clone() for x in tensors]
+            allocated = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
             report = t.sleep()
+            out["allocated_awake"] = allocated
+            out["allocated_asleep"] = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+            out["reserved_asleep"] = report.asleep_bytes
+            out["peak"] = report.peak_bytes
             out["released_bytes"] = report.bytes
             out["storages"] = report.storages
             out["all_freed"] = all(x.untyped_storage().nbytes() == 0 for x in tensors)
