@@ -7,8 +7,9 @@ run by benchmarks/colocated_h200.sh), prints a markdown table per step and a sum
   python benchmarks/colocated_report.py OUTPUT_DIR [--json PATH] [--target 0.10]
 
 The trainer sleeps at the start of every step (before its rollout), so the memory figures of step k are those of
-the sleep after step k-1's training (step 0: after start-up). The summary uses the steps >= 1: the training peak is
-the largest `memory/trainer_peak_gib` among them (the caching allocator's peak reserved bytes between a wake and the
+the sleep after step k-1's training (step 0: after start-up). The summary uses the steady steps (>= 2: the first two
+sleeps also allocate and page-lock the host copies, the second one those of the Adam state created by the first
+optimizer step; fewer steps: >= 1): the training peak is the largest `memory/trainer_peak_gib` among them (the caching allocator's peak reserved bytes between a wake and the
 next sleep, sync included), the asleep figure the largest `memory/trainer_asleep_gib` (what the trainer's allocator
 still reserves while asleep; the CUDA context and NCCL's own buffers are outside the allocator and not in it).
 """
@@ -42,7 +43,9 @@ def read_rows(out_dir: Path) -> list[dict]:
 
 def summarize(rows: list[dict], target: float) -> dict:
     """Per-step figures and the summary (module docstring)."""
-    later = [r for r in rows if r["step"] >= 1] or rows
+    # steady state: step 0's sleep follows start-up and pins the host copies of the params, grads and main params;
+    # step 1's also those of the Adam state (created by the first optimizer step). From step 2 on all are reused.
+    later = [r for r in rows if r["step"] >= 2] or [r for r in rows if r["step"] >= 1] or rows
     peak = max(r["memory/trainer_peak_gib"] for r in later)
     asleep = max(r["memory/trainer_asleep_gib"] for r in later)
     ratio = asleep / peak if peak > 0 else None
