@@ -28,10 +28,9 @@ KV_TAGS = ("kv_cache", "cuda_graph")
 
 def trainer_sleeps(recipe: Recipe) -> bool:
     """`trainer.sleep_during_rollout`, with null resolved: on for colocated placement on cuda, off otherwise."""
-    s = recipe.trainer.sleep_during_rollout
-    if s is not None:
-        return bool(s)
-    return recipe.placement.mode == "colocated" and recipe.cluster.device == "cuda"
+    from beamrl.trainer.megatron.config import sleeps_during_rollout
+
+    return sleeps_during_rollout(recipe.trainer.sleep_during_rollout, recipe.placement.mode, recipe.cluster.device)
 
 
 def engines_stage_memory(recipe: Recipe) -> bool:

@@ -122,7 +122,7 @@ def _params(n: float) -> str:
 def format_layout(r: "Recipe", c: BeamConfig, source: str, lay: Layout,
                   trainer_mem: list["TrainerMemory"], engine_mem: "EngineMemory", capacity: float | None) -> str:
     """The human-readable dry-run report."""
-    from beamrl.recipe.memory import colocated_peak
+    from beamrl.recipe.memory import colocated_peak, trainer_sleeps
 
     L = []
     add = L.append
@@ -170,11 +170,17 @@ def format_layout(r: "Recipe", c: BeamConfig, source: str, lay: Layout,
             f"{e.max_full_requests:,} requests of {e.request_tokens} tokens at once "
             f"(this step: {lay.samples_per_step // max(lay.num_engines, 1)} per engine)")
     if lay.placement == "colocated":
-        add(f"  colocated peak (trainer and engine swap via memory release): {_gib(colocated_peak(trainer_mem, e))}")
+        if trainer_sleeps(r):
+            add(f"  colocated peak (trainer and engine swap via memory release; trainer.sleep_during_rollout on): "
+                f"{_gib(colocated_peak(trainer_mem, e))}")
+        else:
+            add(f"  colocated peak (the trainer keeps its state during rollout: trainer.sleep_during_rollout off): "
+                f"{_gib(colocated_peak(trainer_mem, e, trainer_sleeps=False))}")
     if capacity is None:
         add("  capacity: not checked on cluster.device=cpu")
     else:
-        peak = max(max(m.total for m in trainer_mem), e.total)
+        peak = (colocated_peak(trainer_mem, e, trainer_sleeps(r)) if lay.placement == "colocated"
+                else max(max(m.total for m in trainer_mem), e.total))
         add(f"  capacity: {_gib(capacity)} ({capacity / 1e9:.0f} GB) per {lay.gpu_type.upper()}; highest estimate "
             f"{_gib(peak)} ({peak / 1e9:.0f} GB, {100 * peak / capacity:.0f}%)")
     for w in lay.warnings:

@@ -176,3 +176,10 @@ class TrainerConfig(OptimizerConfig, ParallelConfig):
     def dp(self) -> int:
         """Data-parallel size (num_gpus / (tp * pp))."""
         return self.num_gpus // (self.tp * self.pp)
+
+
+def sleeps_during_rollout(setting: bool | None, placement_mode: str, device: str) -> bool:
+    """`trainer.sleep_during_rollout` resolved: null means on for colocated placement on cuda, off otherwise."""
+    if setting is not None:
+        return bool(setting)
+    return placement_mode == "colocated" and device == "cuda"
