@@ -10,7 +10,7 @@
 set -u -o pipefail
 REPO=$(pwd)
 OUT=${OUT:-/tmp/beamrl_colocated}
-RECIPE=${RECIPE:-recipes/colocated_h200.yaml}
+RECIPE=${RECIPE:-benchmarks/colocated_h200.yaml}
 RAY_PORT=${RAY_PORT:-6390}
 mkdir -p "$OUT"
 # Ray workers do not start in the repo: the repo goes on PYTHONPATH as an absolute path.

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The colocated run's table: trainer memory asleep vs its training peak, sleep / wake seconds, per-phase step times.
 
-Reads `metrics.jsonl` of a `beamrl train` run with `trainer.sleep_during_rollout` on (recipes/colocated_h200.yaml,
+Reads `metrics.jsonl` of a `beamrl train` run with `trainer.sleep_during_rollout` on (benchmarks/colocated_h200.yaml,
 run by benchmarks/colocated_h200.sh), prints a markdown table per step and a summary, and writes them as JSON.
 
   python benchmarks/colocated_report.py OUTPUT_DIR [--json PATH] [--target 0.10]

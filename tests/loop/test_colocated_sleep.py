@@ -1,4 +1,4 @@
-"""The colocated GPU run (recipes/colocated_h200.yaml, benchmarks/colocated_h200.sh) as a CPU smoke run: the same
+"""The colocated GPU run (benchmarks/colocated_h200.yaml, benchmarks/colocated_h200.sh) as a CPU smoke run: the same
 recipe at the tiny preset in float32 on cluster.device=cpu, trainer sleep/wake on, 2 steps through `beamrl train`,
 then the benchmark's report script on its metrics.
 
@@ -16,7 +16,7 @@ from tests.loop.e2e_helpers import ROOT, env, metrics
 
 pytestmark = pytest.mark.slow
 
-RECIPE = ROOT / "recipes" / "colocated_h200.yaml"
+RECIPE = ROOT / "benchmarks" / "colocated_h200.yaml"
 CPU = ["cluster.device=cpu", "model.preset=tiny", "model.dtype=float32", "run.num_steps=2",
        "rollout.prompts_per_step=4", "rollout.n_samples_per_prompt=4", "trainer.global_batch_size=16",
        "trainer.micro_batch_size=8", "timeouts.generate_s=300", "timeouts.train_step_s=300", "timeouts.sync_s=120"]
