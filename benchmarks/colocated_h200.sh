@@ -5,7 +5,8 @@
 #
 # Usage (repo root, on the GPU machine; ray, megatron-core and pydantic importable, e.g. from /tmp/site):
 #   OUT=/tmp/out EXTRA_PYTHONPATH=/tmp/site bash benchmarks/colocated_h200.sh [key=value recipe overrides ...]
-# Writes $OUT/train.log, $OUT/colocated_h200.json, $OUT/nvidia_smi.csv (per-process GPU memory every 0.5 s) and the
+# Writes $OUT/train.log, $OUT/colocated_h200.json, $OUT/nvidia_smi.csv (per-process GPU memory every 0.5 s, with the
+# process title: the trainer's row shows its device-level memory, CUDA context and NCCL included) and the
 # run's outputs under $OUT/run. Starts a private one-node Ray head (port $RAY_PORT, default 6390) and stops it.
 set -u -o pipefail
 REPO=$(pwd)
@@ -26,8 +27,15 @@ python3 -m ray.scripts.scripts start --head --port="$RAY_PORT" --num-gpus=1 --nu
   --disable-usage-stats --include-dashboard=false > "$OUT/ray_start.log" 2>&1 \
   || { cat "$OUT/ray_start.log"; echo "colocated_h200.sh: ray start failed" >&2; exit 2; }
 export RAY_ADDRESS="127.0.0.1:$RAY_PORT"
-( while true; do nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader \
-    | sed "s/^/$(date +%s.%N), /"; sleep 0.5; done ) > "$OUT/nvidia_smi.csv" 2>/dev/null &
+# per GPU process every 0.5 s: time, pid, MiB used (CUDA context and NCCL included), process title (ray::TrainerActor...)
+( while true; do
+    now=$(date +%s.%N)
+    nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits | while IFS=', ' read -r pid mib; do
+      title=$(tr '\0' ' ' < "/proc/$pid/cmdline" 2>/dev/null | cut -c1-60)
+      echo "$now,$pid,$mib,${title//,/ }"
+    done
+    sleep 0.5
+  done ) > "$OUT/nvidia_smi.csv" 2>/dev/null &
 SAMPLER=$!
 cleanup() { kill "$SAMPLER" 2>/dev/null; python3 -m ray.scripts.scripts stop --force > /dev/null 2>&1; }
 trap cleanup EXIT
@@ -35,5 +43,6 @@ trap cleanup EXIT
 timeout "${TRAIN_TIMEOUT:-540}" python3 -m beamrl.cli train --overwrite "$RECIPE" "run.output_dir=$OUT/run" "$@" \
   2>&1 | tee "$OUT/train.log"
 rc=${PIPESTATUS[0]}
-python3 benchmarks/colocated_report.py "$OUT/run" --json "$OUT/colocated_h200.json" | tee "$OUT/report.txt"
+python3 benchmarks/colocated_report.py "$OUT/run" --json "$OUT/colocated_h200.json" --smi "$OUT/nvidia_smi.csv" \
+  | tee "$OUT/report.txt"
 exit "$rc"

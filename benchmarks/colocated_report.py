@@ -69,6 +69,21 @@ def summarize(rows: list[dict], target: float) -> dict:
     }
 
 
+def smi_summary(path: Path) -> dict:
+    """Device-level memory per GPU process role from the sampler's CSV (time, pid, MiB, title): the smallest and
+    largest MiB seen for the trainer and engine processes (their titles carry `TrainerActor` / `EngineActor`). The
+    trainer's smallest sample is its memory while asleep, CUDA context and NCCL included."""
+    roles: dict[str, list[float]] = {}
+    for line in path.read_text().splitlines():
+        parts = line.split(",", 3)
+        if len(parts) < 4 or not parts[2].strip().isdigit():
+            continue
+        role = "trainer" if "TrainerActor" in parts[3] else "engine" if "EngineActor" in parts[3] else None
+        if role is not None:
+            roles.setdefault(role, []).append(float(parts[2]) / 1024)
+    return {role: {"min_gib": min(v), "max_gib": max(v), "samples": len(v)} for role, v in roles.items()}
+
+
 def _fmt(v) -> str:
     return "-" if v is None else f"{v:.3f}"
 
@@ -89,6 +104,9 @@ def print_table(report: dict, out=sys.stdout) -> None:
           f"training peak = {verdict}; moved to host per sleep: {m['trainer_offloaded_gib']:.3f} GiB", file=out)
     print(f"sleep {_fmt(m['sleep_s_mean'])} s, wake {_fmt(m['wake_s_mean'])} s (means over steps "
           f"{m['steps_summarized']})", file=out)
+    for role, v in report.get("nvidia_smi", {}).items():
+        print(f"nvidia-smi, {role} process: {v['min_gib']:.3f} .. {v['max_gib']:.3f} GiB over {v['samples']} samples "
+              f"(device level: CUDA context and NCCL included)", file=out)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,8 +114,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("out_dir", type=Path, help="the run's output directory (holds metrics.jsonl)")
     ap.add_argument("--json", type=Path, default=None, help="write the report here")
     ap.add_argument("--target", type=float, default=0.10, help="asleep / peak target (default 0.10)")
+    ap.add_argument("--smi", type=Path, default=None, help="the nvidia-smi sampler's CSV of colocated_h200.sh")
     args = ap.parse_args(argv)
     report = summarize(read_rows(args.out_dir), args.target)
+    if args.smi is not None and args.smi.is_file():
+        report["nvidia_smi"] = smi_summary(args.smi)
     print_table(report)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -37,10 +37,15 @@ def test_cpu_smoke_of_the_colocated_gpu_run(tmp_path):
     # the trainer's logprobs after waking equal the engine's (R3, float32): params restored exactly
     assert max(r["train_rollout_logprob_abs_diff"] for r in rows) < 1e-3
     report = tmp_path / "report.json"
-    q = subprocess.run([sys.executable, "benchmarks/colocated_report.py", str(out), "--json", str(report)], env=env(),
-                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    smi = tmp_path / "nvidia_smi.csv"  # the GPU script's sampler format: time, pid, MiB, process title
+    smi.write_text("1.0,7,512,ray::TrainerActor.sleep\n2.0,7,40960,ray::TrainerActor.train_step\n2.0,8,9216,"
+                   "ray::EngineActor.call\n")
+    q = subprocess.run([sys.executable, "benchmarks/colocated_report.py", str(out), "--json", str(report),
+                        "--smi", str(smi)], env=env(), cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert q.returncode == 0, q.stderr
     data = json.loads(report.read_text())
     assert [s["step"] for s in data["steps"]] == [0, 1]
     assert data["summary"]["trainer_offloaded_gib"] == max(r["memory/trainer_offloaded_gib"] for r in rows[1:])
     assert "| step |" in q.stdout and "trainer memory while asleep" in q.stdout
+    assert data["nvidia_smi"]["trainer"] == {"min_gib": 0.5, "max_gib": 40.0, "samples": 2}
+    assert data["nvidia_smi"]["engine"]["max_gib"] == 9.0
