@@ -5,12 +5,15 @@
 #
 # Usage (repo root, on the GPU machine; ray, megatron-core and pydantic importable, e.g. from /tmp/site):
 #   OUT=/tmp/out EXTRA_PYTHONPATH=/tmp/site bash benchmarks/colocated_h200.sh [key=value recipe overrides ...]
-# Writes $OUT/train.log, $OUT/colocated_h200.json, $OUT/nvidia_smi.csv (per-process GPU memory every 0.5 s, with the
+# Writes $OUT/train.log, $OUT/report.txt, $OUT/colocated_h200.json, $OUT/nvidia_smi.csv (per-process GPU memory every 0.5 s, with the
 # process title: the trainer's row shows its device-level memory, CUDA context and NCCL included) and the
-# run's outputs under $OUT/run. Starts a private one-node Ray head (port $RAY_PORT, default 6390) and stops it.
+# run's metrics.jsonl, summary.json and recipe.yaml under $OUT/run (the run itself in $RUN_DIR, removed afterwards
+# unless KEEP_RUN=1). Starts a private one-node Ray head (port $RAY_PORT, default 6390) and stops it.
 set -u -o pipefail
 REPO=$(pwd)
 OUT=${OUT:-/tmp/beamrl_colocated}
+# The run (its checkpoints are large) lives outside $OUT; its metrics, summary and recipe are copied into $OUT/run.
+RUN_DIR=${RUN_DIR:-/tmp/beamrl_colocated_run}
 RECIPE=${RECIPE:-benchmarks/colocated_h200.yaml}
 RAY_PORT=${RAY_PORT:-6390}
 mkdir -p "$OUT"
@@ -40,9 +43,13 @@ SAMPLER=$!
 cleanup() { kill "$SAMPLER" 2>/dev/null; python3 -m ray.scripts.scripts stop --force > /dev/null 2>&1; }
 trap cleanup EXIT
 
-timeout "${TRAIN_TIMEOUT:-540}" python3 -m beamrl.cli train --overwrite "$RECIPE" "run.output_dir=$OUT/run" "$@" \
+df -h "$(dirname "$RUN_DIR")" | tee -a "$OUT/gpu.txt"
+timeout "${TRAIN_TIMEOUT:-540}" python3 -m beamrl.cli train --overwrite "$RECIPE" "run.output_dir=$RUN_DIR" "$@" \
   2>&1 | tee "$OUT/train.log"
 rc=${PIPESTATUS[0]}
+mkdir -p "$OUT/run"
+cp "$RUN_DIR"/metrics.jsonl "$RUN_DIR"/summary.json "$RUN_DIR"/recipe.yaml "$OUT/run/" 2>/dev/null
+[[ ${KEEP_RUN:-0} == 1 ]] || rm -rf "$RUN_DIR"
 python3 benchmarks/colocated_report.py "$OUT/run" --json "$OUT/colocated_h200.json" --smi "$OUT/nvidia_smi.csv" \
   | tee "$OUT/report.txt"
 exit "$rc"

@@ -88,7 +88,11 @@ class TrainerActor:
         return sync_on_rank(self.trainer, self.rank, receivers, engine_names, engine_tp, request)
 
     def sleep(self) -> dict:
-        """Colocated placement: release this rank's device state (`MegatronTrainer.sleep`); the report as a dict."""
+        """Colocated placement: free the weight sync's staging slots, then release this rank's device state
+        (`MegatronTrainer.sleep`); the report as a dict."""
+        from beamrl.loop.weight_sync import release_sync_buffers
+
+        release_sync_buffers(self.trainer)
         return self.trainer.sleep().as_dict()
 
     def wake(self) -> dict:

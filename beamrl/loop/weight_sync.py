@@ -159,6 +159,14 @@ def sync_on_rank(trainer, rank: int, receivers, engine_names, engine_tp, req: Sy
     return None if report is None else asdict(report)
 
 
+def release_sync_buffers(trainer) -> None:
+    """Before the trainer sleeps (colocated): free this rank's staging slots (the engines detach first); the next
+    sync shares new ones. A no-op on ranks that do not ship."""
+    for key, ws in _SYNCS.items():
+        if key[0] == id(trainer):
+            ws.release_buffers()
+
+
 def save_hf_export(trainer, rank: int, out_dir: str) -> str | None:
     """Write the trainer's current weights as an HF Beam checkpoint (SGLang's format) from rank 0."""
     from beamrl.models.beam.checkpoint import save_checkpoint

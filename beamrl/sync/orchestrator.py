@@ -352,6 +352,11 @@ class WeightSync:
             worst = max(worst, diff)
         return worst
 
+    def release_buffers(self) -> None:
+        """Free the transport's staging buffers until the next sync (a colocated trainer going to sleep)."""
+        if self._transport is not None:
+            self._transport.release_buffers(self.timeouts.call)
+
     def close(self) -> None:
         """Tear down the transport's channels (e.g. the update group) and staging buffers."""
         if self._transport is not None:
