@@ -103,6 +103,17 @@ class TrainerActor:
 
         return resync_on_rank(self.trainer, self.rank, receivers, engine_names, engine_tp, index, request)
 
+    def sleep(self) -> dict:
+        """Colocated placement: free the weight sync's staging slots, then release this rank's device state
+        (`MegatronTrainer.sleep`); the report as a dict."""
+        from beamrl.loop.weight_sync import release_sync_buffers
+
+        release_sync_buffers(self.trainer)
+        return self.trainer.sleep().as_dict()
+
+    def wake(self) -> dict:
+        return self.trainer.wake().as_dict()
+
     def export_hf_checkpoint(self, out_dir: str) -> str | None:
         from beamrl.loop.weight_sync import save_hf_export
 

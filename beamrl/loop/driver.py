@@ -15,6 +15,7 @@ from pathlib import Path
 from beamrl.cluster.report import format_placement
 from beamrl.loop.checkpoints import RunCheckpoints, published, restore_driver_state, save_due, step_of
 from beamrl.loop.collect import PendingRollout, RolloutBatch, RolloutCollector
+from beamrl.loop.colocated import ColocatedMemory, engines_stage_memory, trainer_sleeps
 from beamrl.loop.engine_recovery import EngineRecovery
 from beamrl.loop.groups import EngineGroup, TrainerGroup, TrainerRankError
 from beamrl.loop.log import log
@@ -49,6 +50,7 @@ class RLDriver:
         self.collector: RolloutCollector | None = None
         self.probe: SyncProbe | None = None  # post-sync verification (sync.verify)
         self.checkpoints: RunCheckpoints | None = None
+        self.colocated: ColocatedMemory | None = None  # the devices' hand-over within a step (colocated)
         self.version = 0  # the weight version the engines serve
 
     def __enter__(self) -> "RLDriver":
@@ -95,6 +97,9 @@ class RLDriver:
         EngineRecovery(self.engines, self._resync_engine, max_restarts=r.rollout.max_engine_restarts,
                        interval_s=r.rollout.health_check_interval_s, health_timeout_s=r.timeouts.health_s, log=log)
         self.collector = RolloutCollector(run, self.engines)
+        self.colocated = ColocatedMemory([g for g in (self.trainer, self.reference) if g is not None], self.engines,
+                                         sleep=trainer_sleeps(r), staged=engines_stage_memory(r),
+                                         timeout=r.timeouts.train_step_s)
         if r.sync.verify:
             self.probe = sync_probe(run.data, run.tokenizer, r.model.dtype, r.rollout.engine)
         try:
@@ -123,18 +128,19 @@ class RLDriver:
         """The RL loop, one step per iteration (see the module docstring)."""
         r = self.recipe
         one_step_off = r.placement.off_policy_steps == 1
-        staged = r.placement.mode == "colocated" and not self.ctx.cpu  # engines lend their GPU memory to training
+        coloc = self.colocated  # colocated: the trainer sleeps during rollout, the engines during training
         pending: PendingRollout | None = None
         for step in range(start_step, r.run.num_steps):
             t0 = time.perf_counter()
+            memory = coloc.before_rollout()
             batch = self.collector.finish(pending if pending is not None else self.collector.start(step))
             last = step + 1 == r.run.num_steps
             pending = self.collector.start(step + 1) if one_step_off and not last else None  # overlaps training
-            release_engine_memory(self.engines, staged, r.timeouts.sync_s)
-            metrics = {**batch.metrics, **self._train(batch)}
+            memory.update(coloc.before_train())
+            metrics = {**batch.metrics, **memory, **self._train(batch)}
             if pending is not None:  # engines must be idle to update: collect step k+1 (it sampled version k)
                 self.collector.collect_early(pending)
-            metrics.update(self._publish(step + 1, staged))
+            metrics.update(self._publish(step + 1, coloc.staged))
             metrics[keys.TIME_STEP] = time.perf_counter() - t0
             metrics[keys.TOKENS_PER_S] = batch.num_tokens / max(metrics[keys.TIME_STEP], 1e-9)
             self.ctx.logger.log(step, metrics)
@@ -160,8 +166,9 @@ class RLDriver:
         resync_engine(self.trainer, self.engines, index, self.version, r.sync, r.timeouts.sync_s, self.probe)
 
     def _publish(self, version: int, staged: bool) -> dict[str, float]:
+        resume = self.colocated.resume_after_sync if self.colocated is not None else ()
         metrics = publish_weights(self.trainer, self.engines, version, self.recipe.sync, self.recipe.timeouts.sync_s,
-                                  self.probe, staged=staged)
+                                  self.probe, staged=staged, resume_after_sync=resume)
         self.version = version
         return metrics
 

@@ -173,6 +173,14 @@ class TrainerGroup:
             receivers=engines.actors, engine_names=engines.names, engine_tp=engines.tp_sizes, index=index,
             request=request))[0]
 
+    def sleep(self, timeout: float) -> list[dict]:
+        """Every rank releases its device state (colocated placement); one `SleepReport` dict per rank."""
+        return self._all("sleep", timeout, lambda a: a.sleep.remote())
+
+    def wake(self, timeout: float) -> list[dict]:
+        """Every rank restores what `sleep` released; one `SleepReport` dict per rank."""
+        return self._all("wake", timeout, lambda a: a.wake.remote())
+
     def export_hf_checkpoint(self, out_dir: str) -> str:
         return self._all("export_hf_checkpoint", None, lambda a: a.export_hf_checkpoint.remote(out_dir=out_dir))[0]
 

@@ -140,6 +140,9 @@ class SyncRequest:
     probe_tolerance: float = 1e-4
     probe_every: int = 1
     staged_memory: bool = False
+    #: Memory tags the engines resume at the end of a staged sync (() : the driver resumes them after the trainer
+    #: went to sleep, `beamrl.loop.colocated`).
+    resume_after_sync: tuple[str, ...] = ("kv_cache", "cuda_graph")
 
 
 _SYNCS: dict[tuple, WeightSync] = {}
@@ -176,7 +179,10 @@ def _orchestrator(trainer, rank: int, receivers, engine_names, engine_tp, req: S
             transport = lambda recs: TRANSPORTS.get(req.transport)(recs, **kwargs)  # noqa: E731
         ws = _SYNCS[key] = WeightSync(transport, engines or [], bucket_bytes=req.bucket_bytes,
                                       timeouts=SyncTimeouts.uniform(req.timeout), initial_version=req.version - 1,
-                                      probe=probe, staged_memory=req.staged_memory)
+                                      probe=probe, staged_memory=req.staged_memory,
+                                      resume_after_sync=req.resume_after_sync)
+    # Per request, not per cached orchestrator: a resumed run's first sync is unstaged, the loop's are staged.
+    ws.staged_memory, ws.resume_after_sync = req.staged_memory, tuple(req.resume_after_sync)
     return ws
 
 
@@ -209,6 +215,14 @@ def resync_on_rank(trainer, rank: int, receivers, engine_names, engine_tp, index
         targets = [ws.engines[index]]
     report = ws.sync(MegatronExportSource(trainer), engines=targets, version=req.version)
     return None if report is None else asdict(report)
+
+
+def release_sync_buffers(trainer) -> None:
+    """Before the trainer sleeps (colocated): free this rank's staging slots (the engines detach first); the next
+    sync shares new ones. A no-op on ranks that do not ship."""
+    for key, ws in _SYNCS.items():
+        if key[0] == id(trainer):
+            ws.release_buffers()
 
 
 def save_hf_export(trainer, rank: int, out_dir: str) -> str | None:

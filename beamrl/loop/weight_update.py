@@ -3,8 +3,9 @@ weight sync (`publish_weights`), the colocated memory hand-over before the train
 
 The whole sync (pause, begin, buckets, commit, version check, probe verification, memory resume) runs in the
 trainer ranks' orchestrator (`beamrl.loop.weight_sync`); the driver only sends the request and logs the report.
-Colocated GPU engines give their memory to training (`release_engine_memory`, before the train step) and take it
-back in the anchors' staged order inside the sync: weights first, then the buckets, then KV cache and CUDA graphs.
+Colocated GPU engines give their memory to training (`beamrl.loop.colocated`, before the train step) and take it
+back in the anchors' staged order: weights first (inside the sync), then the buckets, then KV cache and CUDA graphs
+(at the end of the sync, or after the trainer went to sleep).
 """
 
 from __future__ import annotations
@@ -48,21 +49,15 @@ def sync_probe(data, tokenizer, dtype: str, engine: str) -> SyncProbe:
     return SyncProbe(seqs, probe_tolerance(engine, dtype))
 
 
-def release_engine_memory(engines: EngineGroup, staged: bool, timeout: float) -> None:
-    """Colocated GPU: the engines free weights, KV cache and CUDA graphs for the train step."""
-    if staged:
-        engines.call_all("release_memory", timeout, tags=None)
-
-
 _announced: set[str] = set()
 
 
-def sync_request(version: int, sync: SyncConfig, timeout: float, probe: SyncProbe | None,
-                 staged: bool = False) -> SyncRequest:
+def sync_request(version: int, sync: SyncConfig, timeout: float, probe: SyncProbe | None, staged: bool = False,
+                 resume_after_sync: tuple[str, ...] = ("kv_cache", "cuda_graph")) -> SyncRequest:
     return SyncRequest(version=version, transport=sync.transport, bucket_bytes=sync.bucket_bytes, timeout=timeout,
                        probe_sequences=tuple(tuple(s) for s in probe.sequences) if probe else (),
                        probe_tolerance=probe.tolerance if probe else 0.0, probe_every=sync.probe_every,
-                       staged_memory=staged)
+                       staged_memory=staged, resume_after_sync=resume_after_sync)
 
 
 def resync_engine(trainer: TrainerGroup, engines: EngineGroup, index: int, version: int, sync: SyncConfig,
@@ -78,11 +73,13 @@ def resync_engine(trainer: TrainerGroup, engines: EngineGroup, index: int, versi
 
 
 def publish_weights(trainer: TrainerGroup, engines: EngineGroup, version: int, sync: SyncConfig, timeout: float,
-                    probe: SyncProbe | None, staged: bool = False) -> dict[str, float]:
+                    probe: SyncProbe | None, staged: bool = False,
+                    resume_after_sync: tuple[str, ...] = ("kv_cache", "cuda_graph")) -> dict[str, float]:
     """Sync the trainer's weights into every engine as `version`, checked (per-bucket checksums, served versions)
-    and, when `probe` is given, verified on the probe sequences, all in one call to the trainer group. Returns the
-    sync metrics."""
-    report = trainer.sync_weights(engines, sync_request(version, sync, timeout, probe, staged))
+    and, when `probe` is given, verified on the probe sequences, all in one call to the trainer group. With `staged`
+    the engines take back `resume_after_sync` at its end (() when the driver does so after the trainer sleeps).
+    Returns the sync metrics."""
+    report = trainer.sync_weights(engines, sync_request(version, sync, timeout, probe, staged, resume_after_sync))
     if report["code_path"] not in _announced:
         _announced.add(report["code_path"])
         log(f"weight sync: {report['code_path']} ({sync.transport}, {report['buckets']} buckets, "

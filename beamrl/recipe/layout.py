@@ -134,7 +134,7 @@ def _params(n: float) -> str:
 def format_layout(r: "Recipe", c: BeamConfig, source: str, lay: Layout,
                   trainer_mem: list["TrainerMemory"], engine_mem: "EngineMemory", capacity: float | None) -> str:
     """The human-readable dry-run report."""
-    from beamrl.recipe.memory import colocated_peak
+    from beamrl.recipe.memory import colocated_peak, trainer_sleeps
 
     L = []
     add = L.append
@@ -187,11 +187,17 @@ def format_layout(r: "Recipe", c: BeamConfig, source: str, lay: Layout,
         add(f"    +  LoRA W0 copies {_gib(e.lora_w0)} (the targeted weights, kept to merge each "
             "adapter; outside the static budget)")
     if lay.placement == "colocated":
-        add(f"  colocated peak (trainer and engine swap via memory release): {_gib(colocated_peak(trainer_mem, e))}")
+        if trainer_sleeps(r):
+            add(f"  colocated peak (trainer and engine swap via memory release; trainer.sleep_during_rollout on): "
+                f"{_gib(colocated_peak(trainer_mem, e))}")
+        else:
+            add(f"  colocated peak (the trainer keeps its state during rollout: trainer.sleep_during_rollout off): "
+                f"{_gib(colocated_peak(trainer_mem, e, trainer_sleeps=False))}")
     if capacity is None:
         add("  capacity: not checked on cluster.device=cpu")
     else:
-        peak = max(max(m.total for m in trainer_mem), e.total)
+        peak = (colocated_peak(trainer_mem, e, trainer_sleeps(r)) if lay.placement == "colocated"
+                else max(max(m.total for m in trainer_mem), e.total))
         add(f"  capacity: {_gib(capacity)} ({capacity / 1e9:.0f} GB) per {lay.gpu_type.upper()}; highest estimate "
             f"{_gib(peak)} ({peak / 1e9:.0f} GB, {100 * peak / capacity:.0f}%)")
     for w in lay.warnings:

@@ -251,10 +251,20 @@ def engine_memory(r: "Recipe", c: BeamConfig, lay: "Layout") -> EngineMemory:
     return EngineMemory(w, budget, pool, bytes_per_token, int(pool // bytes_per_token), request, full, swa, w0)
 
 
-def colocated_peak(trainer: list[TrainerMemory], engine: EngineMemory) -> float:
-    """Colocated GPUs run one side at a time (engine memory released while training, trainer paused
-    while generating), so the peak is the larger of the two."""
-    return max(max(m.total for m in trainer), engine.total)
+def colocated_peak(trainer: list[TrainerMemory], engine: EngineMemory, trainer_sleeps: bool = True) -> float:
+    """Colocated GPUs run one side at a time: the engines release their memory while the trainer trains, and the
+    trainer sleeps while they generate (`trainer.sleep_during_rollout`), so the peak is the larger side. A trainer
+    that does not sleep keeps its state (all but activations) next to the engine during rollout."""
+    if trainer_sleeps:
+        return max(max(m.total for m in trainer), engine.total)
+    return max(max(m.total, m.total - m.activations + engine.total) for m in trainer)
+
+
+def trainer_sleeps(r: "Recipe") -> bool:
+    """`trainer.sleep_during_rollout` resolved (null: on for colocated placement on cuda)."""
+    from beamrl.trainer.megatron.config import sleeps_during_rollout
+
+    return sleeps_during_rollout(r.trainer.sleep_during_rollout, r.placement.mode, r.cluster.device)
 
 
 def memory_problems(r: "Recipe", lay: "Layout", trainer: list[TrainerMemory], engine: EngineMemory) -> list[str]:
@@ -265,11 +275,13 @@ def memory_problems(r: "Recipe", lay: "Layout", trainer: list[TrainerMemory], en
     gib = lambda b: f"{b / 2**30:.1f} GiB"  # noqa: E731
     problems = []
     worst = max(trainer, key=lambda m: m.total)
-    trainer_peak = colocated_peak(trainer, engine) if lay.placement == "colocated" else worst.total
+    trainer_peak = colocated_peak(trainer, engine, trainer_sleeps(r)) if lay.placement == "colocated" else worst.total
     if trainer_peak > capacity:
         problems.append(f"trainer: stage {worst.stage} needs {gib(trainer_peak)} per GPU > {gib(capacity)} "
                         f"({r.cluster.gpu_type}); raise trainer.pp / trainer.ep*etp, set trainer.recompute: full, "
-                        "trainer.distributed_optimizer: true or trainer.optimizer_offload_fraction")
+                        "trainer.distributed_optimizer: true or trainer.optimizer_offload_fraction" +
+                        ("" if lay.placement != "colocated" or trainer_sleeps(r) else
+                         ", or trainer.sleep_during_rollout: true (the trainer's state stays next to the engine)"))
     if engine.weights >= engine.static_budget:
         problems.append(f"rollout.mem_fraction={r.rollout.mem_fraction}: the static budget {gib(engine.static_budget)} "
                         f"does not hold the weights {gib(engine.weights)} per engine rank; raise rollout.engine_tp")

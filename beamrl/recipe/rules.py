@@ -108,6 +108,9 @@ def _check_placement(r: "Recipe") -> None:
         if r.algorithm.importance.mode == "none":
             raise RecipeError("algorithm.importance.mode", "none", "off-policy training (placement.off_policy_steps=1) "
                               "needs an importance correction: 'tis' or 'mis'")
+    if r.trainer.sleep_during_rollout and p.mode != "colocated":
+        raise RecipeError("trainer.sleep_during_rollout", True, "the trainer sleeps only to lend its devices to "
+                          "colocated engines; set false or null with placement.mode: disaggregated")
     if tr == "colocated" and p.mode != "colocated":
         raise RecipeError("sync.transport", tr, "'colocated' (in-place/IPC) needs placement.mode: colocated; use "
                           "'distributed' or 'disk'")

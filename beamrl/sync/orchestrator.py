@@ -120,11 +120,13 @@ class WeightSync:
     `transport`: a `WeightTransport`, or a factory `receivers -> WeightTransport` (needed to sync a subset of the
     engines), or None on a trainer rank that does not ship (it still takes part in the collective export and probe
     pass). `engines`: the receivers, which also answer `abort_all`, `score`, `served_weight_version` and (colocated
-    GPUs, `staged_memory`) `resume_memory`. `initial_version`: the version the engines serve now."""
+    GPUs, `staged_memory`) `resume_memory`. `initial_version`: the version the engines serve now.
+    `resume_after_sync`: the memory tags a staged sync resumes at its end (default KV cache and CUDA graphs)."""
 
     def __init__(self, transport: WeightTransport | TransportFactory | None, engines: Sequence[WeightReceiver] = (),
                  *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeouts: SyncTimeouts = SyncTimeouts(),
                  initial_version: int = 0, probe: ProbeCheck | None = None, staged_memory: bool = False,
+                 resume_after_sync: Sequence[str] = ("kv_cache", "cuda_graph"),
                  progress: Callable[[str], None] | None = _stderr, progress_every_s: float = 5.0) -> None:
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
@@ -142,6 +144,9 @@ class WeightSync:
         self.version = initial_version
         self.probe = probe
         self.staged_memory = staged_memory
+        # What the engines take back at the end of a staged sync; () when the caller resumes it later (a colocated
+        # trainer that first goes to sleep: beamrl.loop.colocated).
+        self.resume_after_sync = tuple(resume_after_sync)
         self.progress = progress  # None: silent; otherwise a line per `progress_every_s` and one at the end
         self.progress_every_s = progress_every_s
         self.pack = pack_bucket  # the one packing function (reported in `SyncReport.code_path`)
@@ -305,9 +310,10 @@ class WeightSync:
             raise commit_error
         self._check_versions(targets, new_version)
         diff = self._verify(targets, reference) if reference is not None else None
-        if self.staged_memory and targets:
-            self._each("resume_memory(kv_cache, cuda_graph)", targets,
-                       lambda e: e.resume_memory(["kv_cache", "cuda_graph"], self.timeouts.call), self.timeouts.call)
+        if self.staged_memory and targets and self.resume_after_sync:
+            tags = list(self.resume_after_sync)
+            self._each(f"resume_memory({', '.join(tags)})", targets,
+                       lambda e: e.resume_memory(tags, self.timeouts.call), self.timeouts.call)
         if not subset:
             self.version = new_version
         report = SyncReport(version=new_version, bytes=nbytes, buckets=count, seconds=seconds,
@@ -360,6 +366,11 @@ class WeightSync:
                                       f"logprob = {diff:.3e} > tolerance {self.probe.tolerance:.1e}")
             worst = max(worst, diff)
         return worst
+
+    def release_buffers(self) -> None:
+        """Free the transport's staging buffers until the next sync (a colocated trainer going to sleep)."""
+        if self._transport is not None:
+            self._transport.release_buffers(self.timeouts.call)
 
     def close(self) -> None:
         """Tear down the transport's channels (e.g. the update group) and staging buffers."""

@@ -137,3 +137,6 @@ def test_colocated_peak_is_the_larger_side(base_raw):
     lay = plan_layout(r, c)
     tm, em = trainer_memory(r, c, lay), engine_memory(r, c, lay)
     assert colocated_peak(tm, em) == max(tm[0].total, em.static_budget) == em.static_budget  # tiny: KV dominates
+    # a trainer that does not sleep keeps its state (not its activations) next to the engine during rollout
+    awake = colocated_peak(tm, em, trainer_sleeps=False)
+    assert awake == tm[0].total - tm[0].activations + em.static_budget > colocated_peak(tm, em)

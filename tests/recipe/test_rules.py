@@ -41,6 +41,7 @@ CASES = [
     (["placement.off_policy_steps=1"], "algorithm.importance.mode", "tis"),
     (["placement.mode=colocated", "placement.off_policy_steps=1"], "placement.off_policy_steps", "disaggregated"),
     (["sync.transport=colocated"], "sync.transport", "colocated"),
+    (["trainer.sleep_during_rollout=true"], "trainer.sleep_during_rollout", "colocated engines"),
     (["placement.mode=colocated", "trainer.num_gpus=16", "rollout.num_engines=4", "trainer.global_batch_size=32"],
      "sync.transport", "disaggregated"),
     (["rollout.engine=native", "rollout.engine_tp=1", "rollout.num_engines=8", "rollout.server_args={x: 1}"],

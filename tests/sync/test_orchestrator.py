@@ -131,3 +131,26 @@ def test_progress_lines_say_bucket_i_of_n_and_the_rate(trainer_model):
     assert len(lines) == report.buckets + 1
     assert lines[0].startswith(f"[weight sync v1] bucket 1/{report.buckets}:")
     assert "GB/s" in lines[-1] and f"in {report.buckets} buckets" in lines[-1] and "checksums verified" in lines[-1]
+
+
+def test_released_staging_buffers_are_freed_and_shared_anew_at_the_next_sync(hosted_engine, trainer_model):
+    """A colocated trainer going to sleep frees its staging slots (`release_buffers`); the next sync makes and
+    shares new ones with the engine (in its own process) and still lands exactly."""
+    import os
+
+    v0 = hosted_engine.weight_version
+    sync = WeightSync(TRANSPORTS.get("colocated")([hosted_engine]), [hosted_engine], bucket_bytes=64 * 1024,
+                      probe=ProbeCheck(PROBES, tolerance=1e-4), timeouts=TIMEOUTS, initial_version=v0, progress=None)
+    try:
+        perturb(trainer_model, seed=11)
+        assert sync.sync(StateDictSource.of_model(trainer_model)).verified
+        paths = [s.path for s in sync.transport._slots]
+        assert paths and all(os.path.exists(p) for p in paths)
+        sync.release_buffers()
+        assert sync.transport._slots == [] and not any(os.path.exists(p) for p in paths)
+        perturb(trainer_model, seed=12)
+        report = sync.sync(StateDictSource.of_model(trainer_model))
+        assert report.verified and report.max_abs_logprob_diff <= 1e-4 and report.version == v0 + 2
+        assert sync.transport.mode == "staged" and len(sync.transport._slots) == 2
+    finally:
+        sync.close()

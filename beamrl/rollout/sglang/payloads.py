@@ -127,21 +127,31 @@ def parse_prompt_logprobs(out: dict[str, Any], seq_len: int) -> list[float]:
     return [float(e[0]) for e in entries[1:]]
 
 
-def flattened_bucket_payloads(bucket, tp_size: int, as_str: bool) -> list[Any]:
+def flattened_bucket_payloads(bucket, tp_size: int, as_str: bool, buffers: list | None = None) -> list[Any]:
     """`beamrl.protocols.flat_bucket.FlatBucket` -> SGLang `load_format="flattened_bucket"` payloads, one per TP rank.
 
     Each payload is `MultiprocessingSerializer.serialize({"flattened_tensor", "metadata"})` with SGLang's own
     `FlattenedTensorMetadata`, so the engine rebuilds exactly our layout (FlatBucket is byte-compatible with
-    `FlattenedTensorBucket`). `as_str`: base64 strings for the HTTP JSON body, raw bytes in-process."""
+    `FlattenedTensorBucket`). `as_str`: base64 strings for the HTTP JSON body, raw bytes in-process.
+    `buffers`: one packed copy of the bucket per TP rank (entry r on engine rank r's device, packed by the trainer
+    rank sharing it: `beamrl.sync.rank_payload`); None: every rank gets `bucket.buffer`."""
     from sglang.srt.utils.common import MultiprocessingSerializer
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
 
     import torch
 
+    if buffers is None:
+        buffers = [bucket.buffer] * tp_size
+    if len(buffers) != tp_size:
+        raise ValueError(f"bucket {bucket.index}: {len(buffers)} per-rank buffers for an engine of TP {tp_size}")
+    for r, b in enumerate(buffers):
+        if b.dtype != torch.uint8 or b.numel() != bucket.buffer.numel():
+            raise ValueError(f"bucket {bucket.index}: the buffer of TP rank {r} has {b.numel()} {b.dtype} elements, "
+                             f"the bucket {bucket.buffer.numel()} uint8")
     metadata = [FlattenedTensorMetadata(name=m.name, shape=torch.Size(m.shape), dtype=m.dtype, start_idx=m.start,
                                         end_idx=m.end, numel=m.nbytes) for m in bucket.metas]
-    data = {"flattened_tensor": bucket.buffer, "metadata": metadata}
-    return [MultiprocessingSerializer.serialize(data, output_str=as_str) for _ in range(tp_size)]
+    return [MultiprocessingSerializer.serialize({"flattened_tensor": b, "metadata": metadata}, output_str=as_str)
+            for b in buffers]
 
 
 def check_success(result: Any, what: str, error_cls: type[Exception]) -> None:

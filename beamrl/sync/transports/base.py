@@ -76,6 +76,10 @@ class WeightTransport(abc.ABC):
     def close(self) -> None:
         """Tear down channels and buffers."""
 
+    def release_buffers(self, timeout: float) -> None:
+        """Free the staging buffers between syncs (a colocated trainer going to sleep); the next `begin` makes and
+        shares new ones. Channels stay up."""
+
 
 class ReceiverTransport(WeightTransport):
     """A `WeightTransport` over a fixed list of receivers: session state, staging slots, health marks.
@@ -282,3 +286,10 @@ class ReceiverTransport(WeightTransport):
 
     def close(self) -> None:
         self._drop_slots(10.0)
+
+    def release_buffers(self, timeout: float) -> None:
+        if self.manifest is not None:
+            raise WeightSyncError("release_buffers during an open sync session")
+        self._drop_slots(timeout)
+        if self.device.type == "cuda":
+            torch.cuda.ipc_collect()  # blocks the engines had opened by CUDA IPC are freed once they detached

@@ -203,6 +203,10 @@ class TrainerConfig(OptimizerConfig, ParallelConfig):
     # LoRA adapters (docs/lora.md): only they train, the base is frozen, and weight syncs send only them; the
     # engines take their targets, rank and scale from here. null = full-parameter training.
     lora: LoRAConfig | None = None
+    # Colocated placement: the trainer releases its device memory (params, grads, optimizer state) while the engines
+    # generate, and takes it back before training (beamrl.trainer.megatron.sleep; docs/colocated.md).
+    sleep_during_rollout: bool | None = Field(None, description="null = on for colocated placement on cuda, "
+                                              "off otherwise")
 
     @model_validator(mode="after")
     def _check_world(self) -> "TrainerConfig":
@@ -217,3 +221,10 @@ class TrainerConfig(OptimizerConfig, ParallelConfig):
     def dp(self) -> int:
         """Data-parallel size (num_gpus / (tp * pp))."""
         return self.num_gpus // (self.tp * self.pp)
+
+
+def sleeps_during_rollout(setting: bool | None, placement_mode: str, device: str) -> bool:
+    """`trainer.sleep_during_rollout` resolved: null means on for colocated placement on cuda, off otherwise."""
+    if setting is not None:
+        return bool(setting)
+    return placement_mode == "colocated" and device == "cuda"

@@ -131,6 +131,9 @@ class MegatronTrainer(TrainerWorker):
         from beamrl.trainer.megatron.checkpoint.checkpointer import Checkpointer
 
         self._checkpointer = Checkpointer(self)
+        from beamrl.trainer.megatron.sleep import DeviceStateSleeper, megatron_state_tensors
+
+        self._sleeper = DeviceStateSleeper(lambda: megatron_state_tensors(self.chunks, self.optimizer), self.device)
         if hf_checkpoint is not None:
             self.load_hf(hf_checkpoint)
 
@@ -227,6 +230,29 @@ class MegatronTrainer(TrainerWorker):
     def _seq_multiple(self) -> int:
         return self.config.parallel.tp if self.config.parallel.sp else 1
 
+    # ------------------------------------------------------------------------------------------ sleep / wake
+    @property
+    def asleep(self) -> bool:
+        """True between `sleep` and `wake`: the rank's device state lives in host copies."""
+        return self._sleeper.asleep
+
+    def sleep(self):
+        """Colocated placement: release this rank's params, grads and optimizer state from the device (host copies;
+        `beamrl.trainer.megatron.sleep`). Returns a `SleepReport`. A save in flight has already staged its data on
+        the host, so it keeps writing. Idempotent."""
+        return self._sleeper.sleep()
+
+    def wake(self):
+        """Restore what `sleep` released, bit-exactly. Returns a `SleepReport`. Idempotent."""
+        return self._sleeper.wake()
+
+    def _require_awake(self, what: str) -> None:
+        if self._sleeper.asleep:
+            from beamrl.trainer.megatron.sleep import TrainerAsleepError
+
+            raise TrainerAsleepError(f"MegatronTrainer.{what} while the trainer sleeps (its device state is in host "
+                                     f"memory); call wake() first")
+
     # ----------------------------------------------------------------------------------------- train step
     def train_step(self, micro_batches: list[PackedBatch], loss_fn: LossFn,
                    temperature: float = 1.0) -> TrainStepResult:
@@ -240,6 +266,7 @@ class MegatronTrainer(TrainerWorker):
                          temperature: float = 1.0) -> dict[str, float]:
         """The first half of `train_step`: gradients of this step's loss in the DDP grad buffers (reduced over
         DP), no optimizer update. Returns the loss and metrics summed over micro-batches and DP ranks."""
+        self._require_awake("forward_backward")
         if len(micro_batches) < self._min_micro_batches():
             raise ValueError(f"train_step got {len(micro_batches)} micro-batches; this layout needs at least "
                              f"{self._min_micro_batches()} (the interleaved pipeline schedule needs >= pp)")
@@ -288,6 +315,7 @@ class MegatronTrainer(TrainerWorker):
     def optimizer_step(self) -> tuple[bool, float, float]:
         """The second half of `train_step`: clip, Adam update, LR schedule. Returns (updated, grad norm, lr used);
         a step with non-finite gradients is skipped (updated False) and does not advance the schedule."""
+        self._require_awake("optimizer_step")
         lr = float(self.optimizer.param_groups[0]["lr"])
         update_ok, grad_norm, _ = self.optimizer.step()
         if update_ok:
@@ -340,6 +368,7 @@ class MegatronTrainer(TrainerWorker):
     @torch.no_grad()
     def compute_logprobs(self, batch: PackedBatch, temperature: float = 1.0, return_entropy: bool = True,
                          routes: torch.Tensor | None = None) -> LogprobResult:
+        self._require_awake("compute_logprobs")
         if routes is not None:
             batch = PackedBatch(batch.tokens, batch.cu_seqlens, batch.loss_mask, batch.fields, routes)
         for c in self.chunks:
@@ -416,6 +445,7 @@ class MegatronTrainer(TrainerWorker):
 
     def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
         """Load full HF-named tensors (every rank passes the same dict) into this rank's shards."""
+        self._require_awake("load_hf_state_dict")
         from beamrl.trainer.megatron import mapping
 
         mapping.load_hf_weights(self.models, tensors, strict=True)
@@ -430,6 +460,7 @@ class MegatronTrainer(TrainerWorker):
     def export_hf(self, dst_rank: int = 0) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Stream full HF tensors, one list per export unit (`mapping.export_hf_tensors`). Collective: every rank
         must iterate to the end; the lists hold tensors on `dst_rank` only (other ranks get empty lists)."""
+        self._require_awake("export_hf")
         from beamrl.trainer.megatron import mapping
 
         yield from mapping.export_hf_tensors(self.models, dst_rank=dst_rank)
@@ -497,6 +528,7 @@ class MegatronTrainer(TrainerWorker):
         """Write a distributed checkpoint to `directory` (absent or empty; docs/checkpoints.md). With `async_save`
         it returns once the state is staged and the files are being written in the background: complete it with
         `finalize_checkpoint` (a later save, load or shutdown does so first)."""
+        self._require_awake("save_checkpoint")
         return self._checkpointer.save(directory, async_save)
 
     def finalize_checkpoint(self, blocking: bool = True, timeout_s: float | None = None) -> Path | None:
@@ -506,6 +538,7 @@ class MegatronTrainer(TrainerWorker):
 
     def load_checkpoint(self, directory: str | Path) -> None:
         """Restore a checkpoint written at any parallel layout of the same model (docs/checkpoints.md)."""
+        self._require_awake("load_checkpoint")
         self._checkpointer.load(directory)
 
     def shutdown(self) -> None:

@@ -1,0 +1,218 @@
+"""Trainer sleep/wake for colocated placement: give the device memory of a `MegatronTrainer` rank to the rollout
+engines between train steps, and take it back bit-exactly.
+
+Dependency-free (no `torch-memory-saver`): every device storage the rank owns long-term -- Megatron's contiguous
+param and grad buffers (`DistributedDataParallel.buffers` / `expert_parallel_buffers`), the modules' parameters and
+buffers outside them, the optimizer's FP32 main params, their grads and the Adam state -- is copied into a host
+buffer (page-locked on CUDA, exactly sized, allocated once and reused every cycle) and its storage is resized to 0 bytes
+(`untyped_storage().resize_(0)`). Every tensor viewing such a storage keeps its shape, strides and identity, so
+Megatron's views (params into `param_data`, `main_grad` into `grad_data`, bucket views, the optimizer's
+references) stay valid; waking resizes each storage back and copies the bytes in. On CUDA the freed blocks go back
+to the driver (`torch.cuda.empty_cache`), so another process (the engine) can use them.
+
+What stays on the device while asleep (docs/colocated.md): the CUDA context, NCCL communicators and their buffers
+(the process groups are kept: rebuilding Megatron's groups every step costs more than the memory of an idle
+communicator on one node; at world size 1 there is none), Megatron's lazily allocated global memory buffer (SP
+all-gathers) and small scratch tensors (e.g. the optimizer's overflow flag). `SleepReport.asleep_bytes` measures
+what the caching allocator still holds.
+
+On CPU the same code really moves the bytes (the storages are freed to 0 bytes and restored), so CPU tests check the
+release, the bit-exact restore and identical training after a cycle.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import weakref
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+
+class TrainerAsleepError(RuntimeError):
+    """A call that needs the trainer's device state was made while the trainer sleeps."""
+
+
+@dataclass(frozen=True)
+class SleepReport:
+    """What one `sleep` or `wake` did. `seconds`: wall time (device work included). `bytes`: bytes moved between
+    device storages and host copies. `storages`: how many storages. `asleep_bytes` (sleep) / `awake_bytes` (wake):
+    device bytes the caching allocator of this process reserves afterwards (0 on CPU). `peak_bytes` (sleep): the
+    allocator's peak reserved bytes since the previous wake (the training peak; 0 on CPU)."""
+
+    seconds: float
+    bytes: int
+    storages: int
+    asleep_bytes: int = 0
+    awake_bytes: int = 0
+    peak_bytes: int = 0
+
+    def as_dict(self) -> dict:
+        return {"seconds": self.seconds, "bytes": self.bytes, "storages": self.storages,
+                "asleep_bytes": self.asleep_bytes, "awake_bytes": self.awake_bytes, "peak_bytes": self.peak_bytes}
+
+
+def _tensors(obj) -> Iterator[torch.Tensor]:
+    """Tensors inside an optimizer state value (tensors, or dicts / lists / tuples of them)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v)
+
+
+def megatron_state_tensors(chunks: Iterable, optimizer) -> Iterator[torch.Tensor]:
+    """Every long-lived tensor of a trainer rank: DDP param/grad buffers, module params (+ `main_grad`) and
+    buffers, and for each (chained) optimizer its torch optimizer's params, their grads and its state."""
+    for chunk in chunks:
+        for buf in list(getattr(chunk, "buffers", [])) + list(getattr(chunk, "expert_parallel_buffers", [])):
+            for t in (getattr(buf, "param_data", None), getattr(buf, "grad_data", None)):
+                if t is not None:
+                    yield t
+        module = getattr(chunk, "module", chunk)
+        for p in module.parameters():
+            yield p.data
+            for g in (getattr(p, "main_grad", None), p.grad):
+                if g is not None:
+                    yield g
+        for b in module.buffers():
+            yield b
+    if optimizer is None:
+        return
+    for sub in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        inner = getattr(sub, "optimizer", None)
+        if inner is None:
+            continue
+        for group in inner.param_groups:
+            for p in group["params"]:
+                yield p.data
+                if p.grad is not None:
+                    yield p.grad
+        for state in inner.state.values():
+            yield from _tensors(state)
+
+
+_warned_pinning = False
+
+
+def _pinned_host(nbytes: int) -> torch.Tensor:
+    """Page-locked host memory of exactly `nbytes` (plain host memory registered with CUDA). torch's pinned caching
+    allocator rounds every block up to a power of two (up to 2x the trainer's state in host memory); registering
+    an exact allocation does not. If registration is unavailable, the caching allocator is used (said once)."""
+    global _warned_pinning
+    host = torch.empty(nbytes, dtype=torch.uint8)
+    try:
+        from torch.cuda._pin_memory_utils import pin_memory, unpin_memory  # torch's own helpers (FSDP, DCP)
+
+        pin_memory(host.data_ptr(), nbytes)
+    except (ImportError, RuntimeError, AttributeError) as e:
+        if not _warned_pinning:
+            _warned_pinning = True
+            print(f"[beamrl] trainer sleep: cannot register host memory with CUDA ({type(e).__name__}: {e}); using "
+                  f"torch's pinned allocator (blocks rounded up to powers of two)", file=sys.stderr, flush=True)
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    weakref.finalize(host, unpin_memory, host.data_ptr())  # unregistered before the memory is freed
+    return host
+
+
+class _Held:
+    """One device storage while asleep: the storage object (resizing it resizes it for every view) and its bytes."""
+
+    __slots__ = ("storage", "nbytes", "host")
+
+    def __init__(self, storage: torch.UntypedStorage, nbytes: int, host: torch.Tensor) -> None:
+        self.storage, self.nbytes, self.host = storage, nbytes, host
+
+
+def _bytes_view(storage: torch.UntypedStorage, nbytes: int) -> torch.Tensor:
+    """A uint8 tensor over the whole storage."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (nbytes,), (1,))
+
+
+class DeviceStateSleeper:
+    """Moves a trainer rank's long-lived device storages to host copies and back (module docstring).
+
+    `tensors`: a callable returning the tensors to release (called at every `sleep`: the optimizer creates its
+    state lazily at its first step). `device`: the rank's device; tensors elsewhere (Adam's CPU `step` counters on
+    a GPU rank) are left alone."""
+
+    def __init__(self, tensors, device: torch.device) -> None:
+        self._tensors = tensors
+        self.device = torch.device(device)
+        self._held: list[_Held] | None = None
+        self._host_cache: dict[int, list[torch.Tensor]] = {}  # nbytes -> host buffers reused across cycles
+
+    @property
+    def asleep(self) -> bool:
+        return self._held is not None
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def _storages(self) -> list[tuple[torch.UntypedStorage, int]]:
+        seen: dict[int, tuple[torch.UntypedStorage, int]] = {}
+        for t in self._tensors():
+            if t.device != self.device:
+                continue
+            s = t.untyped_storage()
+            n = s.nbytes()
+            if n == 0:
+                continue
+            seen.setdefault(s.data_ptr(), (s, n))
+        # Largest first: a stable, deterministic order (and the big buffers' copies start first).
+        return sorted(seen.values(), key=lambda sn: -sn[1])
+
+    def _host_buffer(self, nbytes: int, pool: dict[int, list[torch.Tensor]]) -> torch.Tensor:
+        free = pool.get(nbytes)
+        if free:
+            return free.pop()
+        return _pinned_host(nbytes) if self.cuda else torch.empty(nbytes, dtype=torch.uint8)
+
+    def sleep(self) -> SleepReport:
+        """Copy every storage to host and free it on the device. Idempotent (a second call does nothing)."""
+        t0 = time.perf_counter()
+        if self._held is not None:
+            return SleepReport(0.0, 0, 0, asleep_bytes=self._reserved())
+        peak = torch.cuda.max_memory_reserved(self.device) if self.cuda else 0
+        pool, self._host_cache = self._host_cache, {}
+        held = []
+        for storage, n in self._storages():
+            host = self._host_buffer(n, pool)
+            host.copy_(_bytes_view(storage, n), non_blocking=self.cuda)
+            held.append(_Held(storage, n, host))
+        if self.cuda:
+            torch.cuda.synchronize(self.device)  # every copy landed before a storage is freed
+        for h in held:
+            h.storage.resize_(0)
+        self._held = held
+        if self.cuda:
+            torch.cuda.empty_cache()  # hand the blocks back to the driver: the engine is another process
+        total = sum(h.nbytes for h in held)
+        return SleepReport(time.perf_counter() - t0, total, len(held), asleep_bytes=self._reserved(),
+                           peak_bytes=peak)
+
+    def wake(self) -> SleepReport:
+        """Re-allocate every storage and copy its bytes back (bit-exact). Idempotent."""
+        t0 = time.perf_counter()
+        held, self._held = self._held, None
+        if held is None:
+            return SleepReport(0.0, 0, 0, awake_bytes=self._reserved())
+        for h in held:
+            h.storage.resize_(h.nbytes)
+            _bytes_view(h.storage, h.nbytes).copy_(h.host, non_blocking=self.cuda)
+        if self.cuda:
+            torch.cuda.synchronize(self.device)  # the host buffers are reused by the next sleep
+            torch.cuda.reset_peak_memory_stats(self.device)
+        for h in held:
+            self._host_cache.setdefault(h.nbytes, []).append(h.host)
+        total = sum(h.nbytes for h in held)
+        return SleepReport(time.perf_counter() - t0, total, len(held), awake_bytes=self._reserved())
+
+    def _reserved(self) -> int:
+        return torch.cuda.memory_reserved(self.device) if self.cuda else 0

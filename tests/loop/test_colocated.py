@@ -1,0 +1,77 @@
+"""The colocated hand-over order (`beamrl.loop.colocated`) and `trainer.sleep_during_rollout`'s default.
+
+The groups here only record calls (the real `TrainerGroup` / `EngineGroup` run the same calls in
+tests/loop/test_colocated_sleep.py, end to end)."""
+
+import copy
+
+import pytest
+
+from beamrl.loop.colocated import KV_TAGS, ColocatedMemory, trainer_sleeps
+from beamrl.recipe import apply_override, validate_recipe
+from tests.recipe.conftest import BASE
+
+REPORT = {"seconds": 0.1, "bytes": 2**30, "storages": 3, "asleep_bytes": 2**20, "awake_bytes": 2**31,
+          "peak_bytes": 2**32}
+
+
+class Recorder:
+    def __init__(self, name: str, log: list):
+        self.name, self.log = name, log
+
+    def sleep(self, timeout):
+        self.log.append(f"{self.name}.sleep")
+        return [REPORT]
+
+    def wake(self, timeout):
+        self.log.append(f"{self.name}.wake")
+        return [REPORT]
+
+    def call_all(self, method, timeout, tags):
+        self.log.append(f"{self.name}.{method}({tags})")
+
+
+def _memory(sleep: bool, staged: bool):
+    log: list = []
+    m = ColocatedMemory([Recorder("trainer", log), Recorder("reference", log)], Recorder("engines", log),
+                        sleep=sleep, staged=staged, timeout=5)
+    return m, log
+
+
+def test_staged_order_with_a_sleeping_trainer():
+    m, log = _memory(sleep=True, staged=True)
+    first = m.before_rollout()  # step 0: the engines never released anything yet
+    assert log == ["trainer.sleep", "reference.sleep"]
+    assert first["memory/trainer_asleep_gib"] == 2**20 / 2**30 and first["memory/trainer_peak_gib"] == 4.0
+    log.clear()
+    m.before_train()
+    assert log == ["engines.release_memory(None)", "trainer.wake", "reference.wake"]
+    assert m.resume_after_sync == ()  # the sync resumes only the weights: KV waits for the trainer's sleep
+    log.clear()
+    out = m.before_rollout()
+    assert log == ["trainer.sleep", "reference.sleep", f"engines.resume_memory({list(KV_TAGS)})"]
+    assert {"time/trainer_sleep_s", "time/engine_resume_kv_s", "memory/trainer_offloaded_gib"} <= set(out)
+
+
+def test_without_sleep_the_sync_resumes_everything():
+    m, log = _memory(sleep=False, staged=True)
+    assert m.before_rollout() == {} and log == []
+    m.before_train()
+    assert log == ["engines.release_memory(None)"]
+    assert m.resume_after_sync == KV_TAGS
+    m2, log2 = _memory(sleep=False, staged=False)
+    assert m2.before_train() == {} and m2.before_rollout() == {} and log2 == []
+
+
+@pytest.mark.parametrize("overrides, sleeps", [
+    ([], False),  # the base recipe is disaggregated
+    (["placement.mode=colocated", "sync.transport=colocated", "trainer.num_gpus=16", "trainer.global_batch_size=32",
+      "rollout.num_engines=8", "rollout.engine_tp=2"], True),  # colocated on cuda: on by default
+    (["placement.mode=colocated", "sync.transport=colocated", "trainer.num_gpus=16", "trainer.global_batch_size=32",
+      "rollout.num_engines=8", "rollout.engine_tp=2", "trainer.sleep_during_rollout=false"], False),
+])
+def test_sleep_default(overrides, sleeps):
+    raw = copy.deepcopy(BASE)
+    for o in overrides:
+        apply_override(raw, o)
+    assert trainer_sleeps(validate_recipe(raw)) is sleeps

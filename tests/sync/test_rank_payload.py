@@ -1,0 +1,84 @@
+"""Colocated buckets from every trainer rank (`beamrl.sync.rank_payload`): one payload entry per engine TP rank from
+the trainer rank on its device, each kept alive until the engine copied it; and SGLang's flattened-bucket payload
+with one buffer per TP rank."""
+
+import pytest
+import torch
+
+from beamrl.sync.rank_payload import Colocation, KeepAlive, PayloadError, SharedBuffer, payload_entries
+from beamrl.trainer.megatron.launch import launch
+from tests.sync import _rank_payload_runs as R
+
+
+def test_colocation_maps_engine_ranks_to_the_trainer_rank_on_their_device():
+    c = Colocation.from_devices(["cuda:0", "cuda:1", "cuda:2", "cuda:3"], ["cuda:2", "cuda:3"])
+    assert c.trainer_rank_of == (2, 3) and c.tp_size == 2
+    with pytest.raises(PayloadError, match="engine TP rank 1 runs on 'cuda:5'"):
+        Colocation.from_devices(["cuda:0", "cuda:1"], ["cuda:0", "cuda:5"])
+
+
+def test_payload_has_one_entry_per_engine_rank_from_its_trainer_rank():
+    handles = [SharedBuffer(rank=r, index=4, nbytes=8) for r in range(4)]
+    entries = payload_entries(handles, Colocation((2, 3)), 4)
+    assert [e.rank for e in entries] == [2, 3]
+    with pytest.raises(PayloadError, match="trainer rank 3 .* shared no buffer"):
+        payload_entries(handles[:3] + [None], Colocation((2, 3)), 4)
+    with pytest.raises(PayloadError, match="would get bucket 5 of trainer rank 2"):
+        payload_entries([SharedBuffer(rank=r, index=5, nbytes=8) for r in range(4)], Colocation((2, 3)), 4)
+
+
+def test_keep_alive_rules():
+    keep = KeepAlive(max_outstanding=2)
+    keep.hold(0, torch.zeros(4, dtype=torch.uint8))
+    with pytest.raises(PayloadError, match="already held"):
+        keep.hold(0, torch.zeros(4, dtype=torch.uint8))
+    keep.hold(1, torch.zeros(4, dtype=torch.uint8))
+    with pytest.raises(PayloadError, match=r"bucket 2: 2 bucket\(s\) \[0, 1\] not yet copied"):
+        keep.hold(2, torch.zeros(4, dtype=torch.uint8))
+    with pytest.raises(PayloadError, match=r"commit with bucket\(s\) \[0, 1\]"):
+        keep.check_finished()
+    keep.release(0)
+    with pytest.raises(PayloadError, match="release of bucket 0, which is not held"):
+        keep.release(0)
+    keep.hold(2, torch.zeros(4, dtype=torch.uint8))
+    assert keep.outstanding() == [1, 2]
+    keep.release_all()
+    keep.check_finished()
+
+
+def test_a_cpu_buffer_must_be_shareable_and_is_gone_once_released():
+    with pytest.raises(PayloadError, match="SharedBuffer.allocate"):
+        SharedBuffer.of(torch.zeros(8, dtype=torch.uint8), 0, 0)
+    buf = SharedBuffer.allocate(8, "cpu")
+    buf.copy_(torch.arange(8, dtype=torch.uint8))
+    handle = SharedBuffer.of(buf, 0, 3)
+    assert torch.equal(handle.open(), torch.arange(8, dtype=torch.uint8))
+    del buf
+    with pytest.raises(PayloadError, match="bucket 3 of trainer rank 0 is gone"):
+        handle.open()
+
+
+def test_sglang_payload_carries_each_tp_rank_its_own_buffer():
+    pytest.importorskip("sglang")  # installed in CI (the SGLang CPU engine)
+    from sglang.srt.utils.common import MultiprocessingSerializer
+
+    from beamrl.protocols.flat_bucket import FlatBucket, layout
+    from beamrl.rollout.sglang.payloads import flattened_bucket_payloads
+
+    metas = layout(["a", "b"], ["float32", "float32"], [(2,), (4,)])
+    per_rank = [torch.full((24,), r, dtype=torch.uint8) for r in range(2)]
+    bucket = FlatBucket(per_rank[0], metas, index=0)
+    payloads = flattened_bucket_payloads(bucket, 2, as_str=False, buffers=per_rank)
+    got = [MultiprocessingSerializer.deserialize(p) for p in payloads]
+    assert [int(g["flattened_tensor"][0]) for g in got] == [0, 1]  # entry r is TP rank r's buffer
+    assert [m.name for m in got[1]["metadata"]] == ["a", "b"]
+    with pytest.raises(ValueError, match="2 per-rank buffers for an engine of TP 3"):
+        flattened_bucket_payloads(bucket, 3, as_str=False, buffers=per_rank)
+
+
+@pytest.mark.slow
+def test_every_trainer_rank_ships_its_own_copy_kept_alive_until_copied():
+    out = launch(R.per_rank_payload, 2, (), timeout_s=300)[0]
+    assert out["entry_ranks"] == [0, 1] and out["distinct_buffers"]
+    assert out["entries_match"] and out["copied"]
+    assert out["gone_refused"]

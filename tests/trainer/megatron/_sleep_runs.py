@@ -1,0 +1,72 @@
+"""Rank function of the sleep/wake test (2 processes through `beamrl.trainer.megatron.launch`).
+
+One launch covers the sharded case (TP2+SP, distributed optimizer, bf16: FP32 main params and Adam state are
+shards, params and grads live in Megatron's contiguous buffers): a trainer trains K steps, sleeps (every released
+storage must have 0 bytes), wakes (every tensor bit-identical to a snapshot taken before the sleep) and trains N
+more; a second trainer, rebuilt from the same weights in the same processes, trains K + N steps without sleeping.
+The losses must be identical.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tests.trainer.megatron import _checkpoint_runs as C
+
+K, N = 2, 2
+
+
+def sleep_cycle(dtype: str, layout: dict | None = None) -> dict:
+    from beamrl.models.beam.weights import random_state_dict
+    from beamrl.trainer.megatron.sleep import TrainerAsleepError, megatron_state_tensors
+
+    layout = {"tp": 2, "sp": True} if layout is None else layout
+    weights = None
+    out: dict = {}
+    for mode in ("sleep", "plain"):
+        t = C._trainer(layout, distributed_optimizer=True, dtype=dtype)
+        if weights is None:
+            weights = random_state_dict(t.config.model, 7, t.config.params_dtype)
+        t.load_hf_state_dict(weights)
+        losses = C._train(t, K)
+        if mode == "sleep":
+            tensors = list(megatron_state_tensors(t.chunks, t.optimizer))
+            before = [x.detach().clone() for x in tensors]
+            allocated = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+            report = t.sleep()
+            out["allocated_awake"] = allocated
+            out["allocated_asleep"] = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+            out["reserved_asleep"] = report.asleep_bytes
+            out["peak"] = report.peak_bytes
+            out["released_bytes"] = report.bytes
+            out["storages"] = report.storages
+            out["all_freed"] = all(x.untyped_storage().nbytes() == 0 for x in tensors)
+            # the same, found independently of `megatron_state_tensors`: Adam state, FP32 main params, DDP buffers
+            subs = getattr(t.optimizer, "chained_optimizers", None) or [t.optimizer]
+            own = [v for sub in subs for st in sub.optimizer.state.values() for v in st.values()
+                   if torch.is_tensor(v) and v.numel() > 1]
+            own += [p for sub in subs for g in sub.optimizer.param_groups for p in g["params"]]
+            own += [b for c in t.chunks for buf in c.buffers for b in (buf.param_data, buf.grad_data)
+                    if b is not None]
+            own += [p.main_grad for m in t.models for p in m.parameters()]
+            out["independent_freed"] = len(own) > 10 and all(x.untyped_storage().nbytes() == 0 for x in own)
+            subs = getattr(t.optimizer, "chained_optimizers", None) or [t.optimizer]
+            out["adam_state_tensors"] = sum(len(s) for sub in subs for s in sub.optimizer.state.values())
+            try:
+                t.train_step([], None)
+                out["refused_asleep"] = False
+            except TrainerAsleepError as e:
+                out["refused_asleep"] = "wake() first" in str(e)
+            t.wake()
+            out["bit_identical"] = all(torch.equal(_bits(a), _bits(b))
+                                       for a, b in zip(tensors, before))
+            out["same_objects"] = len(tensors) == len(list(megatron_state_tensors(t.chunks, t.optimizer)))
+        losses += C._train(t, N)
+        out[f"losses_{mode}"] = losses
+        t.shutdown()
+    return out
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bytes of a tensor (NaN == NaN, -0.0 != 0.0: a bit-exact comparison)."""
+    return t.detach().reshape(-1).contiguous().view(torch.uint8)
