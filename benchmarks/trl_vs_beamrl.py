@@ -1,18 +1,22 @@
 """TRL's GRPOTrainer vs beamrl, side by side on the quickstart task (single-digit addition, exact-match reward).
 
 Both sides get the same budget, read from `recipes/quickstart.yaml`: the same 1000 seeded "a+b=" prompts, the
-same 15-token digit vocabulary (same ids), a model of the same width, depth and total parameter count, the same
-SFT warm start (steps x batch, lr), then GRPO with the same prompts x generations per step, max completion
-length, temperature, number of steps, lr (constant), Adam, grad clip, eps-clip, no KL (beta=0) and seed.
+same 16-token digit vocabulary (same ids), a model of the same width, depth and total parameter count, the same
+SFT warm start (steps x batch, lr, and the very batches: beamrl's loader order), then GRPO with the same prompts
+in the same order, generations per step, max completion length, temperature, number of steps, lr (constant),
+Adam, grad clip, eps-clip, no KL (beta=0) and seed.
 
 - beamrl: `.venv/bin/beamrl train recipes/quickstart.yaml ...` (tiny Beam MoE, Megatron trainer actor + native
   engine actor under Ray); read back from its metrics.jsonl.
 - TRL: the same file run with `--trl-worker` in `.venv-trl` (built by `bash benchmarks/trl_env.sh`; TRL needs a
-  newer transformers than sglang's pin in .venv): a Qwen2ForCausalLM (hidden 64, 6 layers, 4/2 heads, FFN sized
-  so that the total matches tiny Beam's), a plain torch SFT loop, then trl.GRPOTrainer.
+  newer transformers than sglang's pin in .venv), a plain torch SFT loop, then trl.GRPOTrainer, on the model(s)
+  of `--trl-model`: `qwen2`, a Qwen2ForCausalLM (hidden 64, 6 layers, 4/2 heads, FFN sized so that the total
+  matches tiny Beam's), and/or `beam`, the repository's Beam reference model with beamrl's own init
+  (benchmarks/trl_beam_peer.py): the same model and weights as the beamrl side.
 
     bash benchmarks/trl_env.sh
-    .venv/bin/python benchmarks/trl_vs_beamrl.py --steps 60 --sft-steps 15 --repeat 3 --out runs/trl_vs_beamrl
+    .venv/bin/python benchmarks/trl_vs_beamrl.py --steps 60 --sft-steps 15 --repeat 3 --trl-model qwen2 beam \
+        --out runs/trl_vs_beamrl_r3
 
 Prints one table (framework | params | SFT s | GRPO s/step | reward first/last 20% | total wall s), one row per
 side and run; with `--repeat N` (N runs per side, alternating) also each column's median and min-max spread and
@@ -26,19 +30,21 @@ import argparse
 import json
 import os
 import re
+import shutil
 import signal
 import statistics
 import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE = ROOT / "recipes" / "quickstart.yaml"
 # Qwen2 shape of the TRL side: Beam tiny's width, depth and heads; only the FFN width is solved for.
 QWEN_HIDDEN, QWEN_LAYERS, QWEN_HEADS, QWEN_KV_HEADS = 64, 6, 4, 2
+TRL_MODELS = ("qwen2", "beam")
 _SFT_LINE = re.compile(r"SFT step (\d+)/(\d+): nll ([0-9.]+) \(([0-9.]+) s\)")
 
 
@@ -66,12 +72,19 @@ class TaskSettings:
     target_params: int
     threads: int
     trl_init: str = "beam"
+    trl_model: str = "qwen2"
+    model_seed: int = 0
+    data_shuffle: bool = True
+    data_shuffle_seed: int = 0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=40, help="GRPO steps on each side")
     ap.add_argument("--sft-steps", type=int, default=150, help="SFT warm-start steps on each side")
+    ap.add_argument("--seed", type=int, default=None,
+                    help="run.seed of both sides (sampling, SFT batch order; default: the recipe's). The init stays "
+                         "model.seed's, the GRPO prompt order data.shuffle_seed's")
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "trl_vs_beamrl", help="output directory")
     ap.add_argument("--skip-trl", action="store_true", help="run beamrl only")
     ap.add_argument("--skip-beamrl", action="store_true", help="run TRL only")
@@ -83,10 +96,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="TRL model init: 'beam' = beamrl's random-checkpoint rule (embeddings N(0,1), linears "
                          "N(0,1/fan_in), norms ~1), the same scheme the beamrl side starts from; 'hf' = "
                          "transformers' default (N(0,0.02)), which learns the SFT far more slowly here")
+    ap.add_argument("--trl-model", nargs="+", choices=TRL_MODELS, default=["qwen2"],
+                    help="model(s) of the TRL side, each a side of its own (trl-<model>, run after beamrl in every "
+                         "repeat): 'qwen2' = a dense Qwen2ForCausalLM of tiny Beam's width, depth and parameter count "
+                         "(--trl-init picks its init); 'beam' = the repository's Beam reference model "
+                         "(beamrl.models.beam, tiny preset) with beamrl's own seeded init, i.e. the very model and "
+                         "weights beamrl starts from (--trl-init does not apply)")
     ap.add_argument("--timeout-s", type=float, default=1200.0, help="wall-clock limit of each side")
     ap.add_argument("--repeat", type=int, default=1,
                     help="runs per framework, alternating beamrl, trl, beamrl, ... (run i goes to OUT/run<i>/); "
                          "with more than one, a summary table gives each column's median and min-max spread")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="delete what an earlier run of this benchmark left in --out (results.json, beamrl/, trl/, "
+                         "run<i>/) before starting; without it such an --out is refused")
     ap.add_argument("--trl-worker", type=Path, default=None, help=argparse.SUPPRESS)  # internal: settings json
     args = ap.parse_args(argv)
     if args.trl_worker is None:
@@ -94,14 +116,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             ap.error(f"--steps must be >= 1 and --sft-steps >= 0 (got {args.steps}, {args.sft_steps})")
         if args.repeat < 1:
             ap.error(f"--repeat must be >= 1 (got {args.repeat})")
+        args.trl_model = list(dict.fromkeys(args.trl_model))
         if args.skip_trl and args.skip_beamrl:
             ap.error("--skip-trl and --skip-beamrl together leave nothing to run")
     return args
 
 
 def settings_from_recipe(recipe: dict, steps: int, sft_steps: int, vocab: tuple[str, ...], target_params: int,
-                         threads: int, trl_init: str = "beam") -> TaskSettings:
-    """The shared budget from a parsed quickstart recipe; a missing field raises KeyError naming it."""
+                         threads: int, trl_init: str = "beam", trl_model: str = "qwen2",
+                         seed: int | None = None) -> TaskSettings:
+    """The shared budget from a parsed quickstart recipe (`seed`, when given, replaces run.seed); a missing field
+    raises KeyError naming it."""
     def get(path: str):
         node = recipe
         for key in path.split("."):
@@ -117,10 +142,51 @@ def settings_from_recipe(recipe: dict, steps: int, sft_steps: int, vocab: tuple[
         lr=float(get("trainer.lr")), prompts_per_step=int(get("rollout.prompts_per_step")),
         generations=int(get("rollout.n_samples_per_prompt")), max_new_tokens=int(get("rollout.max_new_tokens")),
         temperature=float(get("rollout.temperature")), eps_clip=float(get("algorithm.eps_clip_low")),
-        grad_clip=float(get("trainer.grad_clip")), seed=int(get("run.seed")),
+        grad_clip=float(get("trainer.grad_clip")), seed=int(get("run.seed") if seed is None else seed),
         num_samples=int(get("data.synthetic.num_samples")), max_operand=int(get("data.synthetic.max_operand")),
         data_seed=int(get("data.synthetic.seed")), vocab=tuple(vocab), target_params=int(target_params),
-        threads=threads, trl_init=trl_init)
+        threads=threads, trl_init=trl_init, trl_model=trl_model,
+        model_seed=_model_seed(recipe, get("run.seed") if seed is None else seed),
+        data_shuffle=bool(get("data").get("shuffle", True)), data_shuffle_seed=int(get("data.shuffle_seed")))
+
+
+def _model_seed(recipe: dict, run_seed) -> int:
+    """beamrl's init seed: `model.seed`, or `run.seed` when it is absent or null (loop/setup.initial_checkpoint)."""
+    seed = (recipe.get("model") or {}).get("seed")
+    return int(run_seed if seed is None else seed)
+
+
+def prompt_loader_order(n: int, seed: int, count: int, shuffle: bool = True) -> list[int]:
+    """The first `count` sample indices that beamrl's `PromptLoader(samples, _, shuffle, seed)` hands out (epoch
+    after epoch, each a `numpy.random.default_rng([seed, epoch])` permutation of the n samples). The TRL side
+    feeds its SFT batches and GRPO prompts in this order, so both sides see the same batches at every step."""
+    import numpy as np
+
+    out: list[int] = []
+    epoch = 0
+    while len(out) < count:
+        order = np.random.default_rng([seed, epoch]).permutation(n) if shuffle else np.arange(n)
+        out.extend(int(i) for i in order[: count - len(out)])
+        epoch += 1
+    return out
+
+
+def earlier_outputs(out: Path) -> list[Path]:
+    """What an earlier run of this benchmark left in `out`: results.json, beamrl/, trl-<model>/ (trl/ before
+    there were several TRL models) and run<i>/ (nothing
+    else there is ours to delete)."""
+    if not out.is_dir():
+        return []
+    return sorted(p for p in out.iterdir()
+                  if p.name in ("results.json", "beamrl", "trl") or re.fullmatch(r"run\d+|trl-\w+", p.name))
+
+
+def clear_earlier_outputs(out: Path) -> list[Path]:
+    """`--overwrite`: delete `earlier_outputs(out)` (only those); returns what was deleted."""
+    earlier = earlier_outputs(out)
+    for p in earlier:
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
+    return earlier
 
 
 def qwen2_params(vocab: int, hidden: int, layers: int, heads: int, kv_heads: int, ffn: int) -> int:
@@ -208,11 +274,12 @@ def format_summary(summary: dict[str, dict]) -> str:
             v = agg[key]
             cells.append("-" if v is None else f"{format(v[0], spec)} ({format(v[1], spec)}-{format(v[2], spec)})")
         lines.append(f"| {fw} | {agg['runs']} | " + " | ".join(cells) + " |")
-    if {"beamrl", "trl"} <= summary.keys():
+    peers = [fw for fw in summary if fw == "trl" or fw.startswith("trl-")] if "beamrl" in summary else []
+    for peer in peers:
         for key, label, _ in SUMMARY_COLUMNS[:2]:
-            a, b = summary["beamrl"][key], summary["trl"][key]
+            a, b = summary["beamrl"][key], summary[peer][key]
             if a is not None and b is not None and b[0] > 0:
-                lines.append(f"\nbeamrl / trl, median {label}: {a[0] / b[0]:.2f}x")
+                lines.append(f"\nbeamrl / {peer}, median {label}: {a[0] / b[0]:.2f}x")
     return "\n".join(lines)
 
 
@@ -292,7 +359,7 @@ def beam_tiny_params(vocab_size: int) -> int:
 def run_beamrl(s: TaskSettings, out: Path, timeout_s: float) -> dict:
     d = out / "beamrl"
     cmd = [str(ROOT / ".venv" / "bin" / "beamrl"), "train", str(RECIPE), f"run.num_steps={s.steps}",
-           f"sft.steps={s.sft_steps}", f"run.output_dir={d}", "logging.plot_reward_curve=false"]
+           f"sft.steps={s.sft_steps}", f"run.seed={s.seed}", f"run.output_dir={d}", "logging.plot_reward_curve=false"]
     print("beamrl:", " ".join(cmd), flush=True)
     rc, wall = _run_logged(cmd, d / "stdout.log", timeout_s)
     if rc != 0:
@@ -307,7 +374,7 @@ def run_beamrl(s: TaskSettings, out: Path, timeout_s: float) -> dict:
 def run_trl(s: TaskSettings, out: Path, python: Path, timeout_s: float) -> dict:
     if not python.exists():
         raise FileNotFoundError(f"{python} not found: build the TRL venv with `bash benchmarks/trl_env.sh`")
-    d = out / "trl"
+    d = out / f"trl-{s.trl_model}"
     d.mkdir(parents=True, exist_ok=True)
     (d / "settings.json").write_text(json.dumps(asdict(s), indent=2) + "\n")
     env = dict(os.environ, OMP_NUM_THREADS=str(s.threads), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
@@ -321,7 +388,7 @@ def run_trl(s: TaskSettings, out: Path, python: Path, timeout_s: float) -> dict:
         tail = (d / "stdout.log").read_text().splitlines()[-15:]
         raise RuntimeError(f"TRL worker exited {rc}; last lines of {d / 'stdout.log'}:\n" + "\n".join(tail))
     info = json.loads((d / "worker.json").read_text())
-    row = summarize("trl", read_metrics(d / "metrics.jsonl"), info["params"], info["sft_s"], wall)
+    row = summarize(d.name, read_metrics(d / "metrics.jsonl"), info["params"], info["sft_s"], wall)
     row["sft_final_nll"] = info["sft_final_nll"]
     return row
 
@@ -331,6 +398,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.trl_worker is not None:
         return trl_worker(args.trl_worker)
     args.out = args.out.resolve()
+    earlier = earlier_outputs(args.out)
+    if earlier and not args.overwrite:  # beamrl would refuse its old output dir, and results.json be replaced
+        print(f"--out {args.out} holds an earlier run ({', '.join(p.name for p in earlier)}): pass --overwrite to "
+              "delete it first, or choose another --out", file=sys.stderr)
+        return 2
+    clear_earlier_outputs(args.out)
     import yaml
 
     from beamrl.data.digit_tokenizer import DigitTokenizer
@@ -338,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     vocab = DigitTokenizer.vocab
     recipe = yaml.safe_load(RECIPE.read_text())
     s = settings_from_recipe(recipe, args.steps, args.sft_steps, vocab, beam_tiny_params(len(vocab)),
-                             args.trl_threads, args.trl_init)
+                             args.trl_threads, args.trl_init, args.trl_model[0], args.seed)
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     load = LoadSampler()
@@ -346,8 +419,11 @@ def main(argv: list[str] | None = None) -> int:
     rows, errors = [], {}
     for run in range(1, args.repeat + 1):  # alternating, so both sides see the same drift in machine load
         out = args.out if args.repeat == 1 else args.out / f"run{run}"
-        for name, skip, fn in (("beamrl", args.skip_beamrl, lambda: run_beamrl(s, out, args.timeout_s)),
-                               ("trl", args.skip_trl, lambda: run_trl(s, out, args.trl_python, args.timeout_s))):
+        sides = [("beamrl", args.skip_beamrl, lambda: run_beamrl(s, out, args.timeout_s))]
+        sides += [(f"trl-{m}", args.skip_trl,
+                   lambda m=m: run_trl(replace(s, trl_model=m), out, args.trl_python, args.timeout_s))
+                  for m in args.trl_model]
+        for name, skip, fn in sides:
             if skip:
                 continue
             side_load = LoadSampler()
@@ -365,7 +441,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {"started_utc": started, "finished_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "cpu_count": os.cpu_count(),
               "loadavg_1min_during_run": load_stats, "command": " ".join([sys.executable, *sys.argv]),
-              "settings": asdict(s), "repeat": args.repeat, "rows": rows, "summary": summary, "errors": errors}
+              "settings": asdict(s), "trl_models": args.trl_model, "repeat": args.repeat, "rows": rows,
+              "summary": summary, "errors": errors}
     (args.out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
     print(f"\n{s.steps} GRPO steps x {s.prompts_per_step} prompts x {s.generations} generations, "
           f"SFT {s.sft_steps} x {s.sft_batch}; {os.cpu_count()} CPUs, 1-min load average during the run "
@@ -431,31 +508,36 @@ def trl_worker(settings_path: Path) -> int:
         a, b = rng.randint(0, s.max_operand), rng.randint(0, s.max_operand)
         rows.append({"prompt": f"{a}+{b}=", "answer": str(a + b)})
 
-    ffn = qwen2_ffn_for(s.target_params, len(s.vocab))
-    cfg = Qwen2Config(vocab_size=len(s.vocab), hidden_size=QWEN_HIDDEN, intermediate_size=ffn,
-                      num_hidden_layers=QWEN_LAYERS, num_attention_heads=QWEN_HEADS, num_key_value_heads=QWEN_KV_HEADS,
-                      max_position_embeddings=64, tie_word_embeddings=False, eos_token_id=tok.eos_token_id,
-                      pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id)
-    model = Qwen2ForCausalLM(cfg).float()
-    if s.trl_init == "beam":
-        beam_style_init_(model, torch.Generator().manual_seed(s.seed))
-    params = sum(p.numel() for p in model.parameters())
-    print(f"Qwen2 hidden {QWEN_HIDDEN} x {QWEN_LAYERS} layers, FFN {ffn}, {s.trl_init} init: {params:,} params "
-          f"(tiny Beam: {s.target_params:,})", flush=True)
+    ffn, generation_kwargs = None, None
+    if s.trl_model == "beam":
+        from benchmarks.trl_beam_peer import beam_peer
 
-    # SFT: beamrl's warm start (prompt + answer + eos, loss on answer + eos, token mean, Adam, clip, epochs of
-    # a seeded shuffle), as a plain torch loop.
-    opt = torch.optim.Adam(model.parameters(), lr=s.sft_lr)
-    order_rng, order = random.Random(s.seed + 1), []
+        model = beam_peer(len(s.vocab), tok.eos_token_id, tok.pad_token_id, tok.bos_token_id, seed=s.model_seed)
+        generation_kwargs = {"use_cache": False}  # the reference model's forward has no transformers cache
+        params = sum(p.numel() for p in model.parameters())
+        print(f"Beam reference model (tiny, vocab {len(s.vocab)}), beamrl's init at seed {s.model_seed}: "
+              f"{params:,} params", flush=True)
+    else:
+        ffn = qwen2_ffn_for(s.target_params, len(s.vocab))
+        cfg = Qwen2Config(vocab_size=len(s.vocab), hidden_size=QWEN_HIDDEN, intermediate_size=ffn,
+                          num_hidden_layers=QWEN_LAYERS, num_attention_heads=QWEN_HEADS,
+                          num_key_value_heads=QWEN_KV_HEADS, max_position_embeddings=64, tie_word_embeddings=False,
+                          eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id)
+        model = Qwen2ForCausalLM(cfg).float()
+        if s.trl_init == "beam":
+            beam_style_init_(model, torch.Generator().manual_seed(s.seed))
+        params = sum(p.numel() for p in model.parameters())
+        print(f"Qwen2 hidden {QWEN_HIDDEN} x {QWEN_LAYERS} layers, FFN {ffn}, {s.trl_init} init: {params:,} params "
+              f"(tiny Beam: {s.target_params:,})", flush=True)
+
+    # SFT: beamrl's warm start (prompt + answer + eos, loss on answer + eos, token mean, Adam, clip) as a plain
+    # torch loop, on the very batches beamrl's warm start draws (its loader's order, seed run.seed + 1).
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=s.sft_lr)
+    sft_order = prompt_loader_order(len(rows), s.seed + 1, s.sft_steps * s.sft_batch)
     t0, nll = time.perf_counter(), float("nan")
     model.train()
     for i in range(s.sft_steps):
-        batch = []
-        while len(batch) < s.sft_batch:
-            if not order:
-                order = list(range(len(rows)))
-                order_rng.shuffle(order)
-            batch.append(rows[order.pop()])
+        batch = [rows[j] for j in sft_order[i * s.sft_batch:(i + 1) * s.sft_batch]]
         seqs, masks = [], []
         for r in batch:
             p = tok(r["prompt"])["input_ids"]
@@ -471,7 +553,7 @@ def trl_worker(settings_path: Path) -> int:
         loss = -(lp * lm[:, 1:]).sum() / lm[:, 1:].sum()
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], s.grad_clip)
         opt.step()
         nll = loss.item()
         if i % max(1, s.sft_steps // 10) == 0 or i == s.sft_steps - 1:
@@ -507,15 +589,21 @@ def trl_worker(settings_path: Path) -> int:
         num_generations=s.generations, max_completion_length=s.max_new_tokens, temperature=s.temperature,
         learning_rate=s.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
         max_grad_norm=s.grad_clip, beta=0.0, epsilon=s.eps_clip, num_iterations=1, loss_type="dapo",
-        scale_rewards="group", optim="adamw_torch")
+        scale_rewards="group", optim="adamw_torch", generation_kwargs=generation_kwargs,
+        # beamrl recomputes nothing (trainer.recompute: none); TRL 1.16 turns checkpointing on by default
+        gradient_checkpointing=False,
+        # the prompts of each step in beamrl's order (its rollout loader: data.shuffle, data.shuffle_seed)
+        shuffle_dataset=False)
+    grpo_rows = [rows[j] for j in prompt_loader_order(len(rows), s.data_shuffle_seed, s.steps * s.prompts_per_step,
+                                                      s.data_shuffle)]
     trainer = GRPOTrainer(model=model, reward_funcs=exact_match, args=gcfg, processing_class=tok,
-                          train_dataset=Dataset.from_list(rows), callbacks=[cb])
+                          train_dataset=Dataset.from_list(grpo_rows), callbacks=[cb])
     trainer.remove_callback(PrinterCallback)  # its per-step dicts drown the progress lines
     trainer.train()
     with open(out / "metrics.jsonl", "w") as f:
         for r in cb.rows:
             f.write(json.dumps(r) + "\n")
-    (out / "worker.json").write_text(json.dumps({"params": params, "ffn": ffn, "sft_s": sft_s,
+    (out / "worker.json").write_text(json.dumps({"params": params, "model": s.trl_model, "ffn": ffn, "sft_s": sft_s,
                                                  "sft_final_nll": nll}) + "\n")
     return 0
 

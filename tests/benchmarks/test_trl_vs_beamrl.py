@@ -107,19 +107,23 @@ def _row(fw, run, step_s, sft_s, first, last, wall):
 
 
 def test_aggregate_medians_spreads_and_ratio():
-    rows = [_row("beamrl", 1, 0.30, 2.5, 0.3, 0.7, 60.0), _row("trl", 1, 0.20, 1.9, 0.5, 0.8, 26.0),
-            _row("beamrl", 2, 0.50, 2.1, 0.4, 0.6, 70.0), _row("trl", 2, 0.22, 1.7, 0.5, 0.7, 27.0),
-            _row("beamrl", 3, 0.28, None, 0.2, 0.8, 65.0), _row("trl", 3, 0.19, 1.8, 0.4, 0.9, 25.0)]
+    rows = [_row("beamrl", 1, 0.30, 2.5, 0.3, 0.7, 60.0), _row("trl-qwen2", 1, 0.20, 1.9, 0.5, 0.8, 26.0),
+            _row("beamrl", 2, 0.50, 2.1, 0.4, 0.6, 70.0), _row("trl-qwen2", 2, 0.22, 1.7, 0.5, 0.7, 27.0),
+            _row("beamrl", 3, 0.28, None, 0.2, 0.8, 65.0), _row("trl-qwen2", 3, 0.19, 1.8, 0.4, 0.9, 25.0)]
     agg = bench.aggregate(rows)
     assert agg["beamrl"]["runs"] == 3 and agg["beamrl"]["grpo_s_per_step"] == (0.30, 0.28, 0.50)
     assert agg["beamrl"]["sft_s"] == (2.3, 2.1, 2.5)  # a run without the SFT line is left out
-    assert agg["trl"]["reward_last_20pct"] == (0.8, 0.7, 0.9)
+    assert agg["trl-qwen2"]["reward_last_20pct"] == (0.8, 0.7, 0.9)
     text = bench.format_summary(agg)
     assert "| beamrl | 3 | 0.300 (0.280-0.500) |" in text
-    assert "median GRPO s/step: 1.50x" in text and "median SFT s: 1.28x" in text
+    assert "beamrl / trl-qwen2, median GRPO s/step: 1.50x" in text and "median SFT s: 1.28x" in text
     assert "beamrl / trl" not in bench.format_summary(bench.aggregate(rows[::2]))  # one side: no ratio
+    # A second TRL model is a side of its own, with its own ratios.
+    both = bench.format_summary(bench.aggregate(rows + [_row("trl-beam", 1, 0.6, 5.0, 0.3, 0.6, 90.0)]))
+    assert "beamrl / trl-qwen2, median GRPO s/step: 1.50x" in both
+    assert "beamrl / trl-beam, median GRPO s/step: 0.50x" in both and "beamrl / trl-beam, median SFT s: 0.46x" in both
     table = bench.format_table(rows).splitlines()
-    assert table[2].startswith("| beamrl run 1 |") and table[3].startswith("| trl run 1 |")
+    assert table[2].startswith("| beamrl run 1 |") and table[3].startswith("| trl-qwen2 run 1 |")
 
 
 def test_run_logged_kills_a_silent_side_at_its_limit(tmp_path):
@@ -127,3 +131,51 @@ def test_run_logged_kills_a_silent_side_at_its_limit(tmp_path):
     rc, wall = bench._run_logged(["bash", "-c", "echo started; sleep 60"], tmp_path / "side" / "stdout.log", 1.0)
     assert rc == 124 and wall < 30
     assert (tmp_path / "side" / "stdout.log").read_text() == "started\n"
+
+
+def test_prompt_loader_order_is_beamrls_loader_order():
+    # The TRL side must draw the very batches beamrl draws: the contract is beamrl's own PromptLoader, across
+    # epoch boundaries (a batch may span two epochs) and with shuffling off.
+    from beamrl.data.loader import PromptLoader
+
+    for shuffle in (True, False):
+        loader = PromptLoader(list(range(7)), 4, shuffle=shuffle, seed=3)
+        want = [i for _ in range(6) for i in loader.next_batch()]
+        assert bench.prompt_loader_order(7, 3, 24, shuffle) == want
+    assert bench.prompt_loader_order(7, 3, 24) != bench.prompt_loader_order(7, 4, 24)
+
+
+def test_settings_carry_the_models_and_the_data_order():
+    recipe = yaml.safe_load(bench.RECIPE.read_text())
+    s = bench.settings_from_recipe(recipe, 1, 1, ("a",), 1, 1, trl_model="beam")
+    assert s.trl_model == "beam" and s.model_seed == recipe["model"]["seed"]
+    assert (s.data_shuffle, s.data_shuffle_seed) == (True, recipe["data"]["shuffle_seed"])
+    recipe["model"]["seed"], recipe["run"]["seed"], recipe["data"]["shuffle"] = None, 5, False
+    s = bench.settings_from_recipe(recipe, 1, 1, ("a",), 1, 1)
+    assert (s.model_seed, s.data_shuffle, s.trl_model) == (5, False, "qwen2")  # beamrl's fallback: run.seed
+    s = bench.settings_from_recipe(recipe, 1, 1, ("a",), 1, 1, seed=7)  # --seed replaces run.seed
+    assert (s.seed, s.model_seed) == (7, 7)
+    recipe["model"]["seed"] = 0
+    assert bench.settings_from_recipe(recipe, 1, 1, ("a",), 1, 1, seed=7).model_seed == 0
+    assert bench.parse_args(["--seed", "3"]).seed == 3 and bench.parse_args([]).seed is None
+    assert bench.parse_args(["--trl-model", "beam"]).trl_model == ["beam"]
+    assert bench.parse_args(["--trl-model", "qwen2", "beam", "qwen2"]).trl_model == ["qwen2", "beam"]
+    assert bench.parse_args([]).trl_model == ["qwen2"]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--trl-model", "llama"])
+
+
+def test_an_earlier_run_in_out_is_refused_or_overwritten(tmp_path, capsys):
+    for name in ("run1", "run2", "beamrl", "trl", "trl-beam"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text("{}\n")
+    (tmp_path / "results.json").write_text("{}\n")
+    (tmp_path / "notes.txt").write_text("mine\n")
+    (tmp_path / "runs").mkdir()
+    assert bench.main(["--out", str(tmp_path), "--skip-trl"]) == 2
+    assert "--overwrite" in capsys.readouterr().err and (tmp_path / "results.json").exists()
+    assert [p.name for p in bench.earlier_outputs(tmp_path)] == ["beamrl", "results.json", "run1", "run2", "trl",
+                                                                  "trl-beam"]
+    assert bench.earlier_outputs(tmp_path / "missing") == []
+    assert len(bench.clear_earlier_outputs(tmp_path)) == 6
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "runs"]  # not ours: kept

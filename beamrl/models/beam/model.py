@@ -30,11 +30,13 @@ _FP32_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
 
 @dataclass
 class BeamOutput:
-    """logits: FP32 softcapped [B, T, V]; routes: int32 [B, T, L, k] (-1 on dense layers) or None."""
+    """logits: FP32 softcapped [B, T, V]; routes: int32 [B, T, L, k] (-1 on dense layers) or None; hidden: the
+    final-norm hidden state that the LM head reads [B, T, H] (with `return_hidden`, else None)."""
 
     logits: torch.Tensor
     routes: torch.Tensor | None = None
     kv_cache: KVCache | None = None
+    hidden: torch.Tensor | None = None
 
 
 class RMSNorm(nn.Module):
@@ -338,7 +340,8 @@ class BeamForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, kv_cache: KVCache | None = None,
                 use_cache: bool = False, return_routes: bool = False, forced_routes: torch.Tensor | None = None,
-                cu_seqlens: torch.Tensor | None = None, last_logits_only: bool = False) -> BeamOutput:
+                cu_seqlens: torch.Tensor | None = None, last_logits_only: bool = False,
+                return_hidden: bool = False) -> BeamOutput:
         """Logits (and optionally routes) for `input_ids` [B, T].
 
         positions: [B, T] absolute positions; default = (real tokens already cached) + running count of real
@@ -348,7 +351,8 @@ class BeamForCausalLM(nn.Module):
         forced_routes: [B, T, L, k] expert ids to use on MoE layers (dense-layer rows and padding ignored).
         cu_seqlens: [S+1] offsets of packed sequences in a [1, N] batch; attention never crosses sequences and
           positions restart at 0 per sequence.
-        last_logits_only: compute the head only for the last position (logits [B, 1, V]; generation prefill)."""
+        last_logits_only: compute the head only for the last position (logits [B, 1, V]; generation prefill).
+        return_hidden: also return the final-norm hidden state (for heads applied elsewhere, e.g. TRL's fused one)."""
         c = self.config
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
@@ -405,8 +409,9 @@ class BeamForCausalLM(nn.Module):
                 routes[:, :, layer.layer] = ids.to(torch.int32)
         if last_logits_only:
             h = h[:, -1:]
-        logits = numerics.softcap(self.lm_head(self.model.norm(h)), c.final_logit_softcapping)
-        return BeamOutput(logits=logits, routes=routes, kv_cache=kv_cache)
+        hidden = self.model.norm(h)
+        logits = numerics.softcap(self.lm_head(hidden), c.final_logit_softcapping)
+        return BeamOutput(logits=logits, routes=routes, kv_cache=kv_cache, hidden=hidden if return_hidden else None)
 
     def _check_forced_routes(self, forced: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         c = self.config

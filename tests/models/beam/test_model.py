@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from beamrl.models.beam import BeamForCausalLM
+from beamrl.models.beam import BeamForCausalLM, numerics
 from beamrl.models.beam.kv_cache import KVCache
 from beamrl.models.beam.weights import expected_tensors, packed_expert_names, random_state_dict
 
@@ -306,3 +306,14 @@ def test_moe_equals_running_each_expert_on_its_tokens(cfg, m32, m16, dtype):
                 per_pair[rows, slots] = numerics.expert_output(x[rows], ex.gate_proj.weight, ex.up_proj.weight,
                                                                ex.down_proj.weight, weights[rows, slots])
     assert torch.equal(out, numerics.moe_combine(per_pair, cfg.routed_scaling_factor))
+
+
+def test_return_hidden_is_what_the_head_reads(cfg, m32):
+    ids = torch.randint(0, cfg.vocab_size, (2, 7), generator=torch.Generator().manual_seed(11))
+    with torch.no_grad():
+        plain = m32(ids)
+        out = m32(ids, return_hidden=True)
+    assert plain.hidden is None
+    assert out.hidden.shape == (2, 7, cfg.hidden_size)
+    head = numerics.softcap(torch.nn.functional.linear(out.hidden, m32.lm_head.weight), cfg.final_logit_softcapping)
+    assert torch.equal(head, out.logits) and torch.equal(out.logits, plain.logits)
