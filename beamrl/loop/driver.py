@@ -26,7 +26,7 @@ from beamrl.loop.setup import (Resources, RunContext, check_launchable, prepare_
 from beamrl.loop.sft import sft_warm_start
 from beamrl.loop.summary import plot_and_summarize
 from beamrl.loop.train import train_on_rollouts
-from beamrl.loop.weight_update import SyncProbe, publish_weights, release_engine_memory, resync_engine, sync_probe
+from beamrl.loop.weight_update import SyncProbe, publish_weights, resync_engine, sync_probe
 from beamrl.metrics import keys
 from beamrl.metrics.samples import samples_due
 from beamrl.recipe.schema import Recipe
