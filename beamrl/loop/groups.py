@@ -32,7 +32,7 @@ def shutdown_actors(actors: list, names: list[str]) -> None:
 
 
 class TrainerRankError(ActorCallError):
-    """A trainer rank died (or its call failed) during a collective call; names the rank and where it ran."""
+    """A trainer rank died (or gave no answer within its limit) during a call; names the rank and where it ran."""
 
     def __init__(self, message: str, rank: int, label: str):
         super().__init__(message)
@@ -93,13 +93,16 @@ class TrainerGroup:
     def _name(self, rank: int) -> str:
         return f"{rank} ({self.labels[rank]})"
 
-    def _rank_error(self, rank: int, what: str, err: BaseException, died: bool) -> TrainerRankError:
+    def _rank_error(self, rank: int, what: str, err: BaseException, died: bool) -> ActorCallError:
+        """A dead rank: `TrainerRankError` (the run cannot go on). A live rank's failed call (e.g. a refused weight
+        sync): `ActorCallError` with its words, for the caller to handle."""
+        if died:
+            return TrainerRankError(f"trainer rank {self._name(rank)} died during {what}: {_first_line(err)}", rank,
+                                    self.labels[rank])
         cause = getattr(err, "cause", None) or err
-        how = "died" if died else f"failed ({type(cause).__name__})"
-        return TrainerRankError(f"trainer rank {self._name(rank)} {how} during {what}: {_first_line(cause)}", rank,
-                                self.labels[rank])
+        return ActorCallError(f"{what}: trainer rank {self._name(rank)}: {type(cause).__name__}: {cause}")
 
-    def _dead_rank_among(self, pending: dict, what: str) -> TrainerRankError | None:
+    def _dead_rank_among(self, pending: dict, what: str) -> ActorCallError | None:
         if not pending:
             return None
         ready = ray.wait(list(pending), num_returns=len(pending), timeout=RANK_DEATH_GRACE_S)[0]
