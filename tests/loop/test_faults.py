@@ -81,7 +81,7 @@ def _wait_for(path, proc, timeout=600):
 def test_a_killed_trainer_rank_is_one_line_naming_it_and_the_checkpoint_then_resume_continues(tmp_path):
     out = tmp_path / "run"
     args = ("run.num_steps=4", "checkpoint.every_n_steps=1", "trainer.num_gpus=2", "trainer.ep=2",
-            "cluster.gpus_per_node=2")
+            "cluster.gpus_per_node=2", "rollout.num_engines=2")
     log_path, err_path = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
     with open(log_path, "w") as so, open(err_path, "w") as se:
         p = subprocess.Popen(train_cmd(out, *args), env=env(), cwd=ROOT, stdout=so, stderr=se,
