@@ -237,6 +237,7 @@ class EngineGroup:
         self.names = [nodes[0].name for nodes in engines]
         self.nodes: list[list] = [[] for _ in engines]
         self.recovery = None  # `EngineRecovery`, set by the RL loop
+        self.tp_sizes = [0] * len(engines)  # as each engine reports it once started
         try:
             self._start(list(range(len(engines))))
         except BaseException:
@@ -270,10 +271,12 @@ class EngineGroup:
             starts += [a.start.remote(host=host, port=port, dist_init_addr=meet)
                        for a, (host, port, _) in zip(self.nodes[k], mine)]
         ray_get(starts, self.timeout, "rollout engine start-up")
-        self.tp_sizes = ray_get([a.tp_size.remote() for a in self.actors], self.timeout, "engines.tp_size")
-        planned = [nodes[0].rollout.engine_tp for nodes in self.factories]
-        if self.tp_sizes != planned:
-            raise EngineError(f"engines report TP sizes {self.tp_sizes}, the plan has {planned} (rollout.engine_tp)")
+        sizes = ray_get([self.nodes[k][0].tp_size.remote() for k in indices], self.timeout, "engines.tp_size")
+        planned = [self.factories[k][0].rollout.engine_tp for k in indices]
+        if sizes != planned:
+            raise EngineError(f"engines report TP sizes {sizes}, the plan has {planned} (rollout.engine_tp)")
+        for k, size in zip(indices, sizes):
+            self.tp_sizes[k] = size
 
     def restart_engine(self, k: int) -> None:
         """Start engine `k` again (all its nodes, through the same two-phase start on the same placement-group
@@ -409,6 +412,10 @@ class EngineGroup:
         """`method(**kwargs, timeout=timeout)` on every engine (e.g. `release_memory`, tags=None)."""
         return ray_get([a.call.remote(method, timeout=timeout, **kwargs) for a in self.actors], timeout + 30,
                        f"engines.{method}")
+
+    def version_of(self, k: int) -> int:
+        """The weight version engine `k` serves."""
+        return ray_get(self.nodes[k][0].weight_version.remote(), self.timeout, f"{self.names[k]}.weight_version")
 
     def versions(self) -> list[int]:
         return ray_get([a.weight_version.remote() for a in self.actors], self.timeout, "engines.weight_version")
