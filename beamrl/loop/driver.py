@@ -19,6 +19,7 @@ from beamrl.loop.colocated import ColocatedMemory, engines_stage_memory, trainer
 from beamrl.loop.engine_recovery import EngineRecovery
 from beamrl.loop.groups import EngineGroup, TrainerGroup, TrainerRankError
 from beamrl.loop.log import log
+from beamrl.loop.ray_utils import ActorCallError
 from beamrl.loop.run_dir import plan_start
 from beamrl.loop.samples import completion_samples
 from beamrl.loop.setup import (Resources, RunContext, check_launchable, prepare_run, start_engines, start_ray,
@@ -140,7 +141,9 @@ class RLDriver:
             metrics = {**batch.metrics, **memory, **self._train(batch)}
             if pending is not None:  # engines must be idle to update: collect step k+1 (it sampled version k)
                 self.collector.collect_early(pending)
+            restarts = metrics.get("engine/restarts", 0.0)
             metrics.update(self._publish(step + 1, coloc.staged))
+            metrics["engine/restarts"] += restarts
             metrics[keys.TIME_STEP] = time.perf_counter() - t0
             metrics[keys.TOKENS_PER_S] = batch.num_tokens / max(metrics[keys.TIME_STEP], 1e-9)
             self.ctx.logger.log(step, metrics)
@@ -166,9 +169,23 @@ class RLDriver:
         resync_engine(self.trainer, self.engines, index, self.version, r.sync, r.timeouts.sync_s, self.probe)
 
     def _publish(self, version: int, staged: bool) -> dict[str, float]:
+        """Sync `version` to every engine. An engine that died since the rollout fails the sync (the others roll
+        back): it is restarted at the current version and the sync runs once more."""
+        r = self.recipe
         resume = self.colocated.resume_after_sync if self.colocated is not None else ()
-        metrics = publish_weights(self.trainer, self.engines, version, self.recipe.sync, self.recipe.timeouts.sync_s,
-                                  self.probe, staged=staged, resume_after_sync=resume)
+        try:
+            metrics = publish_weights(self.trainer, self.engines, version, r.sync, r.timeouts.sync_s, self.probe,
+                                      staged=staged, resume_after_sync=resume)
+        except ActorCallError as e:
+            if isinstance(e, TrainerRankError):
+                raise
+            dead = [k for k, ok in enumerate(self.engines.health(r.timeouts.health_s)) if not ok]
+            if not dead:
+                raise
+            self.engines.recovery.recover({k: f"dead at the weight sync to version {version} ({e})" for k in dead})
+            metrics = publish_weights(self.trainer, self.engines, version, r.sync, r.timeouts.sync_s, self.probe,
+                                      staged=staged, resume_after_sync=resume)
+        metrics["engine/restarts"] = float(self.engines.recovery.take_restarts())  # (the rollout's are in the batch)
         self.version = version
         return metrics
 

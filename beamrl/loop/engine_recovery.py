@@ -44,6 +44,7 @@ class EngineRecovery:
         """Engines `failed` (index -> what went wrong) failed a call: restart each (their requests are re-issued
         by the caller, to whichever engines are healthy then)."""
         for k, reason in sorted(failed.items()):
+            reason = " ".join(reason.strip().splitlines()[0].split())  # Ray's death notices run to many lines
             self.log(f"rollout: engine {k} ({self.engines.names[k]}) failed: {reason}; restarting it")
             self.monitor.restart(k, reason)
         self._require_one()

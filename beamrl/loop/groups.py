@@ -32,7 +32,7 @@ def shutdown_actors(actors: list, names: list[str]) -> None:
 
 
 class TrainerRankError(ActorCallError):
-    """A trainer rank died (or its call failed) during a collective call; names the rank and where it ran."""
+    """A trainer rank died (or gave no answer within its limit) during a call; names the rank and where it ran."""
 
     def __init__(self, message: str, rank: int, label: str):
         super().__init__(message)
@@ -93,13 +93,16 @@ class TrainerGroup:
     def _name(self, rank: int) -> str:
         return f"{rank} ({self.labels[rank]})"
 
-    def _rank_error(self, rank: int, what: str, err: BaseException, died: bool) -> TrainerRankError:
+    def _rank_error(self, rank: int, what: str, err: BaseException, died: bool) -> ActorCallError:
+        """A dead rank: `TrainerRankError` (the run cannot go on). A live rank's failed call (e.g. a refused weight
+        sync): `ActorCallError` with its words, for the caller to handle."""
+        if died:
+            return TrainerRankError(f"trainer rank {self._name(rank)} died during {what}: {_first_line(err)}", rank,
+                                    self.labels[rank])
         cause = getattr(err, "cause", None) or err
-        how = "died" if died else f"failed ({type(cause).__name__})"
-        return TrainerRankError(f"trainer rank {self._name(rank)} {how} during {what}: {_first_line(cause)}", rank,
-                                self.labels[rank])
+        return ActorCallError(f"{what}: trainer rank {self._name(rank)}: {type(cause).__name__}: {cause}")
 
-    def _dead_rank_among(self, pending: dict, what: str) -> TrainerRankError | None:
+    def _dead_rank_among(self, pending: dict, what: str) -> ActorCallError | None:
         if not pending:
             return None
         ready = ray.wait(list(pending), num_returns=len(pending), timeout=RANK_DEATH_GRACE_S)[0]
@@ -246,6 +249,7 @@ class EngineGroup:
         self.names = [nodes[0].name for nodes in engines]
         self.nodes: list[list] = [[] for _ in engines]
         self.recovery = None  # `EngineRecovery`, set by the RL loop
+        self.tp_sizes = [0] * len(engines)  # as each engine reports it once started
         try:
             self._start(list(range(len(engines))))
         except BaseException:
@@ -279,10 +283,12 @@ class EngineGroup:
             starts += [a.start.remote(host=host, port=port, dist_init_addr=meet)
                        for a, (host, port, _) in zip(self.nodes[k], mine)]
         ray_get(starts, self.timeout, "rollout engine start-up")
-        self.tp_sizes = ray_get([a.tp_size.remote() for a in self.actors], self.timeout, "engines.tp_size")
-        planned = [nodes[0].rollout.engine_tp for nodes in self.factories]
-        if self.tp_sizes != planned:
-            raise EngineError(f"engines report TP sizes {self.tp_sizes}, the plan has {planned} (rollout.engine_tp)")
+        sizes = ray_get([self.nodes[k][0].tp_size.remote() for k in indices], self.timeout, "engines.tp_size")
+        planned = [self.factories[k][0].rollout.engine_tp for k in indices]
+        if sizes != planned:
+            raise EngineError(f"engines report TP sizes {sizes}, the plan has {planned} (rollout.engine_tp)")
+        for k, size in zip(indices, sizes):
+            self.tp_sizes[k] = size
 
     def restart_engine(self, k: int) -> None:
         """Start engine `k` again (all its nodes, through the same two-phase start on the same placement-group
@@ -418,6 +424,10 @@ class EngineGroup:
         """`method(**kwargs, timeout=timeout)` on every engine (e.g. `release_memory`, tags=None)."""
         return ray_get([a.call.remote(method, timeout=timeout, **kwargs) for a in self.actors], timeout + 30,
                        f"engines.{method}")
+
+    def version_of(self, k: int) -> int:
+        """The weight version engine `k` serves."""
+        return ray_get(self.nodes[k][0].weight_version.remote(), self.timeout, f"{self.names[k]}.weight_version")
 
     def versions(self) -> list[int]:
         return ray_get([a.weight_version.remote() for a in self.actors], self.timeout, "engines.weight_version")

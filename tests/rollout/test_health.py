@@ -72,3 +72,36 @@ def test_background_thread_restarts():
     finally:
         mon.stop()
     assert made and router.engines[0] is made[0]
+
+
+def test_restart_budget_counts_attempts_and_one_more_is_a_loud_error():
+    import pytest
+
+    from beamrl.rollout.health import RestartBudgetExceeded
+
+    engines = [FakeEngine(preset("tiny"), name="e0")]
+    router = EngineRouter(engines)
+    calls = []
+
+    def factory(i):
+        calls.append(i)
+        if len(calls) == 1:
+            raise RuntimeError("no GPU left")  # a failed attempt is spent too
+        return FakeEngine(preset("tiny"), name=f"new-{len(calls)}")
+
+    mon = HealthMonitor(router, factory, HealthConfig(interval=1, timeout=0.2, max_failures=1, max_restarts=2),
+                        on_event=lambda m: None)
+    assert mon.restart(0, "its call failed") is False and mon.last_error == {0: "RuntimeError: no GPU left"}
+    assert mon.restart(0, "its call failed") is True and router.is_healthy(0) and mon.restarts == [1]
+    router.engines[0].kill()
+    with pytest.raises(RestartBudgetExceeded, match=r"engine 0 needs a restart \(1 failed health check\(s\)\) but "
+                                                    r"the restart budget is spent: 2 .*max_engine_restarts=2"):
+        mon.check_once()
+    assert calls == [0, 0]
+
+
+def test_health_config_refuses_a_negative_restart_budget():
+    import pytest
+
+    with pytest.raises(ValueError, match="max_restarts=-1"):
+        HealthConfig(max_restarts=-1)

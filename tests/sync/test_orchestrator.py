@@ -154,3 +154,21 @@ def test_released_staging_buffers_are_freed_and_shared_anew_at_the_next_sync(hos
         assert sync.transport.mode == "staged" and len(sync.transport._slots) == 2
     finally:
         sync.close()
+
+
+def test_a_replaced_engine_takes_the_next_full_syncs_and_its_failure_marks_are_dropped(trainer_model):
+    models = [type(trainer_model)(preset("tiny"), dtype=torch.float32, seed=s).eval() for s in (5, 6)]
+    receivers = [model_receiver(m, name=f"eng-{i}") for i, m in enumerate(models)]
+    sync = WeightSync(lambda recs: TRANSPORTS.get("colocated")(recs), receivers, timeouts=TIMEOUTS, progress=None)
+    source = StateDictSource(list(trainer_model.named_parameters()))
+    sync.sync(source)
+    sync.mark_unhealthy("eng-1", "died")  # e.g. it failed a sync before it was restarted
+    restarted = type(trainer_model)(preset("tiny"), dtype=torch.float32, seed=9).eval()
+    replacement = model_receiver(restarted, name="eng-1")
+    sync.replace_engine(1, replacement)
+    assert sync.sync(source, engines=[replacement]).version == 1 == replacement.weight_version
+    perturb(trainer_model, seed=3)
+    report = sync.sync(StateDictSource(list(trainer_model.named_parameters())))
+    assert report.version == 2 == receivers[0].weight_version == replacement.weight_version  # the new engine took it
+    assert receivers[1].weight_version == 1  # the replaced one no longer gets syncs
+    assert all(torch.equal(a, b) for a, b in zip(restarted.parameters(), trainer_model.parameters()))
