@@ -102,7 +102,7 @@ class StagingSlot:
         self.trailer = self.buffer[_trailer_offset(self.capacity):].view(torch.int64)
         self.pending: list = []  # PendingCall of every receiver's call on this slot
         self.receiver_events: list = []  # per receiver: what to wait on before packing again (GPU)
-        self.views: dict[int, list[torch.Tensor]] = {}  # packing views per bucket (`pack_bucket`)
+        self.views: dict[int, tuple] = {}  # id(layout) -> (layout, packing views) (`pack_bucket`)
         self.last_bucket: int | None = None
 
     def payload(self, nbytes: int) -> torch.Tensor:

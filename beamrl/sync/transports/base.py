@@ -29,6 +29,9 @@ from beamrl.protocols.manifest import FULL, BucketLayout, SyncManifest
 from beamrl.protocols.weights import UNHEALTHY, PendingCall, WeightReceiver, WeightSyncError
 from beamrl.sync.calls import ReceiverCallError, check_reply, run_concurrently
 from beamrl.sync.packing import bucket_views
+
+#: Packing views cached per staging slot (a few plans' worth: full and adapter layouts alternate in a LoRA run).
+_MAX_CACHED_VIEWS = 4096
 from beamrl.sync.staging import StagingSlot, receiver_event
 
 log = logging.getLogger(__name__)
@@ -230,10 +233,15 @@ class ReceiverTransport(WeightTransport):
         self._require_session("buffer")
         slot = self._slot(bucket.index)
         self._wait_slot(slot, timeout)
-        views = slot.views.get(id(bucket))
-        if views is None:
-            views = slot.views[id(bucket)] = bucket_views(slot.buffer, bucket)
-        return PackTarget(bucket.index, slot.payload(bucket.nbytes), views)
+        # Keyed by the layout object, which the entry keeps alive: an id alone is reused once a plan is freed (a
+        # new bucket size, or a full sync after an adapter sync), and stale views pack the wrong tensors (seen on
+        # the H200: "Tensor lists must have the same number of tensors, got 2 and 20").
+        cached = slot.views.get(id(bucket))
+        if cached is None or cached[0] is not bucket:
+            if len(slot.views) >= _MAX_CACHED_VIEWS:
+                slot.views.clear()
+            cached = slot.views[id(bucket)] = (bucket, bucket_views(slot.buffer, bucket))
+        return PackTarget(bucket.index, slot.payload(bucket.nbytes), cached[1])
 
     def _checksum_into_trailer(self, slot: StagingSlot, bucket: BucketLayout) -> None:
         bucket_checksum(slot.checked(bucket.nbytes), out=slot.trailer)

@@ -129,3 +129,28 @@ def test_duplicate_engine_names_get_distinct_labels(trainer_model):
 def test_unknown_transport_lists_allowed_names():
     with pytest.raises(KeyError, match="allowed: colocated, disk, distributed"):
         TRANSPORTS.get("rdma")
+
+
+def test_cached_packing_views_belong_to_their_layout_not_to_its_id(trainer_model):
+    """A staging slot caches packing views per layout. Ids of freed layouts are reused (on the H200 a second bucket
+    size was packed with the first one's views: "got 2 and 20" tensors), so a cached entry whose layout is another
+    object under the same id must not be used: the sync lands exactly."""
+    from beamrl.sync.packing import bucket_views
+
+    receiver = LocalWeightReceiver(trainer_model, name="eng")
+    transport = TRANSPORTS.get("colocated")([receiver])
+    small, _ = session(trainer_model, bucket_bytes=1 << 13)
+    manifest, tensors = session(trainer_model, bucket_bytes=1 << 15)
+    k = next(i for i, (a, b) in enumerate(zip(small.buckets, manifest.buckets)) if a.metas != b.metas)
+    transport.begin(manifest, timeout=5)
+    slot = transport._slot(k)
+    stale = small.bucket(k)  # what a freed layout that had this id left behind
+    slot.views[id(manifest.bucket(k))] = (stale, bucket_views(slot.buffer, stale))
+    for k in range(len(manifest.buckets)):
+        send(transport, manifest, tensors, k, timeout=5)
+    transport.finalize(timeout=5)
+    assert receiver.weight_version == 1
+    named = dict(trainer_model.named_parameters())
+    for k, ts in tensors.items():
+        for meta, t in zip(manifest.bucket(k).metas, ts):
+            assert torch.equal(named[meta.name].detach(), t), meta.name
