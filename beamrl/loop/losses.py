@@ -11,8 +11,12 @@ from beamrl.trainer.protocol import PackedBatch
 
 
 def _local_seq_ids(batch: PackedBatch) -> torch.Tensor:
-    lens = batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]
-    return torch.repeat_interleave(torch.arange(len(lens)), lens)
+    """Each token's sequence (0..n-1) in the micro-batch, on the batch's device and without a host sync (the
+    output size is the token count). An index made on the CPU failed the first GPU run of the loop."""
+    cu = batch.cu_seqlens
+    lens = cu[1:] - cu[:-1]
+    return torch.repeat_interleave(torch.arange(lens.numel(), device=cu.device), lens,
+                                   output_size=batch.tokens.numel())
 
 
 @dataclass
