@@ -76,20 +76,22 @@ def record_params(cu_seqlens: torch.Tensor, routes: Optional[torch.Tensor] = Non
 
 
 def recorded_routes(params: BeamPackedSeqParams, config: BeamConfig, num_tokens: int, *,
-                    tp_group=None, pp_group=None, sequence_parallel: bool = False) -> torch.Tensor:
+                    tp_group=None, pp_group=None, sequence_parallel: bool = False,
+                    device: torch.device | str = "cpu") -> torch.Tensor:
     """The routes recorded during a forward with `record_params`, as `[num_tokens, L, k]` int64 (-1 on dense
     layers). Collective: with sequence parallelism every TP rank holds its token slice (all-gathered over
     `tp_group`); with PP every stage holds its layers (merged with a MAX all-reduce over `pp_group`, -1 being
-    'absent'). Pass the groups when they have more than one rank."""
+    'absent'). Pass the groups when they have more than one rank, and the rank's `device` (NCCL reduces device
+    tensors only); the result is on the CPU."""
     L, k = config.num_hidden_layers, config.num_experts_per_tok
     tp = tp_group.size() if (sequence_parallel and tp_group is not None) else 1
     local_tokens = num_tokens // tp
-    local = torch.full((local_tokens, L, k), FREE, dtype=torch.int64)
+    local = torch.full((local_tokens, L, k), FREE, dtype=torch.int64, device=device)
     for layer, ids in params.recorded.items():
         if ids.shape != (local_tokens, k):
             raise RoutesError(f"recorded routes of layer {layer} have shape {tuple(ids.shape)}, expected "
                               f"{(local_tokens, k)}")
-        local[:, layer] = ids.to(torch.int64).cpu()
+        local[:, layer] = ids.to(device=local.device, dtype=torch.int64)
     full = local
     if tp > 1:
         parts = [torch.empty_like(local) for _ in range(tp)]
@@ -97,7 +99,7 @@ def recorded_routes(params: BeamPackedSeqParams, config: BeamConfig, num_tokens:
         full = torch.cat(parts)
     if pp_group is not None and pp_group.size() > 1:
         dist.all_reduce(full, op=dist.ReduceOp.MAX, group=pp_group)
-    return full
+    return full.cpu()
 
 
 def count_route_mismatches(recorded: dict, routes: torch.Tensor, moe_layers: Sequence[int], tp_rank: int = 0,

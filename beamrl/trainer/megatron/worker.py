@@ -424,7 +424,7 @@ class MegatronTrainer(TrainerWorker):
             full = replay.recorded_routes(SimpleNamespace(recorded=mb.recorded), self.config.model, mb.thd.length,
                                           tp_group=ps.get_tensor_model_parallel_group(),
                                           pp_group=ps.get_pipeline_model_parallel_group(),
-                                          sequence_parallel=self.config.parallel.sp)
+                                          sequence_parallel=self.config.parallel.sp, device=self.device)
             parts.append(full[:mb.thd.num_tokens])
         return torch.cat(parts)
 

@@ -241,7 +241,7 @@ class BeamMoELayer(MegatronModule):
 
     def _expert_parallel(self, x, ids, weights):
         n = x.shape[0]
-        sizes = torch.tensor([n], dtype=torch.int64)
+        sizes = torch.tensor([n], dtype=torch.int64, device=x.device)  # NCCL reduces device tensors only
         dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=self.ep_group)
         m = int(sizes.item())
         pad = m - n
