@@ -63,8 +63,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     say(f"run {recipe.run.name}: {recipe.run.num_steps} steps, outputs in {recipe.run.resolved_output_dir}")
     try:  # imported here: the loop pulls in Ray, Megatron and SGLang, which --dry-run never needs
-        from beamrl.loop import run_training
-        from beamrl.loop.driver import TrainerRankLost
+        from beamrl.loop import TrainerRankLost, run_training
     except ImportError as e:
         if e.name in (None, "beamrl.loop") or "run_training" in str(e):
             raise NotImplementedError(f"beamrl.loop.run_training is not available ({e}); only --dry-run works") \

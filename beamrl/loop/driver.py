@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from beamrl.cluster.report import format_placement
+from beamrl.loop import TrainerRankLost
 from beamrl.loop.checkpoints import RunCheckpoints, published, restore_driver_state, save_due, step_of
 from beamrl.loop.collect import PendingRollout, RolloutBatch, RolloutCollector
 from beamrl.loop.colocated import ColocatedMemory, engines_stage_memory, trainer_sleeps
@@ -31,11 +32,6 @@ from beamrl.loop.weight_update import SyncProbe, publish_weights, resync_engine,
 from beamrl.metrics import keys
 from beamrl.metrics.samples import samples_due
 from beamrl.recipe.schema import Recipe
-
-
-class TrainerRankLost(RuntimeError):
-    """A trainer rank died: the run stopped; the one-line message names the rank and the checkpoint to resume from
-    (`beamrl train` prints it and exits 1)."""
 
 
 class RLDriver:

@@ -57,6 +57,7 @@ def test_non_dry_run_calls_the_loop_or_says_it_is_missing(monkeypatch):
     calls = []
     fake = types.ModuleType("beamrl.loop")
     fake.run_training = lambda recipe, **flags: calls.append((recipe.run.name, flags)) or "outputs/run-dir"
+    fake.TrainerRankLost = type("TrainerRankLost", (RuntimeError,), {})
     monkeypatch.setitem(sys.modules, "beamrl.loop", fake)
     assert main(["train", "quickstart", "--resume"]) == 0
     assert main(["train", "quickstart", "--overwrite", "--verbose"]) == 0
