@@ -173,8 +173,7 @@ def prompt_loader_order(n: int, seed: int, count: int, shuffle: bool = True) -> 
 
 def earlier_outputs(out: Path) -> list[Path]:
     """What an earlier run of this benchmark left in `out`: results.json, beamrl/, trl-<model>/ (trl/ before
-    there were several TRL models) and run<i>/ (nothing
-    else there is ours to delete)."""
+    there were several TRL models) and run<i>/. Nothing else there is ours to delete."""
     if not out.is_dir():
         return []
     return sorted(p for p in out.iterdir()
