@@ -19,11 +19,15 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from beamrl.dtypes import RUN_DTYPES, torch_dtype
 from beamrl.sync.plan import DEFAULT_BUCKET_BYTES
+
+if TYPE_CHECKING:
+    from beamrl.sync.orchestrator import SyncReport
 
 NAME = "bench"
 HELP = "Benchmarks (sync: a verified weight sync of perturbed weights into an engine)."
@@ -110,13 +114,28 @@ def _lora(args: argparse.Namespace):
     return lora_config(args)
 
 
+def sync_once(args: argparse.Namespace, engine, source, probes) -> "SyncReport":
+    """One sync of `source` into `engine` through the orchestrator training uses (the transport, bucket size and
+    timeout of the command line); with `probes`, verified on them at `--tolerance`. Returns the report."""
+    from beamrl.sync.orchestrator import ProbeCheck, SyncTimeouts, WeightSync
+    from beamrl.sync.transports import TRANSPORTS
+
+    sync = WeightSync(lambda receivers: TRANSPORTS.get(args.transport)(receivers, device=args.device), [engine],
+                      bucket_bytes=int(args.bucket_mb * 2**20), timeouts=SyncTimeouts.uniform(args.timeout),
+                      initial_version=engine.served_weight_version(args.timeout),
+                      probe=ProbeCheck(probes, args.tolerance) if probes is not None else None)
+    try:
+        return sync.sync(source)
+    finally:
+        sync.close()
+
+
 def run_sync(args: argparse.Namespace) -> dict:
     import tempfile
 
     from beamrl.models.beam.model import BeamForCausalLM
     from beamrl.sync.export import StateDictSource
-    from beamrl.sync.orchestrator import ProbeCheck, SyncTimeouts, WeightSync, max_abs_diff
-    from beamrl.sync.transports import TRANSPORTS as REGISTRY
+    from beamrl.sync.orchestrator import max_abs_diff
 
     if args.bucket_mb <= 0:
         raise SystemExit(f"error: --bucket-mb must be > 0, got {args.bucket_mb}")
@@ -135,15 +154,7 @@ def run_sync(args: argparse.Namespace) -> dict:
     engine, stop = start_engine(args)
     try:
         before = max_abs_diff(engine.score(probes, args.timeout), want)
-        kwargs = {"device": args.device}
-        sync = WeightSync(lambda receivers: REGISTRY.get(args.transport)(receivers, **kwargs), [engine],
-                          bucket_bytes=int(args.bucket_mb * 2**20), timeouts=SyncTimeouts.uniform(args.timeout),
-                          initial_version=engine.served_weight_version(args.timeout),
-                          probe=ProbeCheck(probes, args.tolerance) if exact else None)
-        try:
-            report = sync.sync(source)
-        finally:
-            sync.close()
+        report = sync_once(args, engine, source, probes if exact else None)
         if exact:
             after, check = report.max_abs_logprob_diff, f"probe logprobs vs the reference model <= {args.tolerance:g}"
             verified = report.verified and after <= args.tolerance

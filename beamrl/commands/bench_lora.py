@@ -70,9 +70,8 @@ def run_lora_sync(args: argparse.Namespace, trainer: torch.nn.Module, full_repor
     """The adapter-only sync into `engine` (already holding `trainer`'s weights from the full sync)."""
     from beamrl.models.beam.lora import random_adapter
     from beamrl.models.beam.lora_payload import ADAPTER, adapter_payload
+    from beamrl.commands.bench import sync_once
     from beamrl.sync.export import StateDictSource
-    from beamrl.sync.orchestrator import ProbeCheck, SyncTimeouts, WeightSync
-    from beamrl.sync.transports import TRANSPORTS as REGISTRY
 
     lora = lora_config(args)
     adapter = {k: v.to(device=args.device) for k, v in
@@ -83,14 +82,7 @@ def run_lora_sync(args: argparse.Namespace, trainer: torch.nn.Module, full_repor
                           for s in seqs]
     with torch.no_grad():
         source = StateDictSource(adapter_payload(adapter, lora), score=score, mode=ADAPTER)
-    sync = WeightSync(lambda receivers: REGISTRY.get(args.transport)(receivers, device=args.device), [engine],
-                      bucket_bytes=int(args.bucket_mb * 2**20), timeouts=SyncTimeouts.uniform(args.timeout),
-                      initial_version=engine.served_weight_version(args.timeout),
-                      probe=ProbeCheck(probes, args.tolerance) if exact else None)
-    try:
-        report = sync.sync(source)
-    finally:
-        sync.close()
+    report = sync_once(args, engine, source, probes if exact else None)
     checks = []
     verified = report.verified if exact else True
     if exact:

@@ -73,7 +73,27 @@ def aligned_order(named: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[str, 
     return sorted(named, key=lambda nt: -nt[1].element_size())
 
 
-class FlatBucket:
+class TensorListing:
+    """`names`, `dtypes` and `shapes` of `self.metas` (a sequence of `TensorMeta`), in the form SGLang's
+    update calls take them; shared by a bucket's layout and its packed form."""
+
+    metas: "tuple[TensorMeta, ...] | list[TensorMeta]"
+
+    @property
+    def names(self) -> list[str]:
+        return [m.name for m in self.metas]
+
+    @property
+    def dtypes(self) -> list[str]:
+        """Dtype strings such as 'bfloat16', as SGLang's update_weights_from_distributed takes them."""
+        return [dtype_name(m.dtype) for m in self.metas]
+
+    @property
+    def shapes(self) -> list[list[int]]:
+        return [list(m.shape) for m in self.metas]
+
+
+class FlatBucket(TensorListing):
     """A uint8 1-D `buffer` plus the `metas` describing the tensors packed in it.
 
     In a sync session a bucket also carries its `index` in the session's manifest and the sender's raw-bit
@@ -124,19 +144,6 @@ class FlatBucket:
     def unflatten(self) -> list[tuple[str, torch.Tensor]]:
         """(name, tensor) views into the buffer (no copies): writes to the buffer show through."""
         return [(m.name, self.buffer[m.start:m.end].view(m.dtype).view(m.shape)) for m in self.metas]
-
-    @property
-    def names(self) -> list[str]:
-        return [m.name for m in self.metas]
-
-    @property
-    def dtypes(self) -> list[str]:
-        """Dtype strings such as 'bfloat16', as SGLang's update_weights_from_distributed takes them."""
-        return [dtype_name(m.dtype) for m in self.metas]
-
-    @property
-    def shapes(self) -> list[list[int]]:
-        return [list(m.shape) for m in self.metas]
 
     @property
     def nbytes(self) -> int:

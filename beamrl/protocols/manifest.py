@@ -18,13 +18,13 @@ import hashlib
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from beamrl.protocols.flat_bucket import TensorMeta, dtype_name, parse_dtype
+from beamrl.protocols.flat_bucket import TensorListing, TensorMeta, dtype_name, parse_dtype
 
 FULL = "full"  # the apply mode of an ordinary weight sync
 
 
 @dataclass(frozen=True)
-class BucketLayout:
+class BucketLayout(TensorListing):
     """Bucket `index`: its tensors in packing order, back to back (`metas`), `nbytes` in all."""
 
     index: int
@@ -33,18 +33,6 @@ class BucketLayout:
     @property
     def nbytes(self) -> int:
         return self.metas[-1].end if self.metas else 0
-
-    @property
-    def names(self) -> list[str]:
-        return [m.name for m in self.metas]
-
-    @property
-    def dtypes(self) -> list[str]:
-        return [dtype_name(m.dtype) for m in self.metas]
-
-    @property
-    def shapes(self) -> list[list[int]]:
-        return [list(m.shape) for m in self.metas]
 
 
 @dataclass(frozen=True)

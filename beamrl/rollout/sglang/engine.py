@@ -31,6 +31,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from beamrl.environ import scoped_environ
 from beamrl.models.beam.config import BeamConfig
 from beamrl.protocols.rollout import EngineError, GenerateRequest, GenerateResult, RolloutEngine
 from beamrl.rollout.sglang import payloads
@@ -115,7 +116,7 @@ class SGLangEngine(RolloutEngine, WeightReceiver):
 
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         t0 = time.monotonic()
-        with _stderr_to(self.log_path), _spawn_env(self.config), _environ(self.config.launch_env()):
+        with _stderr_to(self.log_path), _spawn_env(self.config), scoped_environ(self.config.launch_env()):
             thread = threading.Thread(target=launch, name="sglang-engine-owner", daemon=True)
             thread.start()
             started.wait(self.start_timeout)
@@ -498,21 +499,6 @@ class SGLangEngine(RolloutEngine, WeightReceiver):
 
 
 @contextmanager
-def _environ(values: dict[str, str]) -> Iterator[None]:
-    """Set environment variables for the engine's spawned processes while it starts."""
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-@contextmanager
 def _spawn_env(config: SGLangEngineConfig) -> Iterator[None]:
     """On CPU, SGLang's spawned processes need the compat shims (beamrl.compat.sglang_cpu.spawn_env) and, with
     several TP ranks, the CPU engine's TP settings (`tp_env`), set only while the engine starts."""
@@ -522,7 +508,7 @@ def _spawn_env(config: SGLangEngineConfig) -> Iterator[None]:
     from beamrl.compat.sglang_cpu import spawn_env, tp_env
 
     extra = tp_env(config.base_gpu_id + config.engine_tp) if config.engine_tp > 1 else {}
-    with _environ(extra), spawn_env():
+    with scoped_environ(extra), spawn_env():
         yield
 
 

@@ -15,7 +15,6 @@ does it from the env set here).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import pickle
 import tempfile
@@ -27,6 +26,7 @@ from typing import Any
 
 import multiprocessing as mp
 
+from beamrl.environ import scoped_environ
 from beamrl.net import reserve_port
 
 #: Environment every rank gets unless the caller overrides it (CPU is shared; compiles cost seconds).
@@ -98,7 +98,7 @@ def launch(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), *,
             for r, p in enumerate(procs):
                 # The env must exist before the child's interpreter imports anything (unpickling `fn` imports
                 # its module, often torch): torch reads OMP_NUM_THREADS and TORCHDYNAMO_DISABLE at import.
-                with _patched_environ({**child_env, "RANK": str(r), "LOCAL_RANK": str(r),
+                with scoped_environ({**child_env, "RANK": str(r), "LOCAL_RANK": str(r),
                                        "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size)}):
                     p.start()
             results = _wait(procs, Path(result_dir), timeout_s, poll_s)
@@ -109,18 +109,6 @@ def launch(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), *,
         return results
 
 
-@contextlib.contextmanager
-def _patched_environ(values: dict[str, str]):
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _read(path: Path) -> tuple[str, Any]:
