@@ -66,7 +66,7 @@ def resync_engine(trainer: TrainerGroup, engines: EngineGroup, index: int, versi
     orchestrator (checksums, version check, probe verification), then its served version is checked here too."""
     if version > 0:
         trainer.sync_restarted(engines, index, sync_request(version, sync, timeout, probe))
-    served = engines.versions()[index]
+    served = engines.version_of(index)
     if served != version:
         raise EngineError(f"{engines.names[index]} serves weight version {served} after its restart; the trainer is "
                           f"at {version}")

@@ -23,11 +23,17 @@ def _run_in_process(out_dir, *overrides):
     return run_training(load_recipe(QUICKSTART, [f"run.output_dir={out_dir}", *SMALL, *overrides]))
 
 
-def test_engine_killed_mid_rollout_is_restarted_resynced_and_the_batch_is_whole(tmp_path, monkeypatch):
+# Colocated (the colocated transport) and disaggregated (an update group, rebuilt without the dead engine's actor)
+LAYOUTS = {"colocated": (), "disaggregated": ("placement.mode=disaggregated", "sync.transport=distributed",
+                                              "cluster.gpus_per_node=2")}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_engine_killed_mid_rollout_is_restarted_resynced_and_the_batch_is_whole(tmp_path, monkeypatch, layout):
     from beamrl.loop.collect import RolloutCollector
 
     # A short SFT warm start: rewards, losses and gradients are not all zero, so comparing runs can fail
-    steps = ("run.num_steps=3", "sft={steps: 8, lr: 3.0e-3, batch: 32}")
+    steps = ("run.num_steps=3", "sft={steps: 8, lr: 3.0e-3, batch: 32}", *LAYOUTS[layout])
     clean = metrics(_run_in_process(tmp_path / "clean", *steps))
     killed: list[int] = []
     start, finish = RolloutCollector.start, RolloutCollector.finish
