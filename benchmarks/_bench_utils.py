@@ -101,3 +101,42 @@ def free_device_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def random_micro_batches(vocab_size: int, seq_len: int, seqs_per_micro_batch: int, micro_batches: int, seed: int = 0):
+    """Seeded random token sequences as `PackedBatch` micro-batches (the train-step benchmarks' input)."""
+    from beamrl.trainer.protocol import PackedBatch
+
+    g = torch.Generator().manual_seed(seed)
+    return [PackedBatch.from_sequences([torch.randint(1, vocab_size, (seq_len,), generator=g)
+                                        for _ in range(seqs_per_micro_batch)]) for _ in range(micro_batches)]
+
+
+def time_train_steps(trainer, batches, warmup: int, steps: int) -> dict:
+    """`warmup` untimed then `steps` timed train steps of a `MegatronTrainer` on `batches` (an NLL loss over the
+    loss tokens): per-step forward+backward and full (with the optimizer) seconds, losses, tokens per step and the
+    peak allocated GPU memory (nan on CPU)."""
+    tokens = sum(b.num_tokens for b in batches)
+    norm = sum(b.num_loss_tokens for b in batches)
+
+    def loss_fn(logprobs, entropy, batch):
+        return -(logprobs * batch.loss_mask).sum() / norm, {}
+
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    fb, full, losses = [], [], []
+    for i in range(warmup + steps):
+        sync_device()
+        t0 = time.perf_counter()
+        sums = trainer.forward_backward(batches, loss_fn)
+        sync_device()
+        t1 = time.perf_counter()
+        trainer.optimizer_step()
+        sync_device()
+        t2 = time.perf_counter()
+        losses.append(sums["loss"])
+        if i >= warmup:
+            fb.append(t1 - t0)
+            full.append(t2 - t0)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
+    return {"fwd_bwd_s": fb, "step_s": full, "losses": losses, "tokens": tokens, "peak_mem_gib": peak}

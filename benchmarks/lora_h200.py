@@ -27,7 +27,6 @@ if "--tiny" in __import__("sys").argv:
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 import argparse  # noqa: E402
-import gc  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
@@ -38,22 +37,12 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 
 from beamrl.models.beam import preset  # noqa: E402
+from benchmarks._bench_utils import free_device_memory, random_micro_batches, sync_device, time_train_steps  # noqa: E402,E501
 from beamrl.models.beam.lora import adapted_num_parameters, adapter_num_parameters  # noqa: E402
 from beamrl.models.beam.lora_config import (ALL_TARGETS, ATTENTION_TARGETS, EXPERT_TARGETS,  # noqa: E402
                                             LoRAConfig)
 
 BF16 = 2
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def _free() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def sizes_501b(rank: int = 32) -> dict:
@@ -76,7 +65,6 @@ def lora_train(config, lora: LoRAConfig, device: str, seq_len: int, seqs_per_mic
     from beamrl.models.beam.weights import random_tensors
     from beamrl.trainer.megatron.config import TrainerConfig
     from beamrl.trainer.megatron.worker import MegatronTrainer, TrainerSetup
-    from beamrl.trainer.protocol import PackedBatch
 
     trainer_config = TrainerConfig(num_gpus=1, global_batch_size=1, lr=1e-4, distributed_optimizer=True, lora=lora)
     trainer = MegatronTrainer(TrainerSetup(model=config, trainer=trainer_config, dtype="bfloat16"))
@@ -84,40 +72,17 @@ def lora_train(config, lora: LoRAConfig, device: str, seq_len: int, seqs_per_mic
     trainer.load_hf_state_dict(base)
     trainable = sum(p.numel() for m in trainer.models for p in m.parameters() if p.requires_grad)
     frozen = sum(p.numel() for m in trainer.models for p in m.parameters() if not p.requires_grad)
-    g = torch.Generator().manual_seed(seed)
-    batches = [PackedBatch.from_sequences([torch.randint(1, config.vocab_size, (seq_len,), generator=g)
-                                           for _ in range(seqs_per_micro_batch)]) for _ in range(micro_batches)]
-    tokens = sum(b.num_tokens for b in batches)
-    norm = sum(b.num_loss_tokens for b in batches)
-
-    def loss_fn(logprobs, entropy, batch):
-        return -(logprobs * batch.loss_mask).sum() / norm, {}
-
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
-    fb, full, losses = [], [], []
-    for i in range(warmup + steps):
-        _sync()
-        t0 = time.perf_counter()
-        sums = trainer.forward_backward(batches, loss_fn)
-        _sync()
-        t1 = time.perf_counter()
-        trainer.optimizer_step()
-        _sync()
-        t2 = time.perf_counter()
-        losses.append(sums["loss"])
-        if i >= warmup:
-            fb.append(t1 - t0)
-            full.append(t2 - t0)
-    peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
-    _sync()
+    batches = random_micro_batches(config.vocab_size, seq_len, seqs_per_micro_batch, micro_batches, seed)
+    timed = time_train_steps(trainer, batches, warmup, steps)
+    fb, full, losses, tokens, peak = (timed[k] for k in ("fwd_bwd_s", "step_s", "losses", "tokens", "peak_mem_gib"))
+    sync_device()
     t0 = time.perf_counter()
     adapter = {k: v for unit in trainer.export_lora() for k, v in unit}
-    _sync()
+    sync_device()
     export_s = time.perf_counter() - t0
     trainer.shutdown()
     del trainer
-    _free()
+    free_device_memory()
     state.update(adapter=adapter, base=base, config=config, lora=lora)
     fb_s, full_s = statistics.median(fb), statistics.median(full)
     return {"tokens_per_step": tokens, "fwd_bwd_ms": 1e3 * fb_s, "step_ms": 1e3 * full_s,
@@ -152,7 +117,7 @@ def adapter_apply(device: str, state: dict) -> dict:
     merged = adapted_num_parameters(config, lora) * BF16
     engine.shutdown()
     del engine, model
-    _free()
+    free_device_memory()
     r = reports[1]
     return {"adapter_bytes": nbytes, "sync_bytes": r.bytes, "merged_bytes": merged, "buckets": r.buckets,
             "first_sync_s": reports[0].seconds, "sync_s": r.seconds, "sync_gb_per_s": r.bytes / r.seconds / 1e9,
@@ -226,7 +191,7 @@ def main(argv=None) -> int:
         except Exception:  # noqa: BLE001 - keep the other sections' results
             traceback.print_exc()
             results[name] = {"error": traceback.format_exc()}
-            _free()
+            free_device_memory()
         print(f"   {json.dumps({k: v for k, v in results[name].items() if k not in ('error', 'losses')})}", flush=True)
     print(format_table(results))
     args.out.mkdir(parents=True, exist_ok=True)

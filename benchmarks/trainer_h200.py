@@ -36,7 +36,7 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 
 from beamrl.models.beam import preset  # noqa: E402
-from benchmarks._bench_utils import free_device_memory, sync_device  # noqa: E402
+from benchmarks._bench_utils import free_device_memory, random_micro_batches, sync_device, time_train_steps  # noqa: E402,E501
 from beamrl.parity.fused_vs_eager import real_width_config  # noqa: E402
 
 
@@ -84,35 +84,10 @@ def parity(config, device: str, num_sequences: int, seq_len: int, seed: int = 0)
 def train_throughput(config, use_fused_kernels: bool, seq_len: int, seqs_per_micro_batch: int, micro_batches: int,
                      warmup: int, steps: int, seed: int = 0) -> dict:
     """bf16 forward+backward tokens/s and full step time of `config` (Megatron's random init)."""
-    from beamrl.trainer.protocol import PackedBatch
-
     trainer = _trainer(config, use_fused_kernels)
-    g = torch.Generator().manual_seed(seed)
-    batches = [PackedBatch.from_sequences([torch.randint(1, config.vocab_size, (seq_len,), generator=g)
-                                           for _ in range(seqs_per_micro_batch)]) for _ in range(micro_batches)]
-    tokens = sum(b.num_tokens for b in batches)
-    norm = sum(b.num_loss_tokens for b in batches)
-
-    def loss_fn(logprobs, entropy, batch):
-        return -(logprobs * batch.loss_mask).sum() / norm, {}
-
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
-    fb, full, losses = [], [], []
-    for i in range(warmup + steps):
-        sync_device()
-        t0 = time.perf_counter()
-        sums = trainer.forward_backward(batches, loss_fn)
-        sync_device()
-        t1 = time.perf_counter()
-        trainer.optimizer_step()
-        sync_device()
-        t2 = time.perf_counter()
-        losses.append(sums["loss"])
-        if i >= warmup:
-            fb.append(t1 - t0)
-            full.append(t2 - t0)
-    peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
+    batches = random_micro_batches(config.vocab_size, seq_len, seqs_per_micro_batch, micro_batches, seed)
+    timed = time_train_steps(trainer, batches, warmup, steps)
+    fb, full, losses, tokens, peak = (timed[k] for k in ("fwd_bwd_s", "step_s", "losses", "tokens", "peak_mem_gib"))
     trainer.shutdown()
     del trainer
     free_device_memory()
