@@ -147,8 +147,12 @@ class WeightSync:
         # What the engines take back at the end of a staged sync; () when the caller resumes it later (a colocated
         # trainer that first goes to sleep: beamrl.loop.colocated).
         self.resume_after_sync = tuple(resume_after_sync)
-        self.progress = progress  # None: silent; otherwise a line per `progress_every_s` and one at the end
+        # None: silent. Otherwise, for long work only: a line every `progress_every_s` while buckets ship, and a
+        # summary of the first sync and of every sync that took at least `progress_every_s` (the RL loop's console
+        # line already shows each step's sync time).
+        self.progress = progress
         self.progress_every_s = progress_every_s
+        self._summarised = False  # whether a sync's summary line was said (the first one always is)
         self.pack = pack_bucket  # the one packing function (reported in `SyncReport.code_path`)
         self.unhealthy: dict[str, str] = {}  # engine failures found after commit (version, verification)
         self.syncs = 0
@@ -241,7 +245,7 @@ class WeightSync:
             count += 1
             nbytes += layout.nbytes
             now = time.perf_counter()
-            if count == 1 or now - last_said >= self.progress_every_s:  # a 500B sync has ~2000 buckets
+            if now - last_said >= self.progress_every_s:  # long syncs only (a 500B sync has ~2000 buckets)
                 last_said = now
                 self._say(f"[weight sync v{version}] bucket {count}/{len(plan.buckets)}: {nbytes / 2**30:.3f} GiB "
                           f"sent, {now - t_begin:.1f} s")
@@ -321,9 +325,11 @@ class WeightSync:
                             engines=[self._label(e, i) for i, e in enumerate(targets)],
                             verified=diff is not None, max_abs_logprob_diff=diff, code_path=self.code_path,
                             times=times)
-        self._say(f"[weight sync v{new_version}] done: {nbytes / 2**30:.3f} GiB in {count} buckets, {seconds:.3f} s, "
-                  f"{report.gbps:.2f} GB/s, checksums verified" +
-                  (f", probe max |dlogprob| {diff:.2e} <= {self.probe.tolerance:g}" if diff is not None else ""))
+        if seconds >= self.progress_every_s or not self._summarised:  # the first sync, then only long ones
+            self._summarised = True
+            self._say(f"[weight sync v{new_version}] done: {nbytes / 2**30:.3f} GiB in {count} buckets, {seconds:.3f} s, "
+                      f"{report.gbps:.2f} GB/s, checksums verified" +
+                      (f", probe max |dlogprob| {diff:.2e} <= {self.probe.tolerance:g}" if diff is not None else ""))
         return report
 
     def _check_versions(self, engines: Sequence[WeightReceiver], new_version: int) -> None:

@@ -133,6 +133,18 @@ def test_progress_lines_say_bucket_i_of_n_and_the_rate(trainer_model):
     assert "GB/s" in lines[-1] and f"in {report.buckets} buckets" in lines[-1] and "checksums verified" in lines[-1]
 
 
+def test_short_syncs_say_only_the_first_summary(trainer_model):
+    """Progress is for long work: a sync shorter than `progress_every_s` prints no bucket lines, and only the first
+    sync's summary (the RL loop syncs every step; its console line already shows the sync time)."""
+    lines = []
+    receiver = model_receiver(type(trainer_model)(preset("tiny"), dtype=torch.float32, seed=1), name="local")
+    sync = WeightSync(TRANSPORTS.get("colocated")([receiver]), [receiver], bucket_bytes=256 * 1024,
+                      progress=lines.append, progress_every_s=3600.0)
+    for _ in range(3):
+        sync.sync(StateDictSource(list(trainer_model.named_parameters())))
+    assert len(lines) == 1 and lines[0].startswith("[weight sync v1] done:")
+
+
 def test_released_staging_buffers_are_freed_and_shared_anew_at_the_next_sync(hosted_engine, trainer_model):
     """A colocated trainer going to sleep frees its staging slots (`release_buffers`); the next sync makes and
     shares new ones with the engine (in its own process) and still lands exactly."""
