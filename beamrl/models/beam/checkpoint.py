@@ -186,15 +186,20 @@ def checkpoint_files(directory: Path) -> dict[str, Path]:
         return {name: single for name in f.keys()}
 
 
-def load_checkpoint(directory: str | Path) -> tuple[BeamConfig, dict[str, torch.Tensor]]:
-    """Read and validate a checkpoint; returns (config, per-expert state dict in the stored dtypes)."""
+def _directory_and_config(directory: str | Path) -> tuple[Path, BeamConfig]:
+    """The checkpoint directory (which must exist) and its parsed `config.json`; errors name the file."""
     d = Path(directory)
     if not d.is_dir():
         raise CheckpointError(f"checkpoint directory {d} does not exist")
     try:
-        config = BeamConfig.from_json_file(d / "config.json")
+        return d, BeamConfig.from_json_file(d / "config.json")
     except TypeError as e:  # unexpected keyword etc. surfaces as TypeError from the dataclass
         raise BeamConfigError("config.json", str(d / "config.json"), str(e)) from None
+
+
+def load_checkpoint(directory: str | Path) -> tuple[BeamConfig, dict[str, torch.Tensor]]:
+    """Read and validate a checkpoint; returns (config, per-expert state dict in the stored dtypes)."""
+    d, config = _directory_and_config(directory)
     dtype = model_dtype(config)
     per_expert = expected_tensors(config)
     state: dict[str, torch.Tensor] = {}
@@ -234,13 +239,7 @@ _HEADER_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.flo
 def check_checkpoint(directory: str | Path) -> BeamConfig:
     """`load_checkpoint`'s checks (every tensor present, none foreign, shapes and dtypes) from the safetensors
     headers alone: no tensor data is read, so a 1 TB checkpoint is checked in seconds. Returns the config."""
-    d = Path(directory)
-    if not d.is_dir():
-        raise CheckpointError(f"checkpoint directory {d} does not exist")
-    try:
-        config = BeamConfig.from_json_file(d / "config.json")
-    except TypeError as e:  # unexpected keyword etc. surfaces as TypeError from the dataclass
-        raise BeamConfigError("config.json", str(d / "config.json"), str(e)) from None
+    d, config = _directory_and_config(directory)
     dtype = model_dtype(config)
     per_expert = expected_tensors(config)
     covered: list[str] = []
