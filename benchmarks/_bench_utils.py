@@ -140,3 +140,24 @@ def time_train_steps(trainer, batches, warmup: int, steps: int) -> dict:
             full.append(t2 - t0)
     peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
     return {"fwd_bwd_s": fb, "step_s": full, "losses": losses, "tokens": tokens, "peak_mem_gib": peak}
+
+
+def run_sections(sections, results: dict, path) -> int:
+    """Run `(name, fn)` sections in order, each in its own try/except so one failure keeps the others' results;
+    print each section's result and rewrite the JSON at `path` after every section (a run cut by a time limit keeps
+    what it measured). Returns 1 if any section failed, else 0."""
+    import json
+    import traceback
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for name, fn in sections:
+        print(f"== {name} ...", flush=True)
+        try:
+            results[name] = fn()
+        except Exception:  # noqa: BLE001 - keep the other sections' results
+            traceback.print_exc()
+            results[name] = {"error": traceback.format_exc()}
+            free_device_memory()
+        print(f"   {json.dumps({k: v for k, v in results[name].items() if k not in ('error', 'losses')})}", flush=True)
+        path.write_text(json.dumps(results, indent=2) + "\n")
+    return 1 if any(isinstance(v, dict) and "error" in v for v in results.values()) else 0

@@ -27,17 +27,16 @@ if "--tiny" in __import__("sys").argv:
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 import argparse  # noqa: E402
-import json  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
-import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
 from beamrl.models.beam import preset  # noqa: E402
-from benchmarks._bench_utils import free_device_memory, random_micro_batches, sync_device, time_train_steps  # noqa: E402,E501
+from benchmarks._bench_utils import (free_device_memory, random_micro_batches, run_sections, sync_device,  # noqa: E402
+                                     time_train_steps)
 from beamrl.models.beam.lora import adapted_num_parameters, adapter_num_parameters  # noqa: E402
 from beamrl.models.beam.lora_config import (ALL_TARGETS, ATTENTION_TARGETS, EXPERT_TARGETS,  # noqa: E402
                                             LoRAConfig)
@@ -184,21 +183,11 @@ def main(argv=None) -> int:
     results = {"meta": {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
                         "torch": torch.__version__, "argv": sys.argv[1:], "date": time.strftime("%Y-%m-%d %H:%M")}}
     state: dict = {}
-    for name, fn in sections(args, state):
-        print(f"== {name} ...", flush=True)
-        try:
-            results[name] = fn()
-        except Exception:  # noqa: BLE001 - keep the other sections' results
-            traceback.print_exc()
-            results[name] = {"error": traceback.format_exc()}
-            free_device_memory()
-        print(f"   {json.dumps({k: v for k, v in results[name].items() if k not in ('error', 'losses')})}", flush=True)
-    print(format_table(results))
-    args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "lora_h200.json"
-    path.write_text(json.dumps(results, indent=2) + "\n")
+    rc = run_sections(sections(args, state), results, path)
+    print(format_table(results))
     print(f"wrote {path}")
-    return 1 if any(isinstance(v, dict) and "error" in v for v in results.values()) else 0
+    return rc
 
 
 if __name__ == "__main__":

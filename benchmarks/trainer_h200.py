@@ -26,17 +26,16 @@ if "--tiny" in __import__("sys").argv:  # CPU smoke run: Megatron's jit_fuser wo
 
 import argparse  # noqa: E402
 import importlib.util  # noqa: E402
-import json  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
-import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
 from beamrl.models.beam import preset  # noqa: E402
-from benchmarks._bench_utils import free_device_memory, random_micro_batches, sync_device, time_train_steps  # noqa: E402,E501
+from benchmarks._bench_utils import (free_device_memory, random_micro_batches, run_sections, sync_device,  # noqa: E402
+                                     time_train_steps)
 from beamrl.parity.fused_vs_eager import real_width_config  # noqa: E402
 
 
@@ -182,24 +181,11 @@ def main(argv=None) -> int:
     initialize_parallel(ParallelConfig())
     results = {"meta": {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
                         "torch": torch.__version__, "argv": sys.argv[1:], "date": time.strftime("%Y-%m-%d %H:%M")}}
-    for name, fn in sections(args):
-        if args.only and name not in args.only:
-            continue
-        print(f"== {name} ...", flush=True)
-        try:
-            results[name] = fn()
-        except Exception:  # noqa: BLE001 - keep the other sections' results
-            traceback.print_exc()
-            results[name] = {"error": traceback.format_exc()}
-            free_device_memory()
-        print(f"   {json.dumps({k: v for k, v in results[name].items() if k not in ('error', 'losses')})}", flush=True)
-    print(format_table(results))
-    args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "trainer_h200.json"
-    path.write_text(json.dumps(results, indent=2) + "\n")
+    rc = run_sections([(n, f) for n, f in sections(args) if not args.only or n in args.only], results, path)
+    print(format_table(results))
     print(f"wrote {path}")
-    failed = [k for k, v in results.items() if isinstance(v, dict) and "error" in v]
-    return 1 if failed else 0
+    return rc
 
 
 if __name__ == "__main__":
