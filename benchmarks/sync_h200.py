@@ -52,6 +52,7 @@ from beamrl.sync.export import StateDictSource  # noqa: E402
 from beamrl.sync.orchestrator import SyncTimeouts, WeightSync  # noqa: E402
 from beamrl.sync.process_receiver import HostedEngine  # noqa: E402
 from beamrl.sync.transports import TRANSPORTS  # noqa: E402
+from beamrl.sync.transports.colocated import ColocatedTransport  # noqa: E402
 from beamrl.sync.update_group import broadcast_from_rank0  # noqa: E402
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -74,6 +75,20 @@ def bit_checksum(t: torch.Tensor) -> tuple[int, int]:
 class BenchReceiver(NativeEngine):
     """The native engine plus what the benchmark asks of the receiver side."""
 
+    _host_n, _host_s = 0, 0.0  # staged buckets handled, and the host seconds spent in them
+
+    def load_staged_bucket(self, slot: int, index: int, timeout: float) -> None:
+        t0 = time.perf_counter()
+        try:
+            super().load_staged_bucket(slot, index, timeout)
+        finally:
+            self._host_n, self._host_s = self._host_n + 1, self._host_s + time.perf_counter() - t0
+
+    def host_stats(self) -> tuple[int, float]:
+        """(staged buckets, host seconds in them) since the last call."""
+        stats, (self._host_n, self._host_s) = (self._host_n, self._host_s), (0, 0.0)
+        return stats
+
     def checksums(self) -> dict[str, tuple[int, int]]:
         return {n: bit_checksum(p) for n, p in self.model.named_parameters()}
 
@@ -95,6 +110,52 @@ class BenchReceiver(NativeEngine):
     def _sync(self) -> None:
         if self.model.device.type == "cuda":
             torch.cuda.synchronize(self.model.device)
+
+
+class TimedColocated(ColocatedTransport):
+    """The colocated transport with host-time counters around its steps: where a sync's time goes (begin; per
+    bucket: waiting for a slot, the rest of `buffer`, `send` = checksum into the trailer + event + message;
+    finalize = the last buckets' replies + the commit)."""
+
+    _STEPS = ("begin", "wait", "buffer", "send", "finalize")
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._in_buffer = False
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        self.stats = {"buckets": 0, **{f"{k}_s": 0.0 for k in self._STEPS}}
+
+    def _timed(self, step: str, fn, *args):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.stats[f"{step}_s"] += time.perf_counter() - t0
+
+    def begin(self, manifest, timeout: float) -> None:
+        self._timed("begin", super().begin, manifest, timeout)
+
+    def _wait_slot(self, slot, timeout: float) -> None:
+        if self._in_buffer:
+            self._timed("wait", super()._wait_slot, slot, timeout)
+        else:
+            super()._wait_slot(slot, timeout)
+
+    def buffer(self, bucket, timeout: float):
+        self._in_buffer = True
+        try:
+            return self._timed("buffer", super().buffer, bucket, timeout)
+        finally:
+            self._in_buffer = False
+
+    def send(self, bucket, timeout: float) -> None:
+        self.stats["buckets"] += 1
+        self._timed("send", super().send, bucket, timeout)
+
+    def finalize(self, timeout: float) -> None:
+        self._timed("finalize", super().finalize, timeout)
 
 
 def make_receiver(preset_name: str, dtype: str, device: str) -> BenchReceiver:
@@ -266,9 +327,11 @@ def main(argv=None) -> int:
     if args.mode == "teardown":
         return teardown(args, engine, source, want, trainer_dev, int(sizes_mb[0] * 2**20), preset_name)
     if args.mode == "colocated":
-        transport = TRANSPORTS.get("colocated")([engine], device=trainer_dev, staging_slots=args.staging_slots)
+        transport = TimedColocated([engine], device=trainer_dev, staging_slots=args.staging_slots)
+        staged_stats = True
     else:
         transport = TRANSPORTS.get("distributed")([engine], device=trainer_dev)
+        staged_stats = False
     timeouts = SyncTimeouts.uniform(args.timeout)
     rows: list[dict] = []
     refs: dict[str, float] = {}
@@ -287,9 +350,21 @@ def main(argv=None) -> int:
             sync = WeightSync(transport, [engine], bucket_bytes=int(mb * 2**20), timeouts=timeouts,
                               initial_version=engine.served_weight_version(args.timeout), progress=None)
             seconds, report = [], None
+            host = {"buckets": 0, "sync_s": 0.0, "receiver_buckets": 0, "receiver_s": 0.0,
+                    **{f"{k}_s": 0.0 for k in TimedColocated._STEPS}}
             for rep in range(args.repeats + 1):  # rep 0 warms up (slot attach, NCCL comm set-up, views)
                 engine.call("zero_weights", timeout=args.timeout)
+                if staged_stats:
+                    transport.reset_stats()
+                    engine.call("host_stats", timeout=args.timeout)
                 report = sync.sync(source)
+                if staged_stats and rep > 0:
+                    for k, v in transport.stats.items():
+                        host[k] += v
+                    n, sec = engine.call("host_stats", timeout=args.timeout)
+                    host["receiver_buckets"] += n
+                    host["receiver_s"] += sec
+                    host["sync_s"] += report.seconds
                 got = engine.call("checksums", timeout=args.timeout)
                 bad = [n for n in want if got.get(n) != want[n]]
                 if bad:
@@ -299,6 +374,21 @@ def main(argv=None) -> int:
                     seconds.append(report.seconds)
             best, median = min(seconds), sorted(seconds)[len(seconds) // 2]
             extra = {}
+            if staged_stats and host["buckets"]:
+                per = 1e3 / host["buckets"]  # ms per bucket, over the timed syncs
+                loop = host["sync_s"] - host["begin_s"] - host["finalize_s"]
+                extra = {"host_ms_per_bucket": {
+                    "all_in": host["sync_s"] * per, "bucket_loop": loop * per,
+                    "sender_wait_for_slot": host["wait_s"] * per,
+                    "sender_buffer_other": (host["buffer_s"] - host["wait_s"]) * per,
+                    "sender_send": host["send_s"] * per,
+                    "sender_pack_and_assemble": (loop - host["buffer_s"] - host["send_s"]) * per,
+                    "receiver_load_staged_bucket": host["receiver_s"] * 1e3 / max(host["receiver_buckets"], 1)},
+                    "begin_ms": host["begin_s"] * 1e3 / args.repeats,
+                    "finalize_ms": host["finalize_s"] * 1e3 / args.repeats}
+                print(f"    begin {extra['begin_ms']:.2f} ms, finalize {extra['finalize_ms']:.2f} ms per sync", flush=True)
+                print("    host ms per bucket: " + ", ".join(f"{k} {v:.3f}" for k, v in
+                                                          extra["host_ms_per_bucket"].items()), flush=True)
             if args.mode == "distributed":  # the same bytes, in the same bucket sizes, as raw broadcasts
                 sizes = [b.nbytes for b in sync.plan(source).buckets]
                 raw = max(raw_broadcast_gbps(transport, engine, sizes, 1, args.timeout, warmup=False)
@@ -316,7 +406,7 @@ def main(argv=None) -> int:
                   f"best {best:8.4f} s {row['gbps_best']:8.1f} GB/s  median {median:8.4f} s "
                   f"{row['gbps_median']:8.1f} GB/s  checksums equal after {args.repeats + 1} syncs"
                   + (f"  raw broadcast of the same bytes {extra['raw_broadcast_same_bytes_gbps']:.1f} GB/s: sync = "
-                     f"{100 * extra['sync_fraction_of_raw_broadcast']:.1f} % of it" if extra else ""), flush=True)
+                     f"{100 * extra['sync_fraction_of_raw_broadcast']:.1f} % of it" if "raw_broadcast_same_bytes_gbps" in extra else ""), flush=True)
     finally:
         transport.close()
         engine.shutdown()
