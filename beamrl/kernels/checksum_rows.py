@@ -1,9 +1,10 @@
-"""Row sums of a weight bucket's raw-bit checksum (`beamrl.protocols.checksum`) in one memory-bound pass on the GPU.
+"""The raw-bit bucket checksum (`beamrl.protocols.checksum`) of whole 4 KiB rows in one memory-bound pass on the GPU.
 
-torch's `x.view(int32).view(rows, 1024).sum(1, dtype=int64)` widens while it reduces and reads well below the
-memory bandwidth on the H200 (docs/benchmarks.md, "Weight sync"); this kernel loads each 4 KiB row as int32,
-widens in registers and sums exactly in int64. The result is the same integers (integer sums are exact and
-order-free), so the CPU path and this one give equal checksums.
+torch's path is ~6 launches, and its widening row sum (`view(int32).view(rows, 1024).sum(1, dtype=int64)`) reads at
+~750 GB/s on the H200; this kernel reads the rows once at ~4 TB/s (docs/benchmarks.md, "Weight sync") and
+accumulates `[S, W]` itself: each program sums its rows exactly in int64, reduces them mod P and adds its share to
+`out` with integer atomics. Integer sums are exact and order-free, so the result equals the CPU path's bit for bit.
+Two launches per bucket (`out.zero_()` and the kernel) instead of six: the per-bucket host cost matters at 64 MiB.
 """
 
 from __future__ import annotations
@@ -13,25 +14,42 @@ import triton
 import triton.language as tl
 
 _WORDS = 1024  # int32 words per 4 KiB row
-_ROWS_PER_PROGRAM = 8
+_ROWS_PER_BLOCK = 8
+_MAX_PROGRAMS = 1024  # each program loops over row blocks: few atomics on the two result words
 
 
 @triton.jit
-def _row_sums_kernel(x_ptr, out_ptr, rows, WORDS: tl.constexpr, ROWS: tl.constexpr):
-    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+def _checksum_kernel(x_ptr, out_ptr, rows, P: tl.constexpr, PERIOD: tl.constexpr, WORDS: tl.constexpr,
+                     ROWS: tl.constexpr):
+    pid = tl.program_id(0)
+    step = tl.num_programs(0) * ROWS
     w = tl.arange(0, WORDS)
-    m = r < rows
-    v = tl.load(x_ptr + r.to(tl.int64)[:, None] * WORDS + w[None, :], mask=m[:, None], other=0)
-    tl.store(out_ptr + r, tl.sum(v.to(tl.int64), axis=1), mask=m)
+    s_acc = tl.zeros([ROWS], dtype=tl.int64)
+    w_acc = tl.zeros([ROWS], dtype=tl.int64)
+    for start in range(pid * ROWS, rows, step):
+        r = start + tl.arange(0, ROWS)
+        m = r < rows
+        v = tl.load(x_ptr + r.to(tl.int64)[:, None] * WORDS + w[None, :], mask=m[:, None], other=0)
+        red = tl.sum(v.to(tl.int64), axis=1) % P
+        red = tl.where(red < 0, red + P, red)  # C remainder keeps the dividend's sign; the checksum's is in [0, P)
+        weight = r.to(tl.int64) % PERIOD + 1
+        s_acc += tl.where(m, red, 0)
+        w_acc += tl.where(m, red * weight, 0)
+    tl.atomic_add(out_ptr, tl.sum(s_acc, axis=0))
+    tl.atomic_add(out_ptr + 1, tl.sum(w_acc, axis=0))
 
 
-def row_sums_triton(buffer: torch.Tensor) -> torch.Tensor:
-    """int64 [rows]: the exact sum of each 4 KiB row's int32 words of a CUDA uint8 buffer of whole rows."""
-    if not buffer.is_cuda or buffer.dtype != torch.uint8 or buffer.numel() % (4 * _WORDS):
-        raise ValueError(f"row_sums_triton needs a CUDA uint8 buffer of whole 4 KiB rows, got {buffer.device} "
-                         f"{buffer.dtype} of {buffer.numel()} bytes")
-    words = buffer.view(torch.int32)
-    rows = words.numel() // _WORDS
-    out = torch.empty(rows, dtype=torch.int64, device=buffer.device)
-    _row_sums_kernel[(triton.cdiv(rows, _ROWS_PER_PROGRAM),)](words, out, rows, WORDS=_WORDS, ROWS=_ROWS_PER_PROGRAM)
+def whole_rows_checksum(buffer: torch.Tensor, out: torch.Tensor, p: int, period: int) -> torch.Tensor:
+    """`out` (int64 [2], contiguous) = [S, W] of `buffer`, a uint8 buffer of whole 4 KiB rows (4-byte aligned),
+    as `beamrl.protocols.checksum` defines them with modulus `p` and weight period `period`."""
+    if buffer.dtype != torch.uint8 or buffer.numel() % (4 * _WORDS):
+        raise ValueError(f"whole_rows_checksum needs a uint8 buffer of whole 4 KiB rows, got {buffer.dtype} of "
+                         f"{buffer.numel()} bytes")
+    if out.dtype != torch.int64 or out.numel() != 2 or not out.is_contiguous():
+        raise ValueError(f"whole_rows_checksum writes a contiguous int64 [2], got {out.dtype} {tuple(out.shape)}")
+    rows = buffer.numel() // (4 * _WORDS)
+    out.zero_()
+    grid = (max(1, min(triton.cdiv(rows, _ROWS_PER_BLOCK), _MAX_PROGRAMS)),)
+    _checksum_kernel[grid](buffer.view(torch.int32), out, rows, P=p, PERIOD=period, WORDS=_WORDS,
+                           ROWS=_ROWS_PER_BLOCK)
     return out

@@ -4,7 +4,7 @@ It follows SGLang 0.5.23's session rules (updates only inside a session, one ses
 changes only when it ends) and adds exact verification (`ReceiveSession`): the manifest is checked at `begin`
 against the model's weight table, every bucket's index, layout and raw-bit checksum before it is committed.
 
-Buckets arrive three ways, all copied into the parameters with one `torch._foreach_copy_` from typed views of the
+Buckets arrive three ways, all copied into the parameters with `packing.copy_tensors` (batched) from typed views of the
 bucket (cached per staging slot and bucket):
 - `update_weights_from_tensor(FlatBucket)` (SGLang's colocated payload);
 - `load_staged_bucket(slot, index)`: the bucket is in a staging slot shared once (`beamrl.sync.staging`); on GPU
@@ -34,7 +34,7 @@ import torch.distributed as dist
 from beamrl.protocols.flat_bucket import FlatBucket, TensorMeta
 from beamrl.protocols.manifest import FULL, SyncManifest
 from beamrl.protocols.weights import ROLLED_BACK, UNHEALTHY, UNTOUCHED, WeightReceiver, WeightSyncError
-from beamrl.sync.packing import bucket_views
+from beamrl.sync.packing import bucket_views, copy_tensors
 from beamrl.sync.receive_session import ManifestCache, ReceiveSession, UndoLog, WeightTable
 from beamrl.sync.update_group import destroy_update_group, init_update_group
 
@@ -153,8 +153,7 @@ class LocalWeightReceiver(WeightReceiver):
                 self._undo.save(dst)
             self._touched = True
         if dst:
-            with torch.no_grad():
-                torch._foreach_copy_(dst, src, non_blocking=True)
+            copy_tensors(dst, src)
         session.advance()
 
     def _guarded(self, op: str, fn) -> None:

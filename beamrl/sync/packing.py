@@ -1,11 +1,11 @@
-"""The one packing function of a weight sync: a bucket's tensors -> its flat uint8 buffer, in one batched copy.
+"""The one packing function of a weight sync: a bucket's tensors -> its flat uint8 buffer, in batched copies.
 
 `pack_bucket` is what training, `beamrl bench sync` and `benchmarks/sync_h200.py` all run (through the
 orchestrator): the tensors of bucket `k` (as `BucketPlan.assemble` yields them) are copied byte for byte into the
 buffer the transport gives for it, laid out as the bucket's `TensorMeta`s say (SGLang's flattened-bucket layout),
-with a single `torch._foreach_copy_` from the tensors as they are into typed views of the buffer (the views are made
-once per buffer and bucket and cached by the transport, so there is no per-tensor Python work per sync; no dtype
-change, no host round trip). On GPU the copies are queued on the current stream; the transport records the
+with batched copies from the tensors as they are into typed views of the buffer (`copy_tensors`: one
+`torch._foreach_copy_` for the small tensors, a plain copy per large one; the views are made once per buffer and
+bucket and cached by the transport; no dtype change, no host round trip). On GPU the copies are queued on the current stream; the transport records the
 bucket's event after them.
 """
 
@@ -15,6 +15,27 @@ import torch
 
 from beamrl.protocols.flat_bucket import FlatBucket
 from beamrl.protocols.manifest import FULL, BucketLayout, SyncManifest
+
+
+#: Tensors of at least this many bytes are copied one by one: a plain copy moves a large tensor at the device's copy
+#: rate (~2.1 TB/s on the H200), `_foreach_copy_`'s chunked kernel at ~1.4 TB/s (docs/benchmarks.md, "Weight sync").
+#: Smaller ones go in one batched copy (one launch for many tensors).
+LARGE_COPY_BYTES = 8 << 20
+
+
+def copy_tensors(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """`dst[i].copy_(src[i])` for every i, queued on the current stream without a host sync: large tensors one by
+    one, the rest in one `torch._foreach_copy_`. Used to pack a bucket and to copy it into an engine's weights."""
+    small_dst, small_src = [], []
+    with torch.no_grad():
+        for d, s in zip(dst, src):
+            if d.numel() * d.element_size() >= LARGE_COPY_BYTES:
+                d.copy_(s, non_blocking=True)
+            else:
+                small_dst.append(d)
+                small_src.append(s)
+        if small_dst:
+            torch._foreach_copy_(small_dst, small_src, non_blocking=True)
 
 
 def bucket_views(buffer: torch.Tensor, bucket: BucketLayout) -> list[torch.Tensor]:
@@ -33,9 +54,9 @@ def pack_bucket(buffer: torch.Tensor, bucket: BucketLayout, tensors: list[torch.
         raise ValueError(f"bucket {bucket.index} has {len(bucket.metas)} tensors, got {len(tensors)}")
     dst = views if views is not None else bucket_views(buffer, bucket)
     src = tensors if len(dst) == len(tensors) else [t for t, m in zip(tensors, bucket.metas) if m.end > m.start]
-    if src:
-        with torch.no_grad():
-            torch._foreach_copy_(dst, src, non_blocking=True)
+    if len(src) != len(dst):
+        raise ValueError(f"bucket {bucket.index}: {len(src)} non-empty tensors for {len(dst)} views")
+    copy_tensors(dst, src)
     return buffer[:bucket.nbytes]
 
 

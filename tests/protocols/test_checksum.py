@@ -42,3 +42,11 @@ def test_refuses_what_it_cannot_read_and_pads_to_rows():
         bucket_checksum(torch.zeros(16, dtype=torch.uint8)[1:])
     assert padded_rows(1) == padded_rows(ROW_BYTES) == ROW_BYTES and padded_rows(ROW_BYTES + 1) == 2 * ROW_BYTES
     assert checksum_values(bucket_checksum(torch.zeros(0, dtype=torch.uint8))) == (0, 0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU-only: the Triton checksum kernel of the CUDA path")
+def test_the_cuda_checksum_equals_the_cpu_checksum():
+    g = torch.Generator().manual_seed(1)
+    for nbytes in (ROW_BYTES, 37 * ROW_BYTES + 6, (64 << 20) + 12):
+        buf = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
+        assert checksum_values(bucket_checksum(buf.cuda())) == checksum_values(bucket_checksum(buf)), nbytes

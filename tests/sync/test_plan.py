@@ -127,3 +127,27 @@ def test_empty_and_duplicate_exports_are_loud():
         plan_buckets([[], []])
     with pytest.raises(WeightSyncError, match="twice"):
         plan_buckets([specs_of([("x", torch.zeros(1))]), specs_of([("x", torch.zeros(1))])])
+
+
+def test_pack_bucket_copies_large_tensors_one_by_one_and_the_rest_batched(state_dict, monkeypatch):
+    from beamrl.sync import packing
+
+    plan = plan_buckets([specs_of(list(state_dict.items()))], 10 ** 9)
+    (k, tensors), = plan.assemble([list(state_dict.items())])
+    layout = plan.buckets[k]
+    sizes = sorted(t.numel() * t.element_size() for t in tensors)
+    monkeypatch.setattr(packing, "LARGE_COPY_BYTES", sizes[len(sizes) // 2])  # both paths in one bucket
+    calls = {"one": 0, "batched": 0}
+    foreach = torch._foreach_copy_
+
+    def batched(dst, src, **kw):
+        calls["batched"] += 1
+        assert all(d.numel() * d.element_size() < packing.LARGE_COPY_BYTES for d in dst)
+        return foreach(dst, src, **kw)
+
+    monkeypatch.setattr(torch, "_foreach_copy_", batched)
+    buf = torch.full((layout.nbytes,), 255, dtype=torch.uint8)
+    pack_bucket(buf, layout, tensors)
+    assert calls["batched"] == 1
+    for m, t in zip(layout.metas, tensors):  # every tensor, large or small, landed at its bytes
+        assert torch.equal(buf[m.start:m.end].view(m.dtype).view(m.shape), t)

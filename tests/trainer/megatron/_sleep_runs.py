@@ -40,7 +40,12 @@ def sleep_cycle(dtype: str, layout: dict | None = None) -> dict:
             out["peak"] = report.peak_bytes
             out["released_bytes"] = report.bytes
             out["storages"] = report.storages
-            out["all_freed"] = all(x.untyped_storage().nbytes() == 0 for x in tensors)
+            # Only the rank's device storages are released (on CUDA, e.g. Adam's CPU `step` counters stay put)
+            device = next(x.device for x in tensors if x.numel() > 1)
+            on_device = [x for x in tensors if x.device == device]
+            out["all_freed"] = len(on_device) > 10 and all(x.untyped_storage().nbytes() == 0 for x in on_device)
+            out["not_freed"] = [f"{x.dtype} {tuple(x.shape)} on {x.device}" for x in on_device
+                                if x.untyped_storage().nbytes()][:5]
             # the same, found independently of `megatron_state_tensors`: Adam state, FP32 main params, DDP buffers
             subs = getattr(t.optimizer, "chained_optimizers", None) or [t.optimizer]
             own = [v for sub in subs for st in sub.optimizer.state.values() for v in st.values()
@@ -49,7 +54,9 @@ def sleep_cycle(dtype: str, layout: dict | None = None) -> dict:
             own += [b for c in t.chunks for buf in c.buffers for b in (buf.param_data, buf.grad_data)
                     if b is not None]
             own += [p.main_grad for m in t.models for p in m.parameters()]
+            own = [x for x in own if x.device == device]
             out["independent_freed"] = len(own) > 10 and all(x.untyped_storage().nbytes() == 0 for x in own)
+            out["independent_not_freed"] = [f"{x.dtype} {tuple(x.shape)}" for x in own if x.untyped_storage().nbytes()][:5]
             subs = getattr(t.optimizer, "chained_optimizers", None) or [t.optimizer]
             out["adam_state_tensors"] = sum(len(s) for sub in subs for s in sub.optimizer.state.values())
             try:
