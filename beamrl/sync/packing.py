@@ -17,20 +17,30 @@ from beamrl.protocols.flat_bucket import FlatBucket
 from beamrl.protocols.manifest import FULL, BucketLayout, SyncManifest
 
 
-#: Tensors of at least this many bytes are copied one by one: a plain copy moves a large tensor at the device's copy
-#: rate (~2.1 TB/s on the H200), `_foreach_copy_`'s chunked kernel at ~1.4 TB/s (docs/benchmarks.md, "Weight sync").
+#: Tensors of at least this many bytes are copied one by one, as raw bytes: on the H200 a plain uint8 copy moves
+#: ~2.1 TB/s, a bf16 copy or `_foreach_copy_`'s chunked kernel ~1.4 TB/s (docs/benchmarks.md, "Weight sync").
 #: Smaller ones go in one batched copy (one launch for many tensors).
 LARGE_COPY_BYTES = 8 << 20
 
 
+def _as_bytes(t: torch.Tensor) -> torch.Tensor | None:
+    """A contiguous tensor's bytes as a flat uint8 view (None if it is not contiguous)."""
+    return t.reshape(-1).view(torch.uint8) if t.is_contiguous() else None
+
+
 def copy_tensors(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
-    """`dst[i].copy_(src[i])` for every i, queued on the current stream without a host sync: large tensors one by
-    one, the rest in one `torch._foreach_copy_`. Used to pack a bucket and to copy it into an engine's weights."""
+    """`dst[i].copy_(src[i])` for every i (same dtypes and shapes), queued on the current stream without a host
+    sync: large tensors one by one (as bytes where both are contiguous), the rest in one `torch._foreach_copy_`.
+    Used to pack a bucket and to copy it into an engine's weights."""
     small_dst, small_src = [], []
     with torch.no_grad():
         for d, s in zip(dst, src):
             if d.numel() * d.element_size() >= LARGE_COPY_BYTES:
-                d.copy_(s, non_blocking=True)
+                db, sb = _as_bytes(d), _as_bytes(s)
+                if db is not None and sb is not None and d.dtype == s.dtype and d.shape == s.shape:
+                    db.copy_(sb, non_blocking=True)
+                else:
+                    d.copy_(s, non_blocking=True)
             else:
                 small_dst.append(d)
                 small_src.append(s)

@@ -151,3 +151,17 @@ def test_pack_bucket_copies_large_tensors_one_by_one_and_the_rest_batched(state_
     assert calls["batched"] == 1
     for m, t in zip(layout.metas, tensors):  # every tensor, large or small, landed at its bytes
         assert torch.equal(buf[m.start:m.end].view(m.dtype).view(m.shape), t)
+
+
+def test_copy_tensors_copies_large_tensors_as_bytes_and_strided_ones_as_they_are(monkeypatch):
+    from beamrl.sync import packing
+
+    monkeypatch.setattr(packing, "LARGE_COPY_BYTES", 64)
+    g = torch.Generator().manual_seed(0)
+    src = [torch.randn(8, 6, generator=g).bfloat16(), torch.randn(6, 8, generator=g).t(), torch.randn(8, 6, generator=g),
+           torch.randn(3, generator=g)]
+    # a strided source, then a strided destination (a flat byte view of it would be a copy: the write would be lost)
+    dst = [torch.zeros(8, 6, dtype=torch.bfloat16), torch.zeros(8, 6), torch.zeros(6, 8).t(), torch.zeros(3)]
+    packing.copy_tensors(dst, src)
+    for d, s in zip(dst, src):
+        assert torch.equal(d, s)
