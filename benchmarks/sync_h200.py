@@ -4,7 +4,7 @@
 Every sync runs the training orchestrator (`beamrl.sync.orchestrator.WeightSync`: plan, `pack_bucket`, manifest,
 per-bucket checksums, commit) and a registered transport into the native engine hosted in its own process (as in
 training, where it lives in a Ray actor; here the proxy is a pipe, the rest is the same code):
-  --mode colocated    one GPU. Staged buckets: two staging slots shared with the engine once (CUDA-IPC), one CUDA
+  --mode colocated    one GPU. Staged buckets: staging slots (2-4 by bucket size) shared with the engine once (CUDA-IPC), one CUDA
                       event and a small message per bucket, sender checksum in the slot trailer, receiver checksum
                       compared on the device and settled at commit. Reference: a device-to-device copy of the same
                       bytes on that GPU.
@@ -279,7 +279,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--bucket-mb", default=None,
                    help="comma-separated bucket sizes in MiB (default 64,512,2048 on cuda; 0.0625,0.5,2 on cpu)")
     p.add_argument("--repeats", type=int, default=3, help="timed syncs per bucket size (after one warm-up)")
-    p.add_argument("--staging-slots", type=int, default=2, help="colocated: staging buffers (2 = double buffering)")
+    p.add_argument("--staging-slots", type=int, default=None,
+                   help="colocated: staging buffers (default: as training, 2-4 by bucket size: auto_staging_slots)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per engine call / bucket")
     p.add_argument("--json", default=None, help="also write the results as JSON here")
     p.add_argument("--cycles", type=int, default=20, help="teardown: open-sync-close cycles")

@@ -163,7 +163,7 @@ def test_released_staging_buffers_are_freed_and_shared_anew_at_the_next_sync(hos
         perturb(trainer_model, seed=12)
         report = sync.sync(StateDictSource.of_model(trainer_model))
         assert report.verified and report.max_abs_logprob_diff <= 1e-4 and report.version == v0 + 2
-        assert sync.transport.mode == "staged" and len(sync.transport._slots) == 2
+        assert sync.transport.mode == "staged" and len(sync.transport._slots) == len(paths)
     finally:
         sync.close()
 

@@ -36,6 +36,16 @@ from beamrl.sync.staging import StagingSlot, receiver_event
 
 log = logging.getLogger(__name__)
 
+#: Staging memory that buys pipeline depth when buckets are small: a small bucket's fixed per-bucket host cost (the
+#: engine's call, its launches) is hidden only if more buckets are in flight (on the H200 at 64 MiB, 4 slots gave
+#: 158 GB/s where 2 gave 139: docs/benchmarks.md). Large buckets keep 2 slots (double buffering).
+STAGING_BUDGET_BYTES = 256 << 20
+
+
+def auto_staging_slots(bucket_bytes: int) -> int:
+    """Slots for buckets of `bucket_bytes`: as many as fit `STAGING_BUDGET_BYTES`, at least 2 and at most 4."""
+    return max(2, min(4, STAGING_BUDGET_BYTES // max(bucket_bytes, 1)))
+
 
 @dataclass
 class PackTarget:
@@ -87,13 +97,14 @@ class WeightTransport(abc.ABC):
 class ReceiverTransport(WeightTransport):
     """A `WeightTransport` over a fixed list of receivers: session state, staging slots, health marks.
 
-    `staging_slots`: buffers packed in turn (2 = pack bucket k+1 while the engines load bucket k)."""
+    `staging_slots`: buffers packed in turn (2 = pack bucket k+1 while the engines load bucket k); None: as many as
+    fit `STAGING_BUDGET_BYTES`, between 2 and 4 (`auto_staging_slots`)."""
 
     def __init__(self, receivers: Sequence[WeightReceiver], device: str | torch.device = "cpu",
-                 staging_slots: int = 2) -> None:
+                 staging_slots: int | None = None) -> None:
         if not receivers:
             raise ValueError(f"{type(self).__name__} needs at least one WeightReceiver")
-        if staging_slots < 1:
+        if staging_slots is not None and staging_slots < 1:
             raise ValueError(f"staging_slots must be >= 1, got {staging_slots}")
         self.receivers = list(receivers)
         names = [r.name for r in self.receivers]
@@ -154,10 +165,12 @@ class ReceiverTransport(WeightTransport):
     def _ensure_slots(self, manifest: SyncManifest, timeout: float) -> None:
         need = max(b.nbytes for b in manifest.buckets)
         shared = self._use_shared_slots(timeout)
-        if self._slots and self._slots[0].capacity >= need and self._shared_slots == shared:
+        count = self.num_slots or auto_staging_slots(need)
+        if (self._slots and self._slots[0].capacity >= need and self._shared_slots == shared
+                and len(self._slots) == count):
             return
         self._drop_slots(timeout)
-        self._slots = [StagingSlot(i, need, self.device, shared=shared) for i in range(self.num_slots)]
+        self._slots = [StagingSlot(i, need, self.device, shared=shared) for i in range(count)]
         self._shared_slots = shared
         if shared:
             handles = [s.handle() for s in self._slots]
@@ -181,6 +194,9 @@ class ReceiverTransport(WeightTransport):
         for s in self._slots:
             s.close()
         self._slots, self._shared_slots = [], False
+
+    def _slots_in_bucket_order(self) -> list[StagingSlot]:
+        return sorted(self._slots, key=lambda s: -1 if s.last_bucket is None else s.last_bucket)
 
     def _slot(self, index: int) -> StagingSlot:
         return self._slots[index % len(self._slots)]
@@ -250,7 +266,7 @@ class ReceiverTransport(WeightTransport):
     def finalize(self, timeout: float) -> None:
         manifest = self._require_session("finalize")
         deadline = time.monotonic() + timeout
-        for slot in self._slots:
+        for slot in self._slots_in_bucket_order():  # the earliest bucket's failure is the one reported
             self._wait_slot(slot, max(deadline - time.monotonic(), 1e-3))
         self._touched = True
         try:

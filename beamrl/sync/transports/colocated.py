@@ -33,7 +33,7 @@ class ColocatedTransport(ReceiverTransport):
     name = "colocated"
 
     def __init__(self, receivers: Sequence[WeightReceiver], device: str | torch.device = "cpu",
-                 staging_slots: int = 2, staged: bool | None = None) -> None:
+                 staging_slots: int | None = None, staged: bool | None = None) -> None:
         """`staged`: force (True) or forbid (False) staged buckets; None: use them if every receiver can."""
         super().__init__(receivers, device=device, staging_slots=staging_slots)
         self._staged = staged

@@ -154,3 +154,11 @@ def test_cached_packing_views_belong_to_their_layout_not_to_its_id(trainer_model
     for k, ts in tensors.items():
         for meta, t in zip(manifest.bucket(k).metas, ts):
             assert torch.equal(named[meta.name].detach(), t), meta.name
+
+
+def test_small_buckets_get_more_staging_slots_within_the_budget():
+    from beamrl.sync.transports.base import STAGING_BUDGET_BYTES, auto_staging_slots
+
+    assert auto_staging_slots(STAGING_BUDGET_BYTES) == 2  # large buckets: double buffering
+    assert auto_staging_slots(STAGING_BUDGET_BYTES // 3) == 3
+    assert auto_staging_slots(64 << 20) == 4 and auto_staging_slots(1) == 4  # never more than 4
