@@ -40,8 +40,10 @@ class Checkpointer:
         self._pending: _Pending | None = None
         self._validated = False  # the sharding layout is checked once (it does not change during a run)
         self._staging = storage.HostStaging()
-        #: The costs of the last published save (seconds, bytes; see `_log_costs`), {} before the first.
+        #: The costs (seconds, bytes) of the last published save and of the last load, {} before the first;
+        #: logged on rank 0 as well. Rank 0's save costs include every rank's writers.
         self.last_costs: dict = {}
+        self.last_load_costs: dict = {}
 
     # ------------------------------------------------------------------------------------------------ save
     def save(self, directory: str | Path, async_save: bool) -> Path:
@@ -121,17 +123,21 @@ class Checkpointer:
         self.finalize(blocking=True)
         directory = Path(directory)
         t = self.trainer
+        t0 = time.perf_counter()
         try:
             meta = fmt.read_meta(directory)
         except CheckpointError as e:
             raise CheckpointDamagedError(str(e)) from None
         _check_compatible(meta, t, directory)
         self._verify(directory, meta)
+        t1 = time.perf_counter()
         sharded, common = state.sharded_state(t, is_loading=True)
+        t2 = time.perf_counter()
         try:
             loaded = storage.load(sharded, directory)
         except Exception as e:  # noqa: BLE001 - name the checkpoint; the digests above were fine
             raise CheckpointError(f"loading {directory} failed: {type(e).__name__}: {e}") from e
+        t3 = time.perf_counter()
         merged = merge(common, loaded)
         state.load_model(t, merged)
         state.load_optimizer(t, merged, meta["adam_step"])
@@ -146,6 +152,13 @@ class Checkpointer:
                  f"LR schedule and step carried over; RNG streams are per rank and layout, so they keep this run's "
                  f"seeding (seed={t.config.seed})")
         dist.barrier()
+        t4 = time.perf_counter()
+        self.last_load_costs = {"bytes": sum(e["size"] for e in meta["files"].values()), "verify_s": t1 - t0,
+                                "state_s": t2 - t1, "read_s": t3 - t2, "restore_s": t4 - t3, "total_s": t4 - t0}
+        c = self.last_load_costs
+        _log(f"loaded {directory} ({c['bytes'] / 1e9:.2f} GB) in {c['total_s']:.1f} s: digests verified in "
+             f"{c['verify_s']:.1f} s, state built in {c['state_s']:.1f} s, tensors read in {c['read_s']:.1f} s, "
+             f"restored in {c['restore_s']:.1f} s")
         return meta
 
     def _verify(self, directory: Path, meta: dict) -> None:

@@ -85,10 +85,12 @@ class _DigestingFile:
         return self._sha.hexdigest()
 
 
-def write_rank_files(directory: Path, plan: SavePlan, staged: dict, threads: int = WRITE_THREADS
+def write_rank_files(directory: Path, plan: SavePlan, staged: dict, threads: int | None = None
                      ) -> tuple[list[WriteResult], dict[str, dict], WriteStats]:
-    """Write the plan's items (tensors in `staged`, keyed by item index) into up to `threads` files in parallel.
-    Returns the DCP write results, the manifest entry (size + SHA-256) of every file written, and the costs."""
+    """Write the plan's items (tensors in `staged`, keyed by item index) into up to `threads` (default
+    `WRITE_THREADS`) files in parallel. Returns the DCP write results, the manifest entry (size + SHA-256) of every
+    file written, and the costs."""
+    threads = WRITE_THREADS if threads is None else threads
     bad = [item.index.fqn for item in plan.items if item.type == WriteItemType.BYTE_IO]
     if bad:
         raise FileWriteError(f"non-tensor items reach the data files: {bad[:5]} (beamrl stores tensors only)")
