@@ -140,3 +140,16 @@ def test_device_tensors_are_staged_into_reused_pinned_buffers():
     assert second.data_ptr() == first.data_ptr() and torch.equal(second, x.cpu())  # reused, refreshed
     third = staging.stage({"x": torch.randn(2048, device="cuda")})["x"]
     assert third.shape == (2048,) and third.is_pinned()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU only: pinned staging read by a forked writer")
+def test_a_forked_writer_reads_the_pinned_staging_buffers(tmp_path):
+    """The async save's child reads the pinned buffers the parent staged into (as Megatron's forked writer does)."""
+    from beamrl.trainer.megatron.checkpoint.async_writer import BackgroundWrite
+    from beamrl.trainer.megatron.checkpoint.storage import HostStaging
+
+    x = torch.randn(1 << 20, device="cuda")
+    staged = HostStaging().stage({"x": x})["x"]
+    out = tmp_path / "x.pt"
+    assert BackgroundWrite(lambda: torch.save(staged, out), "test").wait(timeout_s=60)
+    assert torch.equal(torch.load(out, weights_only=True), x.cpu())
