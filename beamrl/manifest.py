@@ -11,10 +11,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 #: Files up to this size are always checksummed, also in a cheap check (metadata, JSON, RNG states).
 SMALL_FILE_BYTES = 4 << 20
+#: Files digested in parallel by `check` (hashlib and file reads release the GIL; a rank's data files are several).
+CHECK_THREADS = 4
 _CHUNK = 8 << 20
 
 
@@ -34,19 +37,27 @@ def file_entry(path: Path) -> dict:
 
 
 def check(directory: Path, files: dict[str, dict], full: bool) -> list[str]:
-    """Problems of `directory`'s files against their entries, one line each naming the file (empty: all good)."""
-    problems = []
-    for rel, entry in sorted(files.items()):
+    """Problems of `directory`'s files against their entries, one line each naming the file (empty: all good).
+    Up to `CHECK_THREADS` files are read at a time."""
+
+    def problem(rel: str, entry: dict) -> str | None:
         path = Path(directory) / rel
         if not path.is_file():
-            problems.append(f"{path}: missing")
-            continue
+            return f"{path}: missing"
         size = path.stat().st_size
         if size != entry["size"]:
-            problems.append(f"{path}: {size} bytes, the manifest records {entry['size']} (truncated or overwritten)")
-        elif (full or size <= SMALL_FILE_BYTES) and sha256_of(path) != entry["sha256"]:
-            problems.append(f"{path}: SHA-256 differs from the manifest (corrupted)")
-    return problems
+            return f"{path}: {size} bytes, the manifest records {entry['size']} (truncated or overwritten)"
+        if (full or size <= SMALL_FILE_BYTES) and sha256_of(path) != entry["sha256"]:
+            return f"{path}: SHA-256 differs from the manifest (corrupted)"
+        return None
+
+    items = sorted(files.items())
+    if len(items) > 1 and CHECK_THREADS > 1:
+        with ThreadPoolExecutor(max_workers=min(CHECK_THREADS, len(items))) as pool:
+            found = list(pool.map(lambda kv: problem(*kv), items))
+    else:
+        found = [problem(*kv) for kv in items]
+    return [p for p in found if p]
 
 
 def write_json_atomic(path: Path, obj) -> None:

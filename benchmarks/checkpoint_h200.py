@@ -1,24 +1,27 @@
 #!/usr/bin/env python
-"""Trainer checkpoints on one H200 (docs/checkpoints.md): save and load seconds, and the step time while an
-asynchronous save is being written vs without.
+"""Trainer checkpoints on one H200 (docs/checkpoints.md): save and load seconds (sync and async, per phase), and
+the step time while an asynchronous save is being written vs without.
 
 One rank, bf16, distributed optimizer (the RL loop's defaults), the `small` preset (4 layers at real width, 16
-experts; 4.18 B params, about 58 GB per checkpoint: bf16 weights + FP32 main copies + two Adam moments). Steps:
+experts; 4.18 B params, about 58 GB per checkpoint: bf16 weights + FP32 main copies + two Adam moments; `--layers 1`:
+1.98 B params, 27.7 GB). Phases, each followed by a progress line and a rewrite of `--json` (a run cut short by a
+time limit keeps what it measured):
 
   1. build the trainer (fused kernels where CUDA and triton exist, the RL loop's GPU setting; `--eager` for the
      eager ops), `--warmup` untimed steps, then `--steps` timed steps (step time without a save);
-  2. sync save: `save_checkpoint(dir)` until the checkpoint is complete; the directory is then deleted;
+  2. sync save: `save_checkpoint(dir)` until the checkpoint is complete, with the trainer's per-phase costs (state,
+     staging, writing, fsync, publish); the directory is then deleted;
   3. async save: the time `save_checkpoint(dir, async_save=True)` blocks (what a step waits for), then train steps
      while the background writer runs (each step ends with the driver's non-blocking `finalize_checkpoint`, as
      the RL loop does) until it is published; the step times of those steps, the total save time;
-  4. load: a fresh trainer loads the async checkpoint: the digest check alone, and the whole `load_checkpoint`
-     (which includes that check); the loaded weights must give the saved trainer's logprobs bit for bit.
+  4. load: a fresh trainer loads the async checkpoint (digest check, then the tensors; per-phase costs); the
+     loaded weights must give the saved trainer's logprobs bit for bit.
 
 Only one checkpoint exists at a time (`--dir`, default a temporary directory under $TMPDIR): the free space there
-must exceed one checkpoint (checked first; the 64 GiB disk of `nvidia-h200` is too small for `small`'s 58 GB:
-use `--dir` on a larger disk, e.g. on `nvidia-h200-x2`, or `--layers 2`: 2.7 B params, 38 GB).
+must exceed one checkpoint (checked first; the 64 GiB disk of `nvidia-h200` holds `--layers 1` or `--layers 2`,
+not the full preset: use `--dir` on a larger disk, e.g. on `nvidia-h200-x2`).
 
-  python benchmarks/checkpoint_h200.py --json $OUT/checkpoint_h200.json   # one H200
+  python benchmarks/checkpoint_h200.py --layers 1 --warmup 1 --steps 3 --json $OUT/checkpoint_h200.json
   python benchmarks/checkpoint_h200.py --device cpu --tiny --json /tmp/c.json   # CPU smoke run (tiny preset)
 """
 
@@ -87,36 +90,53 @@ def _size(directory: Path) -> int:
     return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
 
 
-def _progress(what: str, t_start: float, **values) -> None:
-    """One line per finished phase (flushed), so a run cut short by a time limit still shows what it measured."""
-    shown = " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in values.items())
-    print(f"[checkpoint bench +{time.perf_counter() - t_start:6.1f} s] {what} {shown}", flush=True)
+class _Report:
+    """The results so far: a progress line per finished phase (flushed) and `path` rewritten after each, so a run
+    cut short by a time limit still shows and keeps what it measured."""
+
+    def __init__(self, path: Path, meta: dict):
+        self.path, self.out, self.t_start = path, {"meta": meta, "phases_done": []}, time.perf_counter()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def phase(self, what: str, shown: dict, **values) -> None:
+        self.out.update(values)
+        self.out["phases_done"].append(what)
+        self.out["elapsed_s"] = time.perf_counter() - self.t_start
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps(self.out, indent=2, default=str) + "\n")
+        tmp.replace(self.path)
+        line = " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in shown.items())
+        print(f"[checkpoint bench +{self.out['elapsed_s']:6.1f} s] {what} {line}", flush=True)
+
+
+def _costs_line(c: dict) -> dict:
+    keys = ("step_waited_s", "state_s", "stage_s", "write_wall_s", "fsync_thread_s", "publish_s", "total_s",
+            "verify_s", "read_s", "restore_s")
+    return {k: c[k] for k in keys if k in c}
 
 
 def run(config, root: Path, fused: bool, seq_len: int, seqs: int, micro_batches: int, warmup: int,
-        steps: int) -> dict:
-    from beamrl.trainer.megatron.checkpoint import check
-
-    t_start = time.perf_counter()
-
+        steps: int, report: _Report) -> dict:
     batches = _batches(config, seq_len, seqs, micro_batches)
     probe = batches[0]
     trainer = _trainer(config, fused)
-    _progress("trainer built", t_start, params=config.num_parameters())
+    report.phase("trainer built", {"params": config.num_parameters()}, params=config.num_parameters(),
+                 fused_kernels=fused, tokens_per_step=sum(b.num_tokens for b in batches))
     for _ in range(warmup):
         _step(trainer, batches)
     baseline = [_step(trainer, batches) for _ in range(steps)]
-    out = {"params": config.num_parameters(), "fused_kernels": fused, "tokens_per_step": sum(b.num_tokens for b in batches),
-           "step_s": statistics.median(baseline), "step_s_all": baseline}
-    _progress("steps without a save", t_start, step_s=out["step_s"])
+    report.phase("steps without a save", {"step_s": statistics.median(baseline)},
+                 step_s=statistics.median(baseline), step_s_all=baseline)
 
     sync_dir = root / "sync"
     sync_device()
     t0 = time.perf_counter()
     trainer.save_checkpoint(sync_dir)
-    out["sync_save_s"] = time.perf_counter() - t0
-    out["checkpoint_bytes"] = _size(sync_dir)
-    _progress("sync save", t_start, seconds=out["sync_save_s"], gb=out["checkpoint_bytes"] / 1e9)
+    sync_s = time.perf_counter() - t0
+    costs = trainer.checkpoint_costs()["save"]
+    size = _size(sync_dir)
+    report.phase("sync save", {"seconds": sync_s, "gb": size / 1e9, **_costs_line(costs)}, sync_save_s=sync_s,
+                 checkpoint_bytes=size, sync_save_costs=costs)
     shutil.rmtree(sync_dir)
 
     async_dir = root / "async"
@@ -124,41 +144,37 @@ def run(config, root: Path, fused: bool, seq_len: int, seqs: int, micro_batches:
     sync_device()
     t0 = time.perf_counter()
     trainer.save_checkpoint(async_dir, async_save=True)
-    out["async_save_blocking_s"] = time.perf_counter() - t0
+    blocking = time.perf_counter() - t0
     in_flight = []
-    while not (async_dir / "beamrl_checkpoint.json").exists() and len(in_flight) < 1000:
+    while not (async_dir / "beamrl_checkpoint.json").exists() and len(in_flight) < 10000:
         in_flight.append(_step(trainer, batches, poll=True))
     trainer.finalize_checkpoint(blocking=True)  # no-op once published
-    out["async_save_total_s"] = time.perf_counter() - t0
-    out["steps_during_async_save"] = len(in_flight)
-    out["step_s_during_async_save"] = statistics.median(in_flight) if in_flight else float("nan")
-    out["step_s_during_async_save_all"] = in_flight
-    _progress("async save", t_start, blocking_s=out["async_save_blocking_s"], total_s=out["async_save_total_s"],
-              steps=len(in_flight), step_s=out["step_s_during_async_save"])
+    total = time.perf_counter() - t0
+    costs = trainer.checkpoint_costs()["save"]
+    median = statistics.median(in_flight) if in_flight else float("nan")
+    report.phase("async save", {"blocking_s": blocking, "total_s": total, "steps": len(in_flight), "step_s": median,
+                                **_costs_line(costs)},
+                 async_save_blocking_s=blocking, async_save_total_s=total, steps_during_async_save=len(in_flight),
+                 step_s_during_async_save=median, step_s_during_async_save_all=in_flight, async_save_costs=costs)
     trainer.shutdown()
     del trainer
     free_device_memory()
 
-    t0 = time.perf_counter()
-    damaged = check(async_dir, full=True)
-    out["verify_s"] = time.perf_counter() - t0
-    _progress("digest check", t_start, seconds=out["verify_s"])
-    if damaged:
-        raise RuntimeError(f"the benchmark's own checkpoint is damaged: {damaged}")
     loaded = _trainer(config, fused)
     sync_device()
     t0 = time.perf_counter()
     loaded.load_checkpoint(async_dir)
     sync_device()
-    out["load_s"] = time.perf_counter() - t0
-    _progress("load", t_start, seconds=out["load_s"])
-    out["load_matches_saved"] = bool(torch.equal(loaded.compute_logprobs(probe, return_entropy=False).logprobs,
-                                                 saved_logprobs))
+    load_s = time.perf_counter() - t0
+    costs = loaded.checkpoint_costs()["load"]
+    matches = bool(torch.equal(loaded.compute_logprobs(probe, return_entropy=False).logprobs, saved_logprobs))
+    report.phase("load", {"seconds": load_s, "matches_saved": matches, **_costs_line(costs)}, load_s=load_s,
+                 verify_s=costs["verify_s"], load_costs=costs, load_matches_saved=matches)
     loaded.shutdown()
     del loaded
     free_device_memory()
     shutil.rmtree(async_dir)
-    return out
+    return report.out
 
 
 def format_table(r: dict) -> str:
@@ -170,7 +186,7 @@ def format_table(r: dict) -> str:
             ("save, async: until published", f"{r['async_save_total_s']:.2f} s"),
             ("step, async save in flight", f"{r['step_s_during_async_save'] * 1e3:.1f} ms (median of "
                                            f"{r['steps_during_async_save']})"),
-            ("verify digests", f"{r['verify_s']:.2f} s"),
+            ("load: verify digests", f"{r['verify_s']:.2f} s"),
             ("load (incl. verify)", f"{r['load_s']:.2f} s ({gb / r['load_s']:.2f} GB/s)"),
             ("loaded == saved logprobs", str(r["load_matches_saved"]))]
     return "\n".join(f"{k:<30} {v}" for k, v in rows)
@@ -220,12 +236,10 @@ def main(argv=None) -> int:
     try:
         fused = args.device == "cuda" and not args.eager and importlib.util.find_spec("triton") is not None
         result = run(config, root, fused, args.seq_len, args.seqs_per_micro_batch, args.micro_batches, args.warmup,
-                     args.steps)
+                     args.steps, _Report(args.json, meta))
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(format_table(result))
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"meta": meta, **result}, indent=2) + "\n")
     print(f"wrote {args.json}")
     return 0 if result["load_matches_saved"] else 1
 

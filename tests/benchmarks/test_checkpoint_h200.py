@@ -26,6 +26,16 @@ def test_cpu_tiny_smoke_run(tmp_path):
         assert r[key] > 0, key
     assert r["steps_during_async_save"] >= 1 and r["async_save_total_s"] >= r["async_save_blocking_s"]
     assert "save, async: step waits" in proc.stdout
-    for phase in ("trainer built", "steps without a save", "sync save", "async save", "digest check", "load"):
+    phases = ["trainer built", "steps without a save", "sync save", "async save", "load"]
+    for phase in phases:
         assert f"] {phase} " in proc.stdout, phase  # progress lines, so a run cut short shows what it measured
+    assert r["phases_done"] == phases  # the JSON is rewritten after each phase
+    for key in ("sync_save_costs", "async_save_costs"):  # the trainer's per-phase costs of each save
+        c = r[key]
+        # Every file but beamrl_checkpoint.json (the manifest holding the others' sizes) is counted.
+        assert 0 < r["checkpoint_bytes"] - c["bytes"] < 1 << 20 and c["data_files"] >= 1, key
+        assert 0 < c["write_wall_s"] <= c["total_s"] and c["state_s"] > 0, key
+    assert r["async_save_costs"]["step_waited_s"] < r["async_save_costs"]["total_s"]
+    assert 0 < r["load_costs"]["verify_s"] < r["load_s"]
     assert [p.name for p in tmp_path.iterdir()] == ["result.json"]  # the checkpoints were removed
+

@@ -541,6 +541,11 @@ class MegatronTrainer(TrainerWorker):
         self._require_awake("load_checkpoint")
         self._checkpointer.load(directory)
 
+    def checkpoint_costs(self) -> dict:
+        """Seconds and bytes of the last published save and the last load, per phase (docs/checkpoints.md, "What a
+        save costs"): `{"save": {...}, "load": {...}}`, empty dicts before the first."""
+        return {"save": dict(self._checkpointer.last_costs), "load": dict(self._checkpointer.last_load_costs)}
+
     def shutdown(self) -> None:
         from megatron.core.transformer.moe.router_replay import RouterReplay
 

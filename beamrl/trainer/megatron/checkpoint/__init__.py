@@ -3,9 +3,9 @@ asynchronously and never unpickle (docs/checkpoints.md).
 
 A checkpoint directory:
 
-- `__<rank>_0.distcp`: torch DCP data files, one per rank that owns main replicas (Megatron `dist_checkpointing`
-  sharded tensors with global keys, shapes and offsets: the model chunks and the optimizer's FP32 main copies and
-  Adam moments, see `state.py`);
+- `__<rank>_<i>.distcp`: torch DCP data files, up to 4 per rank that owns main replicas (`file_writer`), holding
+  Megatron `dist_checkpointing` sharded tensors with global keys, shapes and offsets: the model chunks and the
+  optimizer's FP32 main copies and Adam moments, see `state.py`;
 - `.metadata`: torch DCP's index of every tensor chunk (pickled by torch; read through an allowlist,
   `safe_unpickle.py`); `metadata.json`: Megatron's backend record (`torch_dist`);
 - `rng/rank_<r>.json`: each rank's RNG state (JSON);

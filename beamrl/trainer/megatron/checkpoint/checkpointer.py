@@ -3,7 +3,8 @@ collective: all ranks call it in the same order (the trainer's contract)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -27,6 +28,8 @@ class _Pending:
     write: storage.PendingWrite
     meta: dict | None  # rank 0 only
     background: BackgroundWrite | None  # None: written inline
+    costs: dict = field(default_factory=dict)
+    started: float = 0.0
 
 
 class Checkpointer:
@@ -36,24 +39,35 @@ class Checkpointer:
         self.trainer = trainer
         self._pending: _Pending | None = None
         self._validated = False  # the sharding layout is checked once (it does not change during a run)
+        self._staging = storage.HostStaging()
+        #: The costs (seconds, bytes) of the last published save and of the last load, {} before the first;
+        #: logged on rank 0 as well. Rank 0's save costs include every rank's writers.
+        self.last_costs: dict = {}
+        self.last_load_costs: dict = {}
 
     # ------------------------------------------------------------------------------------------------ save
     def save(self, directory: str | Path, async_save: bool) -> Path:
         """Write a checkpoint to `directory` (absent or empty). Returns once the files are written (sync) or once
         the data is staged and a background writer runs (async); call `finalize` to complete an async save."""
+        t0 = time.perf_counter()
         self.finalize(blocking=True)
         directory = Path(directory)
         t = self.trainer
+        t1 = time.perf_counter()
         self._agree(_prepare_directory(directory) if dist.get_rank() == 0 else None)
         sharded, common = state.sharded_state(t, is_loading=False)
         manifest.write_json_atomic(directory / fmt.rng_file(dist.get_rank()), rng.capture())
-        write = storage.plan(sharded, directory, validate=not self._validated)
+        t2 = time.perf_counter()
+        write = storage.plan(sharded, directory, validate=not self._validated, staging=self._staging)
         self._validated = True
         meta = self._meta(common) if dist.get_rank() == 0 else None
-        if async_save:
-            self._pending = _Pending(write, meta, BackgroundWrite(lambda: storage.write_files(write), str(directory)))
-        else:
-            self._pending = _Pending(write, meta, None)
+        costs = {"async": async_save, "previous_save_wait_s": t1 - t0, "state_s": t2 - t1,
+                 "plan_s": time.perf_counter() - t2 - self._staging.last_s, "stage_s": self._staging.last_s,
+                 "staged_from_device_bytes": self._staging.last_bytes}
+        background = BackgroundWrite(lambda: storage.write_files(write), str(directory)) if async_save else None
+        costs["blocking_s"] = time.perf_counter() - t1
+        self._pending = _Pending(write, meta, background, costs, t1)
+        if not async_save:
             self.finalize(blocking=True)
         return directory
 
@@ -78,8 +92,10 @@ class Checkpointer:
         else:
             ok = p.background.wait(timeout)
         self._pending = None
+        t0 = time.perf_counter()
+        p.costs["written_s"] = t0 - p.started  # from the start of the save until every rank's files are written
         try:
-            files = storage.finalize(p.write, ok)
+            files, stats = storage.finalize(p.write, ok)
         except storage.StorageError as e:
             raise CheckpointError(str(e)) from None
         if dist.get_rank() == 0:
@@ -90,6 +106,13 @@ class Checkpointer:
             fmt.write_meta(directory, p.meta)  # last: its presence marks a complete checkpoint
             storage.remove_results(directory)
         dist.barrier()
+        p.costs["publish_s"] = time.perf_counter() - t0
+        p.costs["total_s"] = time.perf_counter() - p.started
+        p.costs["step_waited_s"] = p.costs["blocking_s"] if p.costs["async"] else p.costs["total_s"]
+        if dist.get_rank() == 0:
+            p.costs.update(_write_costs(stats, sum(e["size"] for e in files.values())))
+            _log(_describe_costs(p.write.directory, p.costs))
+        self.last_costs = p.costs
         return p.write.directory
 
     # ------------------------------------------------------------------------------------------------ load
@@ -100,17 +123,21 @@ class Checkpointer:
         self.finalize(blocking=True)
         directory = Path(directory)
         t = self.trainer
+        t0 = time.perf_counter()
         try:
             meta = fmt.read_meta(directory)
         except CheckpointError as e:
             raise CheckpointDamagedError(str(e)) from None
         _check_compatible(meta, t, directory)
         self._verify(directory, meta)
+        t1 = time.perf_counter()
         sharded, common = state.sharded_state(t, is_loading=True)
+        t2 = time.perf_counter()
         try:
             loaded = storage.load(sharded, directory)
         except Exception as e:  # noqa: BLE001 - name the checkpoint; the digests above were fine
             raise CheckpointError(f"loading {directory} failed: {type(e).__name__}: {e}") from e
+        t3 = time.perf_counter()
         merged = merge(common, loaded)
         state.load_model(t, merged)
         state.load_optimizer(t, merged, meta["adam_step"])
@@ -125,6 +152,13 @@ class Checkpointer:
                  f"LR schedule and step carried over; RNG streams are per rank and layout, so they keep this run's "
                  f"seeding (seed={t.config.seed})")
         dist.barrier()
+        t4 = time.perf_counter()
+        self.last_load_costs = {"bytes": sum(e["size"] for e in meta["files"].values()), "verify_s": t1 - t0,
+                                "state_s": t2 - t1, "read_s": t3 - t2, "restore_s": t4 - t3, "total_s": t4 - t0}
+        c = self.last_load_costs
+        _log(f"loaded {directory} ({c['bytes'] / 1e9:.2f} GB) in {c['total_s']:.1f} s: digests verified in "
+             f"{c['verify_s']:.1f} s, state built in {c['state_s']:.1f} s, tensors read in {c['read_s']:.1f} s, "
+             f"restored in {c['restore_s']:.1f} s")
         return meta
 
     def _verify(self, directory: Path, meta: dict) -> None:
@@ -150,6 +184,23 @@ class Checkpointer:
         t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=self.trainer.device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
         return bool(t.item())
+
+
+def _write_costs(stats: list[dict], total_bytes: int) -> dict:
+    """The writers' costs summed over ranks (rank 0's view; other ranks' `last_costs` lack them)."""
+    return {"bytes": total_bytes, "data_files": sum(s["files"] for s in stats),
+            "write_wall_s": max((s["wall_s"] for s in stats), default=0.0),
+            "write_thread_s": sum(s["write_s"] for s in stats), "fsync_thread_s": sum(s["fsync_s"] for s in stats)}
+
+
+def _describe_costs(directory: Path, c: dict) -> str:
+    gb = c["bytes"] / 1e9
+    rate = f"{gb / c['write_wall_s']:.2f} GB/s" if c["write_wall_s"] > 0 else "-"
+    return (f"checkpoint {directory}: {gb:.2f} GB in {c['total_s']:.1f} s ({'async' if c['async'] else 'sync'}, "
+            f"the step waited {c['step_waited_s']:.1f} s): state {c['state_s']:.1f} s, staging "
+            f"{c['staged_from_device_bytes'] / 1e9:.2f} GB from the device {c['stage_s']:.1f} s, plan "
+            f"{c['plan_s']:.1f} s, {c['data_files']} data files written in {c['write_wall_s']:.1f} s ({rate}, "
+            f"fsync {c['fsync_thread_s']:.1f} s summed over threads); published in {c['publish_s']:.1f} s")
 
 
 def _write_inline(write: storage.PendingWrite) -> bool:

@@ -4,11 +4,12 @@ Writing is split in the three phases of Megatron's asynchronous save, so the mid
 
 1. `plan` (collective): apply ShardedTensor factories, validate that the main replicas cover every global tensor
    exactly once (first save only), translate Megatron ShardedTensors to torch DCP items (main replicas only), plan
-   the files (one `__<rank>_0.distcp` per writing rank), and *stage* the data: device tensors are copied to host
-   memory here, so training may go on changing them.
-2. `write_files` (local, no collectives): write this rank's file and a JSON of its write results and file digest.
-   Runs inline, or in a forked child (`async_writer`), whose copy-on-write memory snapshot keeps host tensors
-   consistent while the parent trains on.
+   the files, and *stage* the data: device tensors are copied to host memory here (`HostStaging`: pinned buffers
+   reused from save to save), so training may go on changing them.
+2. `write_files` (local, no collectives): write this rank's files (`file_writer`: `__<rank>_<i>.distcp`, up to
+   `file_writer.WRITE_THREADS` of them written in parallel, digests computed while writing) and a JSON of its
+   write results, file digests and costs. Runs inline, or in a forked child (`async_writer`), whose
+   copy-on-write memory snapshot keeps host tensors consistent while the parent trains on.
 3. `finalize` (collective): gather the write results, the coordinator writes DCP's `.metadata` and Megatron's
    `metadata.json` (backend `torch_dist`).
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +49,7 @@ from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.storage import WriteResult
 
 from beamrl import manifest
+from beamrl.trainer.megatron.checkpoint.file_writer import write_rank_files
 from beamrl.trainer.megatron.checkpoint.safe_unpickle import SafeFileSystemReader, load_metadata, refuse_bytes_items
 
 #: Per-rank write results + digests, folded into the checkpoint manifest at finalize and then removed.
@@ -72,16 +75,6 @@ class PendingWrite:
         return self.directory / RESULTS_DIR / f"rank_{self.rank:05d}.json"
 
 
-class _StagedData:
-    """The planner view `FileSystemWriter.write_data` needs: item -> staged tensor."""
-
-    def __init__(self, staged: dict):
-        self._staged = staged
-
-    def resolve_data(self, item):
-        return self._staged[item.index]
-
-
 class _TensorOnlyLoadPlanner(MCoreLoadPlanner):
     """Megatron's load planner (global-shape checks), refusing pickled items instead of unpickling them."""
 
@@ -90,22 +83,57 @@ class _TensorOnlyLoadPlanner(MCoreLoadPlanner):
 
 
 def _writer(directory: Path) -> FileSystemWriter:
-    # One thread, no copy-ahead: the serial loader, which makes no device calls (safe in a forked child).
-    return FileSystemWriter(directory, single_file_per_rank=True, sync_files=True, thread_count=1,
-                            per_thread_copy_ahead=0)
+    # Plans the files (`__<rank>_` prefixes) and writes `.metadata`; the data files are written by `file_writer`.
+    return FileSystemWriter(directory, single_file_per_rank=True, sync_files=True)
 
 
-def _stage(data):
-    """Device tensors are copied to host memory now (the write may run after training changed them); host tensors
-    are written as they are: inline before training goes on, or by a forked child that sees them as of the fork."""
-    if not isinstance(data, torch.Tensor):
-        raise StorageError(f"non-tensor checkpoint item {type(data).__name__}: beamrl stores tensors only")
-    data = data.detach()
-    return data.to("cpu") if data.device.type != "cpu" else data
+class HostStaging:
+    """Host copies of a save's device tensors, made before the step goes on (the write may run after training
+    changed them). Host tensors are written as they are: inline before training goes on, or by a forked child
+    that sees them as of the fork.
+
+    CUDA tensors are copied into pinned host buffers (fast copies, one synchronisation for all), kept from one
+    save to the next: a run's saves hold the same tensors, so later saves allocate nothing. The buffers cost host
+    memory of the size of the rank's device-resident checkpoint state for the run's lifetime. They are rewritten
+    only by the next save, which first waits for the previous one's writer."""
+
+    def __init__(self):
+        self._buffers: dict = {}
+        self.last_bytes = 0  # bytes copied from the device by the last `stage`
+        self.last_s = 0.0
+
+    def stage(self, items: dict) -> dict:
+        """`{index: tensor}` -> `{index: host tensor}`."""
+        t0 = time.perf_counter()
+        out, kept, copied, devices = {}, {}, 0, set()
+        for index, data in items.items():
+            if not isinstance(data, torch.Tensor):
+                raise StorageError(f"non-tensor checkpoint item {type(data).__name__}: beamrl stores tensors only")
+            data = data.detach()
+            if data.device.type == "cpu":
+                out[index] = data
+                continue
+            if data.device.type != "cuda":  # other accelerators: a plain (synchronous) copy
+                out[index] = data.to("cpu")
+            else:
+                buf = self._buffers.get(index)
+                if buf is None or buf.shape != data.shape or buf.dtype != data.dtype:
+                    buf = torch.empty(data.shape, dtype=data.dtype, pin_memory=True)
+                buf.copy_(data, non_blocking=True)
+                kept[index] = out[index] = buf
+                devices.add(data.device)
+            copied += data.nbytes
+        for device in devices:
+            torch.cuda.synchronize(device)
+        self._buffers = kept  # buffers of tensors no longer saved are released
+        self.last_bytes, self.last_s = copied, time.perf_counter() - t0
+        return out
 
 
-def plan(sharded_state_dict: dict, directory: Path, *, validate: bool) -> PendingWrite:
-    """Phase 1 (collective). `sharded_state_dict` must hold Megatron ShardedTensors/factories only."""
+def plan(sharded_state_dict: dict, directory: Path, *, validate: bool,
+         staging: HostStaging | None = None) -> PendingWrite:
+    """Phase 1 (collective). `sharded_state_dict` must hold Megatron ShardedTensors/factories only. Device
+    tensors are staged through `staging` (a fresh `HostStaging` if None: nothing reused)."""
     sharded_part, common = save_preprocess(sharded_state_dict, validate_access_integrity=validate)
     leftovers = [k for k, _ in _flat_items(common)]
     if leftovers:
@@ -130,23 +158,21 @@ def plan(sharded_state_dict: dict, directory: Path, *, validate: bool) -> Pendin
     mine = [None]
     dist.scatter_object_list(mine, global_plans, src=0)
     final = planner.finish_plan(mine[0])
-    staged = {item.index: _stage(planner.resolve_data(item)) for item in final.items}
+    staging = staging if staging is not None else HostStaging()
+    staged = staging.stage({item.index: planner.resolve_data(item) for item in final.items})
     return PendingWrite(directory, rank, final, staged, metadata)
 
 
 def write_files(pending: PendingWrite) -> None:
-    """Phase 2 (local): this rank's data file(s), then `RESULTS_DIR/rank_N.json` (results + digests). Raises on
-    any failure; the results file exists only after a complete write."""
+    """Phase 2 (local): this rank's data files, then `RESULTS_DIR/rank_N.json` (results, digests computed while
+    writing, costs). Raises on any failure; the results file exists only after a complete write."""
     gc.disable()  # a forked child must not run finalizers of the parent's (device) objects
     try:
-        results: list[WriteResult] = []
+        results, files, stats = [], {}, None
         if pending.plan.items:
-            future = _writer(pending.directory).write_data(pending.plan, _StagedData(pending.staged))
-            future.wait()
-            results = future.value()
-        files = sorted({r.storage_data.relative_path for r in results})
-        payload = {"results": [_result_to_json(r) for r in results],
-                   "files": {f: manifest.file_entry(pending.directory / f) for f in files}}
+            results, files, stats = write_rank_files(pending.directory, pending.plan, pending.staged)
+        payload = {"results": [_result_to_json(r) for r in results], "files": files,
+                   "stats": stats.to_json() if stats else None}
         out = pending.results_file
         out.parent.mkdir(parents=True, exist_ok=True)
         manifest.write_json_atomic(out, payload)
@@ -154,9 +180,10 @@ def write_files(pending: PendingWrite) -> None:
         gc.enable()
 
 
-def finalize(pending: PendingWrite, write_ok: bool) -> dict[str, dict]:
+def finalize(pending: PendingWrite, write_ok: bool) -> tuple[dict[str, dict], list[dict]]:
     """Phase 3 (collective). Every rank passes whether its `write_files` succeeded; if any failed, every rank raises
-    `StorageError`. Returns (on the coordinator; {} elsewhere) the manifest entries of every data file written."""
+    `StorageError`. Returns (on the coordinator; empty elsewhere) the manifest entries of every data file written
+    and each writing rank's costs (`file_writer.WriteStats.to_json`)."""
     results, error = None, None
     if write_ok:
         try:
@@ -169,6 +196,7 @@ def finalize(pending: PendingWrite, write_ok: bool) -> dict[str, dict]:
     dist.gather_object((results, error), gathered, dst=0)
     status = [None]
     files: dict[str, dict] = {}
+    stats: list[dict] = []
     if pending.rank == 0:
         errors = [e for _, e in gathered if e]
         if not errors:
@@ -178,13 +206,14 @@ def finalize(pending: PendingWrite, write_ok: bool) -> dict[str, dict]:
                 save_config(CheckpointingConfig("torch_dist", 1), str(pending.directory))
                 for res, _ in gathered:
                     files.update(res["files"])
+                    stats += [res["stats"]] if res.get("stats") else []
             except Exception as e:  # noqa: BLE001 - reported to every rank below
                 errors.append(f"rank 0: writing {pending.directory}/.metadata failed: {type(e).__name__}: {e}")
         status = ["; ".join(errors)]
     dist.broadcast_object_list(status, src=0)
     if status[0]:
         raise StorageError(f"checkpoint {pending.directory} was not completed: {status[0]}")
-    return files
+    return files, stats
 
 
 def load(sharded_state_dict: dict, directory: Path) -> dict:
