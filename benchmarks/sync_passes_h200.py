@@ -67,6 +67,16 @@ def main(argv=None) -> int:
         r["pack_one_foreach_ms"] = timed_ms(lambda: torch._foreach_copy_(views, tensors), dev)
         r["unpack_ms"] = timed_ms(lambda: copy_tensors(dst, views), dev)
         r["checksum_ms"] = timed_ms(lambda: bucket_checksum(checked), dev)
+        if dev == "cuda":  # the kernel's launch choices (beamrl.kernels.checksum_rows.TUNING)
+            from beamrl.kernels import checksum_rows
+
+            default = dict(checksum_rows.TUNING)
+            for rows_, programs, warps in [(8, 1024, 4), (8, 8192, 4), (8, 1 << 20, 4), (16, 8192, 8),
+                                           (4, 1 << 20, 4), (16, 1 << 20, 8), (32, 4096, 8)]:
+                checksum_rows.TUNING.update(rows=rows_, programs=programs, warps=warps)
+                r[f"checksum_r{rows_}_p{programs}_w{warps}_ms"] = timed_ms(lambda: bucket_checksum(checked), dev)
+            checksum_rows.TUNING.clear()
+            checksum_rows.TUNING.update(default)
         w32 = checked.view(torch.int32).view(-1, ROW_BYTES // 4)
         r["rowsum_torch_int32_to_int64_ms"] = timed_ms(lambda: w32.sum(1, dtype=torch.int64), dev)
         flat = checked.clone()

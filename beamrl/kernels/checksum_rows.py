@@ -14,8 +14,10 @@ import triton
 import triton.language as tl
 
 _WORDS = 1024  # int32 words per 4 KiB row
-_ROWS_PER_BLOCK = 8
-_MAX_PROGRAMS = 8192  # enough blocks in flight to read at the memory's rate; beyond, programs loop (fewer atomics)
+#: Launch choices (as the other kernel modules, swept by benchmarks/sync_passes_h200.py): rows per block, and the
+#: most programs launched (enough blocks in flight to read at the memory's rate; beyond, programs loop over blocks,
+#: which means fewer atomics on the two result words).
+TUNING: dict = {"rows": 8, "programs": 8192, "warps": 4}
 
 
 @triton.jit
@@ -49,7 +51,8 @@ def whole_rows_checksum(buffer: torch.Tensor, out: torch.Tensor, p: int, period:
         raise ValueError(f"whole_rows_checksum writes a contiguous int64 [2], got {out.dtype} {tuple(out.shape)}")
     rows = buffer.numel() // (4 * _WORDS)
     out.zero_()
-    grid = (max(1, min(triton.cdiv(rows, _ROWS_PER_BLOCK), _MAX_PROGRAMS)),)
-    _checksum_kernel[grid](buffer.view(torch.int32), out, rows, P=p, PERIOD=period, WORDS=_WORDS,
-                           ROWS=_ROWS_PER_BLOCK)
+    block = int(TUNING["rows"])
+    grid = (max(1, min(triton.cdiv(rows, block), int(TUNING["programs"]))),)
+    _checksum_kernel[grid](buffer.view(torch.int32), out, rows, P=p, PERIOD=period, WORDS=_WORDS, ROWS=block,
+                           num_warps=int(TUNING["warps"]))
     return out

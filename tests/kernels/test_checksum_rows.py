@@ -13,7 +13,7 @@ from beamrl.protocols.checksum import ROW_BYTES, bucket_checksum
 def test_kernel_equals_the_torch_checksum(kernel_device, rows, monkeypatch):
     from beamrl.kernels import checksum_rows
 
-    monkeypatch.setattr(checksum_rows, "_MAX_PROGRAMS", 2)  # several row blocks per program: the loop runs
+    monkeypatch.setitem(checksum_rows.TUNING, "programs", 2)  # several row blocks per program: the loop runs
     g = torch.Generator().manual_seed(rows)
     buf = torch.randint(0, 256, (rows * ROW_BYTES,), dtype=torch.uint8, generator=g)
     buf[:ROW_BYTES] = 255  # a row of -1 words: a negative row sum (C's remainder would go negative)
