@@ -34,6 +34,8 @@ from pathlib import Path
 
 import torch
 
+from beamrl.protocols.flat_bucket import FlatBucket, TensorMeta
+
 
 class PayloadError(ValueError):
     """A per-rank payload or keep-alive rule was broken; the message names the rank or bucket."""
@@ -76,9 +78,10 @@ class SharedBuffer:
     """A picklable handle on one trainer rank's packed bucket: a CUDA-IPC handle (torch's own reduction) on GPU, a
     shared-memory file on CPU. `rank`: the trainer rank that owns it; `index`: the bucket."""
 
-    def __init__(self, rank: int, index: int, nbytes: int, cuda_ipc=None, path: str | None = None) -> None:
+    def __init__(self, rank: int, index: int, nbytes: int, cuda_ipc=None, path: str | None = None,
+                 device_uuid: str | None = None) -> None:
         self.rank, self.index, self.nbytes = rank, index, nbytes
-        self.cuda_ipc, self.path = cuda_ipc, path
+        self.cuda_ipc, self.path, self.device_uuid = cuda_ipc, path, device_uuid
 
     @classmethod
     def of(cls, buffer: torch.Tensor, rank: int, index: int) -> "SharedBuffer":
@@ -88,7 +91,8 @@ class SharedBuffer:
         if buffer.is_cuda:
             from torch.multiprocessing.reductions import reduce_tensor
 
-            return cls(rank, index, buffer.numel(), cuda_ipc=reduce_tensor(buffer))
+            uuid_ = str(torch.cuda.get_device_properties(buffer.device).uuid)
+            return cls(rank, index, buffer.numel(), cuda_ipc=reduce_tensor(buffer), device_uuid=uuid_)
         path = getattr(buffer, "_beamrl_shm_path", None)
         if path is None:
             raise PayloadError(f"bucket {index} on trainer rank {rank}: a CPU buffer must come from "
@@ -108,15 +112,41 @@ class SharedBuffer:
         weakref.finalize(buf, _unlink, path)
         return buf
 
+    def for_bucket(self, index: int, nbytes: int) -> "SharedBuffer":
+        """The first `nbytes` of this (persistent, `beamrl.sync.rank_slots`) buffer as the handle of bucket
+        `index`: the same memory, nothing is shared again."""
+        if nbytes > self.nbytes:
+            raise PayloadError(f"bucket {index} has {nbytes} bytes; trainer rank {self.rank}'s buffer holds "
+                               f"{self.nbytes}")
+        return SharedBuffer(self.rank, index, nbytes, cuda_ipc=self.cuda_ipc, path=self.path,
+                            device_uuid=self.device_uuid)
+
     def open(self) -> torch.Tensor:
-        """The receiver's view of the buffer (same memory; no copy)."""
+        """The receiver's view of the buffer's `nbytes` (same memory; no copy)."""
         if self.cuda_ipc is not None:
             rebuild, args = self.cuda_ipc
-            return rebuild(*args)
+            return rebuild(*args)[:self.nbytes]
         if self.path is None or not os.path.exists(self.path):
             raise PayloadError(f"bucket {self.index} of trainer rank {self.rank} is gone (released before the "
                                f"engine copied it)")
         return torch.from_file(self.path, shared=True, size=self.nbytes, dtype=torch.uint8)
+
+
+class _CudaTensorByUUID:
+    """Pickles as torch's rebuild of a shared CUDA buffer with the device named by its UUID, which SGLang's
+    unpickler maps to its own device index (`sglang.srt.utils.patch_torch`): the trainer process and the engine's
+    scheduler number their visible GPUs differently. The consumer gets the whole slot; the flattened bucket's
+    metadata says which bytes are the bucket."""
+
+    _DEVICE_ARG = 6  # of torch's `rebuild_cuda_tensor` arguments (SGLang relies on the same position)
+
+    def __init__(self, handle: SharedBuffer) -> None:
+        self.handle = handle
+
+    def __reduce__(self):
+        rebuild, args = self.handle.cuda_ipc
+        args = tuple(self.handle.device_uuid if i == self._DEVICE_ARG else a for i, a in enumerate(args))
+        return rebuild, args
 
 
 def _unlink(path: str) -> None:
@@ -126,8 +156,9 @@ def _unlink(path: str) -> None:
         pass
 
 
-def gather_handles(handle: SharedBuffer, dst: int = 0, group=None) -> list[SharedBuffer] | None:
-    """Collective over the trainer ranks: every rank's handle, on `dst` (None elsewhere)."""
+def gather_handles(handle, dst: int = 0, group=None) -> list | None:
+    """Collective over the trainer ranks: every rank's handle (a `SharedBuffer`, or a tuple of them: a rank's
+    persistent slots), on `dst`, indexed by rank (None elsewhere)."""
     import torch.distributed as dist
 
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
@@ -192,3 +223,66 @@ class KeepAlive:
         self._held.clear()
         if cuda:
             torch.cuda.ipc_collect()
+
+
+class RankedFlatBucket(FlatBucket):
+    """A colocated bucket whose bytes stay where the trainer ranks packed them: one `SharedBuffer` per engine TP
+    rank (`entries[r]` from the trainer rank on engine rank r's device, `payload_entries`), with the bucket's
+    layout, index and the shipping rank's checksum of the bytes. Picklable (the handles, never the bytes).
+
+    `buffer` is TP rank 0's entry, opened on first use (what an engine of TP 1, e.g. the native engine, reads);
+    `rank_buffers()` opens every entry (an engine of TP > 1 hands entry r to its rank r and checks each one's
+    checksum: a corrupted copy on one trainer rank is refused, naming the rank)."""
+
+    def __init__(self, entries: Sequence[SharedBuffer], metas: list[TensorMeta], index: int,
+                 checksum: tuple[int, int]) -> None:
+        if not entries:
+            raise PayloadError(f"bucket {index}: no payload entries")
+        if not metas:
+            raise ValueError("FlatBucket needs at least one tensor")
+        for r, e in enumerate(entries):
+            if e.index != index or e.nbytes != metas[-1].end:
+                raise PayloadError(f"bucket {index}: entry {r} is bucket {e.index} with {e.nbytes} bytes, the "
+                                   f"layout needs bucket {index} with {metas[-1].end}")
+        self.entries = list(entries)
+        self.metas = list(metas)
+        self.index = index
+        self.checksum = checksum
+        self._opened: list[torch.Tensor | None] = [None] * len(self.entries)
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_opened"] = [None] * len(self.entries)  # mappings are per process
+        return state
+
+    def rank_buffer(self, r: int) -> torch.Tensor:
+        if self._opened[r] is None:
+            self._opened[r] = self.entries[r].open()
+        return self._opened[r]
+
+    def rank_buffers(self) -> list[torch.Tensor]:
+        return [self.rank_buffer(r) for r in range(len(self.entries))]
+
+    @property
+    def on_cuda(self) -> bool:
+        return self.entries[0].cuda_ipc is not None
+
+    def payload_tensors(self) -> list:
+        """What engine TP rank r deserializes, per rank: on CPU the opened shared-memory entry; on GPU an object
+        that pickles as the trainer rank's own CUDA-IPC handle (a CUDA tensor received by IPC cannot be shared
+        again, so the engine adapter never opens it)."""
+        if self.on_cuda:
+            return [_CudaTensorByUUID(e) for e in self.entries]
+        return self.rank_buffers()
+
+    @property
+    def buffer(self) -> torch.Tensor:  # type: ignore[override]
+        return self.rank_buffer(0)
+
+    @property
+    def nbytes(self) -> int:
+        return self.metas[-1].end
+
+    def __repr__(self) -> str:
+        return (f"RankedFlatBucket(bucket {self.index}, {len(self.metas)} tensors, {self.nbytes} bytes, entries "
+                f"from trainer ranks {[e.rank for e in self.entries]})")
