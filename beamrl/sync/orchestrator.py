@@ -376,8 +376,14 @@ class WeightSync:
                 transport.abort(str(exc), self.timeouts.call)
             if subset:
                 transport.close()
+        # Per-rank buckets: every rank's slots stay untouched until the engines copied them (the shipping rank's
+        # commit); this also tells every rank whether the commit went through.
+        committed = self.rank_slots.agree(commit_error is None) if self.rank_slots is not None else True
         reference = source.logprobs([list(map(int, s)) for s in self.probe.sequences]) if probe_due else None
         if not self.ships:
+            if not committed:
+                raise WeightSyncError(f"weight sync to version {new_version} failed at the commit on the shipping "
+                                      f"trainer rank")
             if not subset:
                 self.version = new_version
             return None

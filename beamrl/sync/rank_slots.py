@@ -13,7 +13,9 @@ A colocated engine's TP rank r reads its copy of each bucket from the trainer ra
    before the shipping rank sends the payload;
 3. the shipping rank's transport sends one payload entry per engine TP rank (`entries`) and holds the slot
    (`KeepAlive`) until the engines replied; only then does it pack into it again. The other ranks overwrite a
-   slot only inside `spread`, which the shipping rank enters after that wait: the collective carries the order.
+   slot only inside `spread`, which the shipping rank enters after that wait: the collective carries the order;
+4. `agree(committed)` after the shipping rank's commit: no rank leaves the sync (and may release its slots, e.g.
+   to sleep) while an engine may still read them, and every rank learns whether the commit went through.
 
 A rank that holds no tensors (every rank but the shipping one) follows the buckets with `BucketPlan.completions`;
 the shipping rank, after a failure, still completes every remaining `spread` (the session is aborted afterwards),
@@ -97,6 +99,15 @@ class RankSlots:
         if data.is_cuda:
             torch.cuda.current_stream(data.device).synchronize()
         dist.barrier(group=self.group)
+
+    def agree(self, ok: bool) -> bool:
+        """Collective, once per sync after the shipping rank's commit: whether it went through on every rank. Until
+        every rank is past it, no rank releases or reuses its slots (the engines may still be reading them)."""
+        if not dist.is_initialized() or dist.get_world_size(self.group) == 1:
+            return ok
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(flag.item())
 
     def entries(self, bucket: BucketLayout, colocation: Colocation) -> list[SharedBuffer]:
         """Shipping rank: one handle per engine TP rank, the slot of bucket `bucket.index` of the trainer rank on

@@ -1,15 +1,16 @@
-"""Rank function of the per-rank colocated sync test (2 gloo trainer ranks through `beamrl.trainer.megatron.launch`).
+"""Rank function of the per-rank colocated sync tests (2 gloo trainer ranks through `beamrl.trainer.megatron.launch`).
 
 Every rank runs the one orchestrator (`WeightSync`) with its own `RankSlots`; rank 0 holds the colocated transport
-and an engine of TP 2 whose TP rank r is a native engine receiver (`NativeTP`, below) that reads its copy of each
-bucket from the entry of the trainer rank on its device. The export is collective as the Megatron one is: rank 0
-yields the tensors, rank 1 empty units, and `finish` is an all-reduce."""
+and an engine of TP 2 that reads its TP rank r's copy of each bucket from the entry of the trainer rank on its
+device: the real SGLang CPU engine (in-process adapter, `engine_tp=2`: each scheduler rank deserializes its own
+entry), or `NativeTP` (below: TP rank r is a native engine receiver). The export is collective as the Megatron one
+is: rank 0 yields the tensors, rank 1 empty units, and `finish` is an all-reduce."""
 
 from __future__ import annotations
 
 import torch
 
-BUCKET = 48 * 1024  # several buckets, so each rank slot is reused within a sync
+BUCKET = 256 * 1024  # ~11 buckets of the tiny model, so each rank slot is reused within a sync
 
 
 def _native_tp(names_seen: list):
@@ -80,10 +81,36 @@ def _source(seed: int):
     return CollectiveSource(list(model.named_parameters()), unit_size=3), model
 
 
-def per_rank_sync(corrupt_bucket: int | None, break_entries: bool = False) -> dict:
-    """Sync 1: a new model into the TP2 engine (corrupting rank 1's copy of `corrupt_bucket` if given); then the
-    slots are released (a sleeping trainer) and sync 2 sends another model. `break_entries`: every engine rank
-    reads trainer rank 0's slot (what shipping from rank 0 only does), to see the test fail."""
+def _sglang_tp(workdir: str, names_seen: list):
+    """The SGLang CPU engine of TP 2 (float32), started from the tiny model of seed 0; records each payload's
+    entries."""
+    from beamrl.models.beam import preset
+    from beamrl.models.beam.model import BeamForCausalLM
+    from beamrl.rollout.sglang.config import SGLangEngineConfig
+    from beamrl.rollout.sglang.engine import SGLangEngine
+
+    import multiprocessing
+
+    # `launch` starts its ranks as daemonic processes, which multiprocessing forbids to have children; SGLang's
+    # engine starts its schedulers as children (it shuts them down below, and they exit with their parent).
+    multiprocessing.current_process()._config["daemon"] = False
+    ckpt = f"{workdir}/start"
+    BeamForCausalLM(preset("tiny"), dtype=torch.float32, seed=0).save_pretrained(ckpt)
+
+    class RecordingEngine(SGLangEngine):
+        def update_weights_from_tensor(self, bucket, timeout):
+            names_seen.append([(e.rank, e.path) for e in bucket.entries])
+            super().update_weights_from_tensor(bucket, timeout)
+
+    return RecordingEngine(SGLangEngineConfig.on_cpu(ckpt, dtype="float32", return_routed_experts=False,
+                                                     engine_tp=2), start_timeout=900)
+
+
+def per_rank_sync(engine_kind: str, corrupt_bucket: int | None, workdir: str = "",
+                  break_entries: bool = False) -> dict:
+    """Sync 1: a new model into the TP2 engine (`engine_kind` 'native' or 'sglang'), corrupting trainer rank 1's
+    copy of `corrupt_bucket` if given; then the slots are released (a sleeping trainer) and sync 2 sends another
+    model. `break_entries`: every engine rank reads trainer rank 0's slot (what shipping from rank 0 only does)."""
     import torch.distributed as dist
 
     from beamrl.protocols.weights import WeightSyncError
@@ -108,9 +135,13 @@ def per_rank_sync(corrupt_bucket: int | None, break_entries: bool = False) -> di
     slots.corrupt = corrupt_bucket
     out: dict = {"rank": rank}
     timeouts = SyncTimeouts.uniform(60)
+    replicas: list = []
     if rank == 0:
         seen: list = []
-        engine, replicas = _native_tp(seen)
+        if engine_kind == "native":
+            engine, replicas = _native_tp(seen)
+        else:
+            engine = _sglang_tp(workdir, seen)
         colocation = Colocation((0, 0) if break_entries else (0, 1))
         transport = ColocatedTransport([engine], rank_slots=slots, colocations={engine.name: colocation})
         ws = WeightSync(transport, [engine], bucket_bytes=BUCKET, timeouts=timeouts, rank_slots=slots, progress=None)
@@ -123,25 +154,39 @@ def per_rank_sync(corrupt_bucket: int | None, break_entries: bool = False) -> di
     def equal(m, named):
         return all(torch.equal(p, named[n]) for n, p in m.named_parameters())
 
-    for attempt, seed in ((1, 1), (2, 2)):
-        source, trainer_model = _source(seed)
-        before = snapshot() if rank == 0 else None
-        try:
-            report = ws.sync(source)
-            out[f"sync{attempt}"] = "ok" if report is not None or rank != 0 else "no report"
-        except WeightSyncError as exc:
-            out[f"sync{attempt}"] = f"refused: {exc}"
-        if rank == 0:
-            trainer = dict(trainer_model.named_parameters())
-            out[f"sync{attempt}_bit_equal"] = [equal(m, trainer) for m in replicas]
-            out[f"sync{attempt}_unchanged"] = [equal(m, b) for m, b in zip(replicas, before)]
-            out[f"sync{attempt}_version"] = [r.served_weight_version(1) for r in engine.ranks]
-            out[f"sync{attempt}_entries"] = seen[:]
-            out[f"sync{attempt}_held"] = transport.keep.outstanding()
-            seen.clear()
-        slots.corrupt = None
-        ws.release_buffers()  # every rank: the trainer goes to sleep between syncs
-        out[f"released{attempt}"] = slots.slots == []
+    try:
+        if rank == 0 and engine_kind == "sglang":
+            start_checksum = engine.weights_checksum(120)
+        for attempt, seed in ((1, 1), (2, 2)):
+            source, trainer_model = _source(seed)
+            before = snapshot() if rank == 0 else None
+            try:
+                report = ws.sync(source)
+                out[f"sync{attempt}"] = "ok" if report is not None or rank != 0 else "no report"
+            except WeightSyncError as exc:
+                out[f"sync{attempt}"] = f"refused: {exc}"
+            if rank == 0:
+                trainer = dict(trainer_model.named_parameters())
+                out[f"sync{attempt}_bit_equal"] = [equal(m, trainer) for m in replicas]
+                out[f"sync{attempt}_unchanged"] = [equal(m, b) for m, b in zip(replicas, before)]
+                out[f"sync{attempt}_version"] = engine.served_weight_version(1)
+                if engine_kind == "sglang":  # the weights SGLang computes with, bit for bit (its own checksum)
+                    out[f"sync{attempt}_engine_checksum"] = engine.weights_checksum(120)
+                    if attempt == 1:
+                        out["start_checksum"] = start_checksum
+                out[f"sync{attempt}_entries"] = seen[:]
+                out[f"sync{attempt}_held"] = transport.keep.outstanding()
+                seen.clear()
+            slots.corrupt = None
+            ws.release_buffers()  # every rank: the trainer goes to sleep between syncs
+            out[f"released{attempt}"] = slots.slots == []
+        if rank == 0 and engine_kind == "sglang":  # the trainer's last weights through SGLang's own disk loader
+            trainer_model.save_pretrained(f"{workdir}/trainer")
+            engine.update_weights_from_disk(f"{workdir}/trainer", 300)
+            out["disk_checksum"] = engine.weights_checksum(120)
+    finally:
+        if rank == 0 and engine_kind == "sglang":
+            engine.shutdown()
     dist.barrier()
     dist.destroy_process_group()
     return out

@@ -1,6 +1,7 @@
 """Colocated buckets from every trainer rank, wired through the one orchestrator (`WeightSync` + `RankSlots` +
-the colocated transport's per-rank mode), with 2 gloo trainer ranks and an engine of TP 2 whose rank r is a native
-engine receiver reading the entry of trainer rank r (`_rank_slots_runs.py`)."""
+the colocated transport's per-rank mode), with 2 gloo trainer ranks and an engine of TP 2 whose rank r reads the
+entry of trainer rank r (`_rank_slots_runs.py`): the real SGLang CPU engine (one start for both scenarios), and
+an engine whose TP ranks are native engine receivers (whose weights the test reads directly)."""
 
 import pytest
 
@@ -11,11 +12,11 @@ pytestmark = pytest.mark.slow
 
 
 def test_every_engine_rank_reads_its_own_trainer_ranks_copy_bit_exactly():
-    r0, r1 = launch(R.per_rank_sync, 2, (None,), timeout_s=300)
+    r0, r1 = launch(R.per_rank_sync, 2, ("native", None), timeout_s=300)
     for k in (1, 2):
         assert r0[f"sync{k}"] == "ok" and r1[f"sync{k}"] == "ok"
         assert r0[f"sync{k}_bit_equal"] == [True, True]  # both TP ranks hold the trainer's weights bit for bit
-        assert r0[f"sync{k}_version"] == [k, k]
+        assert r0[f"sync{k}_version"] == k
         entries = r0[f"sync{k}_entries"]
         assert len(entries) >= 4  # several buckets: each of the 2 slots is packed again within the sync
         # entry r of every bucket is trainer rank r's own buffer (two distinct shared-memory slots per sync)
@@ -26,10 +27,24 @@ def test_every_engine_rank_reads_its_own_trainer_ranks_copy_bit_exactly():
 
 
 def test_a_corrupted_copy_on_trainer_rank_1_is_refused_and_the_engine_is_unchanged():
-    r0, r1 = launch(R.per_rank_sync, 2, (1,), timeout_s=300)
+    r0, r1 = launch(R.per_rank_sync, 2, ("native", 1), timeout_s=300)
     assert r0["sync1"].startswith("refused") and "tp-rank-1: bucket 1 failed its checksum" in r0["sync1"]
     assert r0["sync1_unchanged"] == [True, True]  # TP rank 0 had loaded bucket 1: rolled back with the session
-    assert r0["sync1_version"] == [0, 0] and r0["sync1_held"] == []  # abort dropped every held slot
+    assert r0["sync1_version"] == 0 and r0["sync1_held"] == []  # abort dropped every held slot
     # the next sync (the same version again, into new slots after the release) goes through
-    assert r0["sync2"] == "ok" and r0["sync2_bit_equal"] == [True, True] and r0["sync2_version"] == [1, 1]
+    assert r0["sync2"] == "ok" and r0["sync2_bit_equal"] == [True, True] and r0["sync2_version"] == 1
     assert r1["sync2"] == "ok"
+
+
+def test_sglang_engine_of_tp2_takes_each_ranks_copy_and_refuses_a_corrupted_one(tmp_path):
+    r0, r1 = launch(R.per_rank_sync, 2, ("sglang", 2, str(tmp_path)), timeout_s=1200)
+    # sync 1: trainer rank 1's copy of bucket 2 changed after the broadcast: SGLang's TP rank 1 would have read it
+    assert r0["sync1"].startswith("refused")
+    assert "bucket 2 failed its checksum" in r0["sync1"] and "engine TP rank 1, from trainer rank 1" in r0["sync1"]
+    assert r0["sync1_engine_checksum"] == r0["start_checksum"] and r0["sync1_version"] == 0  # rolled back
+    # sync 2: every entry r from trainer rank r; what SGLang computes with is the trainer's weights bit for bit
+    # (the same checksum as SGLang's own loader reading them from disk)
+    assert r0["sync2"] == "ok" and r1["sync2"] == "ok" and r0["sync2_version"] == 1
+    assert all([rank for rank, _ in e] == [0, 1] for e in r0["sync2_entries"]) and len(r0["sync2_entries"]) >= 4
+    assert r0["sync2_engine_checksum"] == r0["disk_checksum"] != r0["start_checksum"]
+    assert r0["sync2_held"] == [] and r1["released2"]

@@ -143,8 +143,12 @@ def flattened_bucket_payloads(bucket, tp_size: int, as_str: bool, buffers: list 
 
     from beamrl.sync.rank_payload import RankedFlatBucket
 
+    if buffers is None and isinstance(bucket, RankedFlatBucket):
+        # A CPU entry is a file mapping, which SGLang's serializer cannot share by file descriptor: each TP rank
+        # gets a copy of its own entry (CPU rehearsal only; on GPU the trainer rank's handle passes through).
+        buffers = [b.clone() if isinstance(b, torch.Tensor) else b for b in bucket.payload_tensors()]
     if buffers is None:
-        buffers = bucket.payload_tensors() if isinstance(bucket, RankedFlatBucket) else [bucket.buffer] * tp_size
+        buffers = [bucket.buffer] * tp_size
     if len(buffers) != tp_size:
         raise ValueError(f"bucket {bucket.index}: {len(buffers)} per-rank buffers for an engine of TP {tp_size}")
     for r, b in enumerate(buffers):
