@@ -106,11 +106,10 @@ def _sglang_tp(workdir: str, names_seen: list):
                                                      engine_tp=2), start_timeout=900)
 
 
-def per_rank_sync(engine_kind: str, corrupt_bucket: int | None, workdir: str = "",
-                  break_entries: bool = False) -> dict:
+def per_rank_sync(engine_kind: str, corrupt_bucket: int | None, workdir: str = "") -> dict:
     """Sync 1: a new model into the TP2 engine (`engine_kind` 'native' or 'sglang'), corrupting trainer rank 1's
-    copy of `corrupt_bucket` if given; then the slots are released (a sleeping trainer) and sync 2 sends another
-    model. `break_entries`: every engine rank reads trainer rank 0's slot (what shipping from rank 0 only does)."""
+    copy of `corrupt_bucket` if given (negative: from the end; the last bucket's failure is seen at the commit); then the slots are released (a sleeping trainer) and sync 2 sends another
+    model."""
     import torch.distributed as dist
 
     from beamrl.protocols.weights import WeightSyncError
@@ -142,8 +141,7 @@ def per_rank_sync(engine_kind: str, corrupt_bucket: int | None, workdir: str = "
             engine, replicas = _native_tp(seen)
         else:
             engine = _sglang_tp(workdir, seen)
-        colocation = Colocation((0, 0) if break_entries else (0, 1))
-        transport = ColocatedTransport([engine], rank_slots=slots, colocations={engine.name: colocation})
+        transport = ColocatedTransport([engine], rank_slots=slots, colocations={engine.name: Colocation((0, 1))})
         ws = WeightSync(transport, [engine], bucket_bytes=BUCKET, timeouts=timeouts, rank_slots=slots, progress=None)
     else:
         ws = WeightSync(None, bucket_bytes=BUCKET, timeouts=timeouts, rank_slots=slots, progress=None)
@@ -159,6 +157,8 @@ def per_rank_sync(engine_kind: str, corrupt_bucket: int | None, workdir: str = "
             start_checksum = engine.weights_checksum(120)
         for attempt, seed in ((1, 1), (2, 2)):
             source, trainer_model = _source(seed)
+            if slots.corrupt is not None and slots.corrupt < 0:  # counted from the end (-1: the last bucket)
+                slots.corrupt += len(ws.plan(source).buckets)
             before = snapshot() if rank == 0 else None
             try:
                 report = ws.sync(source)
