@@ -3,23 +3,28 @@
 A colocated engine of TP > 1 has its TP ranks on several GPUs, each shared with a trainer rank. SGLang's
 `update_weights_from_tensor(load_format="flattened_bucket")` takes one serialized flattened bucket per engine TP
 rank; engine rank r opens entry r. For the copy to stay on one device, entry r must be a buffer on engine rank r's
-GPU: the trainer rank sharing that GPU packs the bucket there (CUDA IPC on GPU, a shared-memory file on CPU). So:
+GPU: the trainer rank sharing that GPU holds a copy of the bucket there (CUDA IPC on GPU, a shared-memory file on
+CPU). So:
 
-1. every trainer rank packs bucket k into its own buffer and shares it (`SharedBuffer.of`);
-2. the handles are gathered to the shipping rank (`gather_handles`, a collective over the trainer ranks);
-3. the shipping rank builds the payload (`payload_entries`): entry r = the handle of `Colocation.trainer_rank_of[r]`;
-4. every rank holds its buffer (`KeepAlive.hold`) until the engine has copied bucket k (the engine's reply, plus
-   its copy-done event on GPU: SGLang may reply before its device copy finished), then releases it
-   (`KeepAlive.release`, then `torch.cuda.ipc_collect()` so the IPC mapping goes).
+1. every trainer rank keeps its own shared buffers (`SharedBuffer.allocate` / `SharedBuffer.of`, made and shared
+   once); the shipping rank packs bucket k into its own (the one `pack_bucket`), and the packed bytes are
+   broadcast into the other ranks' (`beamrl.sync.rank_slots`);
+2. the handles are gathered to the shipping rank once (`gather_handles`, a collective over the trainer ranks);
+3. the shipping rank builds each engine's payload (`payload_entries`): entry r = the buffer of
+   `Colocation.trainer_rank_of[r]`, sent as a `RankedFlatBucket`;
+4. the shipping rank holds the buffers of bucket k (`KeepAlive.hold`) until every engine replied for it, then
+   releases them (`KeepAlive.release`, then `torch.cuda.ipc_collect()` on GPU); the other ranks write into theirs
+   only in the next collective broadcast, which the shipping rank enters after that release.
 
 The rules (`tests/sync/test_rank_payload.py`): every engine TP rank gets exactly one entry, from the trainer rank on
 its device (a layout where an engine rank shares no trainer rank's device is refused by name); a bucket is held once
 and released once; at most `max_outstanding` buckets are in flight per rank (the caller waits for replies first);
 `finalize` finds nothing outstanding; `release_all` (abort) drops everything.
 
-Status: the payload, the handles and the keep-alive rules, and the SGLang payload builder's per-rank buffers
-(`beamrl.rollout.sglang.payloads.flattened_bucket_payloads(..., buffers=...)`), are here and tested on CPU with
-gloo; the RL loop's colocated sync still ships from trainer rank 0 (docs/colocated.md, "Not done yet").
+Wiring: `beamrl.sync.rank_slots.RankSlots` keeps every trainer rank's buffers (persistent slots, shared once) and
+spreads each packed bucket to them; the colocated transport's per-rank mode sends each engine a `RankedFlatBucket`
+(its entries, the layout, the index and the shipping rank's checksum) and holds each slot in a `KeepAlive`
+(docs/colocated.md, "Buckets from every trainer rank").
 """
 
 from __future__ import annotations
