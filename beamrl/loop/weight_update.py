@@ -98,8 +98,8 @@ def publish_weights(trainer: TrainerGroup, engines: EngineGroup, version: int, s
                                                         colocations))
     if report["code_path"] not in _announced:
         _announced.add(report["code_path"])
-        log(f"weight sync: {report['code_path']} ({sync.transport}, {report['buckets']} buckets, "
-            f"{report['bytes'] / 2**20:.1f} MiB)")
+        log(f"weight sync: {report['code_path']} ({sync.transport}: {report['transport_mode']}, "
+            f"{report['buckets']} buckets, {report['bytes'] / 2**20:.1f} MiB)")
     out = {"time/sync_s": report["seconds"], "sync/bytes": float(report["bytes"]), "sync/gbps": report["gbps"],
            "sync/version": float(report["version"]), "sync/buckets": float(report["buckets"])}
     if report["max_abs_logprob_diff"] is not None:

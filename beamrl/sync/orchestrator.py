@@ -89,7 +89,8 @@ class ProbeCheck:
 @dataclass
 class SyncReport:
     """What one sync moved and how fast (`seconds`: begin .. finalize, i.e. transfer + engine loads, pipelined).
-    `code_path`: the orchestrator class and packing function that ran (the same for training and the benches)."""
+    `code_path`: the orchestrator class and packing function that ran (the same for training and the benches);
+    `transport_mode`: how the transport moved the buckets (e.g. the colocated transport's 'staged', 'per_rank')."""
 
     version: int
     bytes: int
@@ -100,6 +101,7 @@ class SyncReport:
     verified: bool
     max_abs_logprob_diff: float | None
     code_path: str = ""
+    transport_mode: str = ""
     times: dict[str, float] = field(default_factory=dict)
 
 
@@ -401,6 +403,7 @@ class WeightSync:
                             gbps=nbytes / max(seconds, 1e-12) / 1e9,
                             engines=[self._label(e, i) for i, e in enumerate(targets)],
                             verified=diff is not None, max_abs_logprob_diff=diff, code_path=self.code_path,
+                            transport_mode=str(getattr(transport, "mode", None) or transport.name),
                             times=times)
         if seconds >= self.progress_every_s or not self._summarised:  # the first sync, then only long ones
             self._summarised = True

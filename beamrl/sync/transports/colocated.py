@@ -1,6 +1,6 @@
 """Colocated transport: engines on the trainer's node read each bucket from the trainer's memory.
 
-Two ways, chosen at `connect` from what the receivers support:
+Three ways, chosen at `connect` from what the transport is given and what the receivers support:
 - **staged** (the native engine, in-process or in its own process): `StagingSlot`s shared once (CUDA-IPC on GPU,
   shared memory on CPU); per bucket the trainer packs into slot `k % slots`, writes the bucket's checksum into the
   slot's trailer on the device, records one CUDA event, and sends `(slot, k)`; the engine waits on that event,
