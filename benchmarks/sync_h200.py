@@ -8,6 +8,10 @@ training, where it lives in a Ray actor; here the proxy is a pipe, the rest is t
                       event and a small message per bucket, sender checksum in the slot trailer, receiver checksum
                       compared on the device and settled at commit. Reference: a device-to-device copy of the same
                       bytes on that GPU.
+  --mode per_rank     one GPU. Colocated buckets from every trainer rank (what the RL loop uses for engines of TP > 1
+                      or layouts over several nodes), with one trainer rank: its persistent rank slots (CUDA IPC,
+                      shared once), a `RankedFlatBucket` of handles per bucket, the engine opening its entry, each
+                      slot held until the engine replied. Reference: the same device-to-device copy.
   --mode distributed  two GPUs. The trainer (GPU0, update-group rank 0) NCCL-broadcasts one uint8 buffer per bucket
                       to the engine (GPU1, rank 1). References: per bucket size, raw NCCL broadcasts of the same
                       bytes in the same bucket sizes over the same group, measured right after that size's syncs
@@ -25,6 +29,7 @@ Rows print as they finish, a table at the end; `--json` writes {"rows": [...], "
   python benchmarks/sync_h200.py --mode colocated --json $OUT/sync_colocated.json        # one H200
   python benchmarks/sync_h200.py --mode distributed --json $OUT/sync_distributed.json    # nvidia-h200-x2
   python benchmarks/sync_h200.py --mode teardown --json $OUT/sync_teardown.json          # nvidia-h200-x2
+  python benchmarks/sync_h200.py --mode per_rank --json $OUT/sync_per_rank.json          # one H200
   python benchmarks/sync_h200.py --mode colocated --device cpu                            # CPU smoke run
 
 Needs only torch (+ numpy, pydantic) and the repo on PYTHONPATH (no sglang, no ray, no megatron).
@@ -51,6 +56,8 @@ from beamrl.sync.calls import run_concurrently  # noqa: E402
 from beamrl.sync.export import StateDictSource  # noqa: E402
 from beamrl.sync.orchestrator import SyncTimeouts, WeightSync  # noqa: E402
 from beamrl.sync.process_receiver import HostedEngine  # noqa: E402
+from beamrl.sync.rank_payload import Colocation  # noqa: E402
+from beamrl.sync.rank_slots import RankSlots  # noqa: E402
 from beamrl.sync.transports import TRANSPORTS  # noqa: E402
 from beamrl.sync.transports.colocated import ColocatedTransport  # noqa: E402
 from beamrl.sync.update_group import broadcast_from_rank0  # noqa: E402
@@ -271,7 +278,7 @@ def teardown(args, engine: HostedEngine, source: StateDictSource, want: dict, tr
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mode", required=True, choices=["colocated", "distributed", "teardown"])
+    p.add_argument("--mode", required=True, choices=["colocated", "per_rank", "distributed", "teardown"])
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                    help="cuda: H200(s); cpu: tiny smoke run (shared memory / gloo)")
     p.add_argument("--preset", default=None, help="state-dict shapes (default: small on cuda, tiny on cpu)")
@@ -308,7 +315,7 @@ def main(argv=None) -> int:
         default_mb = "64,512,2048" if cuda else "0.0625,0.5,2"
     sizes_mb = [float(x) for x in (args.bucket_mb or default_mb).split(",")]
     trainer_dev = "cuda:0" if cuda else "cpu"
-    engine_dev = ("cuda:0" if args.mode == "colocated" else "cuda:1") if cuda else "cpu"
+    engine_dev = ("cuda:0" if args.mode in ("colocated", "per_rank") else "cuda:1") if cuda else "cpu"
     if cuda:
         torch.cuda.set_device(0)
 
@@ -327,9 +334,15 @@ def main(argv=None) -> int:
     print(f"receiver process up in {time.perf_counter() - t0:.1f} s", flush=True)
     if args.mode == "teardown":
         return teardown(args, engine, source, want, trainer_dev, int(sizes_mb[0] * 2**20), preset_name)
+    rank_slots = None
     if args.mode == "colocated":
         transport = TimedColocated([engine], device=trainer_dev, staging_slots=args.staging_slots)
         staged_stats = True
+    elif args.mode == "per_rank":
+        rank_slots = RankSlots(0, trainer_dev, num_slots=args.staging_slots or 2)
+        transport = TRANSPORTS.get("colocated")([engine], device=trainer_dev, rank_slots=rank_slots,
+                                                colocations={engine.name: Colocation((0,))})
+        staged_stats = False
     else:
         transport = TRANSPORTS.get("distributed")([engine], device=trainer_dev)
         staged_stats = False
@@ -339,7 +352,7 @@ def main(argv=None) -> int:
     try:
         transport.connect(args.timeout)
         ref_bytes = min(total, 2 * 2**30)
-        if args.mode == "colocated":
+        if args.mode in ("colocated", "per_rank"):
             refs["d2d_copy_gbps"] = copy_gbps(ref_bytes, trainer_dev, engine_dev, iters=5)
         else:
             refs["raw_broadcast_gbps"] = raw_broadcast_gbps(transport, engine, [ref_bytes], 5, args.timeout)
@@ -349,7 +362,8 @@ def main(argv=None) -> int:
 
         for mb in sizes_mb:
             sync = WeightSync(transport, [engine], bucket_bytes=int(mb * 2**20), timeouts=timeouts,
-                              initial_version=engine.served_weight_version(args.timeout), progress=None)
+                              initial_version=engine.served_weight_version(args.timeout), progress=None,
+                              rank_slots=rank_slots)
             seconds, report = [], None
             host: dict = {}  # the host-time breakdown of the fastest timed sync
             for rep in range(args.repeats + 1):  # rep 0 warms up (slot attach, NCCL comm set-up, views)

@@ -28,7 +28,7 @@ from beamrl.loop.setup import (Resources, RunContext, check_launchable, prepare_
 from beamrl.loop.sft import sft_warm_start
 from beamrl.loop.summary import plot_and_summarize
 from beamrl.loop.train import train_on_rollouts
-from beamrl.loop.weight_update import SyncProbe, publish_weights, resync_engine, sync_probe
+from beamrl.loop.weight_update import SyncProbe, publish_weights, rank_colocations, resync_engine, sync_probe
 from beamrl.metrics import keys
 from beamrl.metrics.samples import samples_due
 from beamrl.recipe.schema import Recipe
@@ -49,6 +49,7 @@ class RLDriver:
         self.checkpoints: RunCheckpoints | None = None
         self.colocated: ColocatedMemory | None = None  # the devices' hand-over within a step (colocated)
         self.version = 0  # the weight version the engines serve
+        self.colocations: tuple[tuple[int, ...], ...] = ()  # colocated buckets from every trainer rank (weight_update)
 
     def __enter__(self) -> "RLDriver":
         return self
@@ -97,6 +98,7 @@ class RLDriver:
         self.colocated = ColocatedMemory([g for g in (self.trainer, self.reference) if g is not None], self.engines,
                                          sleep=trainer_sleeps(r), staged=engines_stage_memory(r),
                                          timeout=r.timeouts.train_step_s)
+        self.colocations = rank_colocations(run.placement, r.sync.transport)
         if r.sync.verify:
             self.probe = sync_probe(run.data, run.tokenizer, r.model.dtype, r.rollout.engine)
         try:
@@ -162,7 +164,8 @@ class RLDriver:
     def _resync_engine(self, index: int) -> None:
         """Bring restarted engine `index` to the weights the others serve (`EngineRecovery`'s resync)."""
         r = self.recipe
-        resync_engine(self.trainer, self.engines, index, self.version, r.sync, r.timeouts.sync_s, self.probe)
+        resync_engine(self.trainer, self.engines, index, self.version, r.sync, r.timeouts.sync_s, self.probe,
+                      colocations=self.colocations)
 
     def _publish(self, version: int, staged: bool) -> dict[str, float]:
         """Sync `version` to every engine. An engine that died since the rollout fails the sync (the others roll
@@ -171,7 +174,7 @@ class RLDriver:
         resume = self.colocated.resume_after_sync if self.colocated is not None else ()
         try:
             metrics = publish_weights(self.trainer, self.engines, version, r.sync, r.timeouts.sync_s, self.probe,
-                                      staged=staged, resume_after_sync=resume)
+                                      staged=staged, resume_after_sync=resume, colocations=self.colocations)
         except ActorCallError as e:
             if isinstance(e, TrainerRankError):
                 raise
@@ -180,7 +183,7 @@ class RLDriver:
                 raise
             self.engines.recovery.recover({k: f"dead at the weight sync to version {version} ({e})" for k in dead})
             metrics = publish_weights(self.trainer, self.engines, version, r.sync, r.timeouts.sync_s, self.probe,
-                                      staged=staged, resume_after_sync=resume)
+                                      staged=staged, resume_after_sync=resume, colocations=self.colocations)
         metrics["engine/restarts"] = float(self.engines.recovery.take_restarts())  # (the rollout's are in the batch)
         self.version = version
         return metrics

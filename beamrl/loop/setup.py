@@ -182,12 +182,6 @@ def check_launchable(recipe: Recipe) -> None:
         # cannot carry CPU tensors (docs/sglang.md, weight updates).
         raise RecipeError("sync.transport", "colocated", "an SGLang CPU engine that spans nodes (rollout.engine_tp > "
                           "cluster.gpus_per_node) takes weights through 'disk' (or 'distributed' when disaggregated)")
-    if r.cluster.device == "cuda" and r.sync.transport == "colocated" and r.cluster.num_nodes > 1:
-        # TODO(issue 15, colocated GPUs): CUDA-IPC buckets from every trainer rank. Until then trainer rank 0 packs
-        # every bucket on its own GPU, and an engine on another node cannot open its CUDA-IPC handles.
-        raise NotImplementedError("sync.transport=colocated on several nodes: only trainer rank 0 ships CUDA-IPC "
-                                  "buckets so far, which engines on other nodes cannot open; use sync.transport=disk "
-                                  "(a shared filesystem) for now")
 
 
 def start_ray(run: "RunContext", resources: Resources, verbose: bool = False) -> None:

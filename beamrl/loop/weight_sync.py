@@ -1,7 +1,9 @@
 """The trainer ranks' side of a weight sync in the RL loop: each rank runs the one orchestrator
 (`beamrl.sync.orchestrator.WeightSync`) on the Megatron export. Rank 0 holds the transport and reaches the engines
-as Ray actors (`ActorReceiver`); the other ranks take part in the collective export and probe pass only. The
-driver makes one call to the trainer group per sync (`TrainerGroup.sync_weights`) and gets rank 0's report."""
+as Ray actors (`ActorReceiver`); the other ranks take part in the collective export and probe pass, and, when the
+colocated engines take their buckets from every trainer rank (`SyncRequest.colocations`), each keeps its own
+shared slots (`beamrl.sync.rank_slots`). The driver makes one call to the trainer group per sync
+(`TrainerGroup.sync_weights`) and gets rank 0's report."""
 
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ from beamrl.protocols.weights import PendingCall, WeightSyncError
 from beamrl.sync.export import ExportSource, TensorSpec
 from beamrl.sync.forwarding_receiver import ForwardingReceiver
 from beamrl.sync.orchestrator import ProbeCheck, SyncTimeouts, WeightSync
+from beamrl.sync.rank_payload import Colocation
+from beamrl.sync.rank_slots import RankSlots
 
 _LAYOUTS: dict[int, list[list[TensorSpec]]] = {}  # per trainer object: its export layout
 _ADAPTER_LAYOUTS: dict[int, list[list[TensorSpec]]] = {}  # per trainer object: its adapter export layout
@@ -143,6 +147,9 @@ class SyncRequest:
     #: Memory tags the engines resume at the end of a staged sync (() : the driver resumes them after the trainer
     #: went to sleep, `beamrl.loop.colocated`).
     resume_after_sync: tuple[str, ...] = ("kv_cache", "cuda_graph")
+    #: Colocated buckets from every trainer rank: per engine, the trainer rank on each of its TP ranks' devices
+    #: (`beamrl.loop.weight_update.rank_colocations`); () : every bucket from rank 0.
+    colocations: tuple[tuple[int, ...], ...] = ()
 
 
 _SYNCS: dict[tuple, WeightSync] = {}
@@ -164,23 +171,36 @@ def _transport_kwargs(transport: str, trainer) -> dict:
     raise ValueError(f"sync.transport={transport!r} is not a transport the RL loop knows")
 
 
+def _rank_slots(trainer, rank: int, engine_names, req: SyncRequest) -> tuple[RankSlots | None, dict]:
+    """This rank's slots and (rank 0) the transport's per-rank arguments, when the engines take their buckets
+    from every trainer rank."""
+    if req.transport != "colocated" or not req.colocations:
+        return None, {}
+    if len(req.colocations) != len(engine_names):
+        raise WeightSyncError(f"{len(req.colocations)} colocations for {len(engine_names)} engines")
+    slots = RankSlots(rank, trainer.device)
+    colocations = {n: Colocation(tuple(c)) for n, c in zip(engine_names, req.colocations)}
+    return slots, {"rank_slots": slots, "colocations": colocations}
+
+
 def _orchestrator(trainer, rank: int, receivers, engine_names, engine_tp, req: SyncRequest) -> WeightSync:
-    key = (id(trainer), tuple(engine_names), req.transport, req.bucket_bytes)
+    key = (id(trainer), tuple(engine_names), req.transport, req.bucket_bytes, req.colocations)
     ws = _SYNCS.get(key)
     if ws is None:
         probe = (ProbeCheck([list(s) for s in req.probe_sequences], req.probe_tolerance, req.probe_every)
                  if req.probe_sequences else None)
         transport = engines = None
+        rank_slots, per_rank = _rank_slots(trainer, rank, engine_names, req)
         if rank == 0:
             from beamrl.sync.transports import TRANSPORTS
 
             engines = [ActorReceiver(h, n, tp) for h, n, tp in zip(receivers, engine_names, engine_tp)]
-            kwargs = _transport_kwargs(req.transport, trainer)
+            kwargs = {**_transport_kwargs(req.transport, trainer), **per_rank}
             transport = lambda recs: TRANSPORTS.get(req.transport)(recs, **kwargs)  # noqa: E731
         ws = _SYNCS[key] = WeightSync(transport, engines or [], bucket_bytes=req.bucket_bytes,
                                       timeouts=SyncTimeouts.uniform(req.timeout), initial_version=req.version - 1,
                                       probe=probe, staged_memory=req.staged_memory,
-                                      resume_after_sync=req.resume_after_sync)
+                                      resume_after_sync=req.resume_after_sync, rank_slots=rank_slots)
     # Per request, not per cached orchestrator: a resumed run's first sync is unstaged, the loop's are staged.
     ws.staged_memory, ws.resume_after_sync = req.staged_memory, tuple(req.resume_after_sync)
     return ws

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from beamrl.cluster.placement import Placement
 from beamrl.loop.groups import EngineGroup, TrainerGroup
 from beamrl.loop.log import log
 from beamrl.loop.weight_sync import SyncRequest
@@ -52,20 +53,33 @@ def sync_probe(data, tokenizer, dtype: str, engine: str) -> SyncProbe:
 _announced: set[str] = set()
 
 
+def rank_colocations(placement: Placement, transport: str) -> tuple[tuple[int, ...], ...]:
+    """Per engine, the trainer rank on each of its TP ranks' devices, when colocated engines must take their
+    buckets from every trainer rank: an engine of TP > 1 (its ranks are on several devices), or a layout of several
+    nodes (an engine on another node than trainer rank 0 cannot open rank 0's buffers). () otherwise: rank 0 ships
+    every bucket (the native engine's staged slots, or one flattened bucket)."""
+    if transport != "colocated" or placement.mode != "colocated":
+        return ()
+    if placement.num_nodes == 1 and all(e.tp == 1 for e in placement.engines):
+        return ()
+    return tuple(tuple(e.shares_with_trainer) for e in placement.engines)
+
+
 def sync_request(version: int, sync: SyncConfig, timeout: float, probe: SyncProbe | None, staged: bool = False,
-                 resume_after_sync: tuple[str, ...] = ("kv_cache", "cuda_graph")) -> SyncRequest:
+                 resume_after_sync: tuple[str, ...] = ("kv_cache", "cuda_graph"),
+                 colocations: tuple[tuple[int, ...], ...] = ()) -> SyncRequest:
     return SyncRequest(version=version, transport=sync.transport, bucket_bytes=sync.bucket_bytes, timeout=timeout,
                        probe_sequences=tuple(tuple(s) for s in probe.sequences) if probe else (),
                        probe_tolerance=probe.tolerance if probe else 0.0, probe_every=sync.probe_every,
-                       staged_memory=staged, resume_after_sync=resume_after_sync)
+                       staged_memory=staged, resume_after_sync=resume_after_sync, colocations=colocations)
 
 
 def resync_engine(trainer: TrainerGroup, engines: EngineGroup, index: int, version: int, sync: SyncConfig,
-                  timeout: float, probe: SyncProbe | None) -> None:
+                  timeout: float, probe: SyncProbe | None, colocations: tuple[tuple[int, ...], ...] = ()) -> None:
     """Bring restarted engine `index` to `version` (what the others serve): a subset sync through the same
     orchestrator (checksums, version check, probe verification), then its served version is checked here too."""
     if version > 0:
-        trainer.sync_restarted(engines, index, sync_request(version, sync, timeout, probe))
+        trainer.sync_restarted(engines, index, sync_request(version, sync, timeout, probe, colocations=colocations))
     served = engines.version_of(index)
     if served != version:
         raise EngineError(f"{engines.names[index]} serves weight version {served} after its restart; the trainer is "
@@ -74,16 +88,18 @@ def resync_engine(trainer: TrainerGroup, engines: EngineGroup, index: int, versi
 
 def publish_weights(trainer: TrainerGroup, engines: EngineGroup, version: int, sync: SyncConfig, timeout: float,
                     probe: SyncProbe | None, staged: bool = False,
-                    resume_after_sync: tuple[str, ...] = ("kv_cache", "cuda_graph")) -> dict[str, float]:
+                    resume_after_sync: tuple[str, ...] = ("kv_cache", "cuda_graph"),
+                    colocations: tuple[tuple[int, ...], ...] = ()) -> dict[str, float]:
     """Sync the trainer's weights into every engine as `version`, checked (per-bucket checksums, served versions)
     and, when `probe` is given, verified on the probe sequences, all in one call to the trainer group. With `staged`
     the engines take back `resume_after_sync` at its end (() when the driver does so after the trainer sleeps).
-    Returns the sync metrics."""
-    report = trainer.sync_weights(engines, sync_request(version, sync, timeout, probe, staged, resume_after_sync))
+    `colocations`: `rank_colocations` of the run's placement. Returns the sync metrics."""
+    report = trainer.sync_weights(engines, sync_request(version, sync, timeout, probe, staged, resume_after_sync,
+                                                        colocations))
     if report["code_path"] not in _announced:
         _announced.add(report["code_path"])
-        log(f"weight sync: {report['code_path']} ({sync.transport}, {report['buckets']} buckets, "
-            f"{report['bytes'] / 2**20:.1f} MiB)")
+        log(f"weight sync: {report['code_path']} ({sync.transport}: {report['transport_mode']}, "
+            f"{report['buckets']} buckets, {report['bytes'] / 2**20:.1f} MiB)")
     out = {"time/sync_s": report["seconds"], "sync/bytes": float(report["bytes"]), "sync/gbps": report["gbps"],
            "sync/version": float(report["version"]), "sync/buckets": float(report["buckets"])}
     if report["max_abs_logprob_diff"] is not None:

@@ -14,6 +14,8 @@ Per-GPU payload rates (GB/s = 1e9 B/s) per GPU type, each with its source (`RATE
 Two projections:
 - **as built**: the export is gathered on trainer rank 0 (Megatron's TP/EP all-gathers, PP broadcasts), rank 0
   packs every bucket and ships it through the recipe's transport; per bucket these steps run one after another.
+  Colocated engines of TP > 1, or colocated layouts over several nodes, first get each packed bucket broadcast to
+  every trainer rank (buckets from every trainer rank, docs/colocated.md): NVLink in one node, the network across.
   Distributed: one broadcast stream from rank 0's GPU to every engine GPU, bound by that GPU's network share.
 - **per-source-rank** (the design that reaches the 501B target): each trainer rank broadcasts the tensors it owns
   straight to the engines; every engine node receives the full model once (SGLang's engine ranks take full
@@ -115,6 +117,9 @@ def estimate_sync_time(r: "Recipe", config: "BeamConfig") -> SyncTimeEstimate:
     transport = r.sync.transport
     if transport == "colocated":
         transfer = total / (rates.colocated * gb)
+        if r.placement.mode == "colocated" and (ro.engine_tp > 1 or r.cluster.num_nodes > 1):
+            spread = rates.inter_node if r.cluster.num_nodes > 1 else rates.intra_node
+            transfer += total / (spread * gb)  # rank 0's packed bucket to every trainer rank's slot
     elif transport == "distributed":
         transfer = total / ((rates.inter_node if engines_remote else rates.intra_node) * gb)
     else:  # disk: a checkpoint written and read back; not modelled beyond the copy

@@ -10,7 +10,10 @@
    its weights before anything is applied.
 4. **buckets**: the export streams (a collective on a multi-rank trainer: every rank iterates it); on the shipping
    rank each completed bucket is packed once (`pack_bucket`) into the buffer the transport gives and sent. Sends
-   are pipelined: the next bucket is packed while the engines load this one.
+   are pipelined: the next bucket is packed while the engines load this one. With `rank_slots` (colocated buckets
+   from every trainer rank, `beamrl.sync.rank_slots`) every rank follows the buckets in lockstep and each packed
+   bucket is spread to every rank's slot before it is sent; after a failure the shipping rank still completes
+   every spread, as it completes the export.
 5. **agree** (`source.finish`): every trainer rank learns whether the export shipped, so a failure on the shipping
    rank never leaves the other ranks waiting in a collective.
 6. **finalize**: every engine commits (checks every bucket arrived with intact bytes) and serves the new version.
@@ -37,6 +40,7 @@ from beamrl.sync.calls import run_concurrently
 from beamrl.sync.export import ExportSource
 from beamrl.sync.packing import pack_bucket
 from beamrl.sync.plan import DEFAULT_BUCKET_BYTES, BucketPlan, plan_buckets
+from beamrl.sync.rank_slots import RankSlots
 from beamrl.sync.transports.base import WeightTransport
 
 TransportFactory = Callable[[Sequence[WeightReceiver]], WeightTransport]
@@ -85,7 +89,8 @@ class ProbeCheck:
 @dataclass
 class SyncReport:
     """What one sync moved and how fast (`seconds`: begin .. finalize, i.e. transfer + engine loads, pipelined).
-    `code_path`: the orchestrator class and packing function that ran (the same for training and the benches)."""
+    `code_path`: the orchestrator class and packing function that ran (the same for training and the benches);
+    `transport_mode`: how the transport moved the buckets (e.g. the colocated transport's 'staged', 'per_rank')."""
 
     version: int
     bytes: int
@@ -96,6 +101,7 @@ class SyncReport:
     verified: bool
     max_abs_logprob_diff: float | None
     code_path: str = ""
+    transport_mode: str = ""
     times: dict[str, float] = field(default_factory=dict)
 
 
@@ -104,6 +110,21 @@ def max_abs_diff(a: Sequence[Sequence[float]], b: Sequence[Sequence[float]]) -> 
     if len(a) != len(b) or any(len(x) != len(y) for x, y in zip(a, b)):
         raise WeightSyncError(f"logprob shapes differ: {[len(x) for x in a]} vs {[len(y) for y in b]}")
     return max((abs(float(x) - float(y)) for xs, ys in zip(a, b) for x, y in zip(xs, ys)), default=0.0)
+
+
+class _CountedUnits:
+    """A stream that counts the units taken from it (where `BucketPlan.completions` resumes after a failure)."""
+
+    def __init__(self, stream) -> None:
+        self._it, self.units = iter(stream), 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        unit = next(self._it)
+        self.units += 1
+        return unit
 
 
 def _stderr(msg: str) -> None:
@@ -121,13 +142,16 @@ class WeightSync:
     engines), or None on a trainer rank that does not ship (it still takes part in the collective export and probe
     pass). `engines`: the receivers, which also answer `abort_all`, `score`, `served_weight_version` and (colocated
     GPUs, `staged_memory`) `resume_memory`. `initial_version`: the version the engines serve now.
-    `resume_after_sync`: the memory tags a staged sync resumes at its end (default KV cache and CUDA graphs)."""
+    `resume_after_sync`: the memory tags a staged sync resumes at its end (default KV cache and CUDA graphs).
+    `rank_slots`: this rank's `RankSlots`, on every trainer rank, when the colocated engines take their buckets from
+    every trainer rank (the shipping rank's transport holds the same object)."""
 
     def __init__(self, transport: WeightTransport | TransportFactory | None, engines: Sequence[WeightReceiver] = (),
                  *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeouts: SyncTimeouts = SyncTimeouts(),
                  initial_version: int = 0, probe: ProbeCheck | None = None, staged_memory: bool = False,
                  resume_after_sync: Sequence[str] = ("kv_cache", "cuda_graph"),
-                 progress: Callable[[str], None] | None = _stderr, progress_every_s: float = 5.0) -> None:
+                 progress: Callable[[str], None] | None = _stderr, progress_every_s: float = 5.0,
+                 rank_slots: RankSlots | None = None) -> None:
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
         self._factory: TransportFactory | None = None
@@ -154,6 +178,7 @@ class WeightSync:
         self.progress_every_s = progress_every_s
         self._summarised = False  # whether a sync's summary line was said (the first one always is)
         self.pack = pack_bucket  # the one packing function (reported in `SyncReport.code_path`)
+        self.rank_slots = rank_slots
         self.unhealthy: dict[str, str] = {}  # engine failures found after commit (version, verification)
         self.syncs = 0
         self._plans: dict[object, BucketPlan] = {}
@@ -251,6 +276,48 @@ class WeightSync:
                           f"sent, {now - t_begin:.1f} s")
         return count, nbytes
 
+    def _ship_per_rank(self, plan: BucketPlan, source: ExportSource, stream, transport: WeightTransport | None,
+                       failure: BaseException | None, version: int,
+                       t_begin: float) -> tuple[int, int, BaseException | None]:
+        """Every rank, in lockstep with the export: the shipping rank packs bucket k into its rank slot, every
+        rank takes part in spreading it (`RankSlots.spread`), then the shipping rank sends it. A failure on the
+        shipping rank stops packing and sending, never the spreads (the other ranks are in them)."""
+        count = nbytes = spread = 0
+        counted = _CountedUnits(stream)
+        last_said = time.perf_counter()
+        if self.ships and failure is None:
+            try:
+                for k, tensors in plan.assemble(counted):
+                    layout = plan.buckets[k]
+                    if failure is None:
+                        try:
+                            target = transport.buffer(layout, self.timeouts.bucket)
+                            self.pack(target.buffer, layout, tensors, target.views)
+                        except Exception as exc:
+                            failure = exc
+                    del tensors
+                    self.rank_slots.spread(layout)
+                    spread += 1
+                    if failure is None:
+                        try:
+                            transport.send(layout, self.timeouts.bucket)
+                        except Exception as exc:
+                            failure = exc
+                            continue
+                        count += 1
+                        nbytes += layout.nbytes
+                        now = time.perf_counter()
+                        if now - last_said >= self.progress_every_s:
+                            last_said = now
+                            self._say(f"[weight sync v{version}] bucket {count}/{len(plan.buckets)}: "
+                                      f"{nbytes / 2**30:.3f} GiB sent, {now - t_begin:.1f} s")
+            except Exception as exc:  # the export did not match its layout: the rest of it is only followed
+                failure = exc
+        sizes = [len(u) for u in source.units()]
+        for k in plan.completions(counted, sizes, counted.units, spread):
+            self.rank_slots.spread(plan.buckets[k])
+        return count, nbytes, failure
+
     # ----------------------------------------------------------------------------------------------- the sync
     def sync(self, source: ExportSource, *, engines: Sequence[WeightReceiver] | None = None,
              version: int | None = None) -> SyncReport | None:
@@ -269,6 +336,8 @@ class WeightSync:
         t_begin = time.perf_counter()
         times: dict[str, float] = {}
         count = nbytes = 0
+        if self.rank_slots is not None:  # collective: before anything can fail on one rank only
+            self.rank_slots.ensure(plan.max_bucket_bytes)
         stream = source.stream()
         if self.ships:
             try:
@@ -276,9 +345,13 @@ class WeightSync:
                 times["prepare_s"] = self._prepare(transport, targets)
                 t_begin = time.perf_counter()
                 transport.begin(plan.manifest(new_version, source.mode), self.timeouts.call)
-                count, nbytes = self._ship(plan, stream, transport, new_version, t_begin)
+                if self.rank_slots is None:
+                    count, nbytes = self._ship(plan, stream, transport, new_version, t_begin)
             except Exception as exc:
                 failure = exc
+        if self.rank_slots is not None:
+            count, nbytes, failure = self._ship_per_rank(plan, source, stream, transport, failure, new_version,
+                                                         t_begin)
         for _ in stream:  # the export is collective: finish it whatever happened here
             pass
         ok = source.finish(failure is None)
@@ -305,8 +378,14 @@ class WeightSync:
                 transport.abort(str(exc), self.timeouts.call)
             if subset:
                 transport.close()
+        # Per-rank buckets: every rank's slots stay untouched until the engines copied them (the shipping rank's
+        # commit); this also tells every rank whether the commit went through.
+        committed = self.rank_slots.agree(commit_error is None) if self.rank_slots is not None else True
         reference = source.logprobs([list(map(int, s)) for s in self.probe.sequences]) if probe_due else None
         if not self.ships:
+            if not committed:
+                raise WeightSyncError(f"weight sync to version {new_version} failed at the commit on the shipping "
+                                      f"trainer rank")
             if not subset:
                 self.version = new_version
             return None
@@ -324,6 +403,7 @@ class WeightSync:
                             gbps=nbytes / max(seconds, 1e-12) / 1e9,
                             engines=[self._label(e, i) for i, e in enumerate(targets)],
                             verified=diff is not None, max_abs_logprob_diff=diff, code_path=self.code_path,
+                            transport_mode=str(getattr(transport, "mode", None) or transport.name),
                             times=times)
         if seconds >= self.progress_every_s or not self._summarised:  # the first sync, then only long ones
             self._summarised = True
@@ -374,9 +454,12 @@ class WeightSync:
         return worst
 
     def release_buffers(self) -> None:
-        """Free the transport's staging buffers until the next sync (a colocated trainer going to sleep)."""
+        """Free the transport's staging buffers until the next sync (a colocated trainer going to sleep); with
+        `rank_slots`, this rank's slots too (every rank calls it)."""
         if self._transport is not None:
             self._transport.release_buffers(self.timeouts.call)
+        if self.rank_slots is not None:
+            self.rank_slots.release()
 
     def close(self) -> None:
         """Tear down the transport's channels (e.g. the update group) and staging buffers."""

@@ -103,6 +103,33 @@ class BucketPlan:
             raise WeightSyncError(f"export ended after {i} of the {n} tensors of its layout (next: {self.specs[i].name!r})")
 
 
+    def completions(self, stream: Iterable[NamedTensors], unit_sizes: list[int], units_done: int = 0,
+                    next_bucket: int = 0) -> Iterator[int]:
+        """The bucket indices `assemble` would yield, at the same points of the stream (after the unit that
+        completes them), from the unit sizes alone: what a trainer rank that holds no tensors (or the shipping
+        rank after `assemble` failed, from `units_done` units and `next_bucket` on) iterates to stay in lockstep
+        with the buckets of a collective export (`beamrl.sync.rank_slots`). Reads the units, never their tensors."""
+        done_at = [-1] * len(self.buckets)  # the export index of each bucket's last tensor
+        for i, (b, _pos) in enumerate(self.slots):
+            done_at[b] = max(done_at[b], i)
+        arrived = sum(unit_sizes[:units_done])
+
+        def ready() -> Iterator[int]:
+            nonlocal next_bucket
+            while next_bucket < len(self.buckets) and done_at[next_bucket] < arrived:
+                yield next_bucket
+                next_bucket += 1
+
+        yield from ready()
+        for j, _unit in enumerate(stream, start=units_done):
+            if j >= len(unit_sizes):
+                raise WeightSyncError(f"export yielded unit {j} after the last unit of its layout ({len(unit_sizes)})")
+            arrived += unit_sizes[j]
+            yield from ready()
+        if next_bucket != len(self.buckets):
+            raise WeightSyncError(f"export ended with bucket {next_bucket} of {len(self.buckets)} incomplete")
+
+
 def plan_buckets(units: Iterable[Iterable[TensorSpec]], bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  group_rule: GroupRule = beam_atomic_group) -> BucketPlan:
     """Bucket an export layout (module docstring). Raises `WeightSyncError` for an empty layout or a name that

@@ -3,23 +3,28 @@
 A colocated engine of TP > 1 has its TP ranks on several GPUs, each shared with a trainer rank. SGLang's
 `update_weights_from_tensor(load_format="flattened_bucket")` takes one serialized flattened bucket per engine TP
 rank; engine rank r opens entry r. For the copy to stay on one device, entry r must be a buffer on engine rank r's
-GPU: the trainer rank sharing that GPU packs the bucket there (CUDA IPC on GPU, a shared-memory file on CPU). So:
+GPU: the trainer rank sharing that GPU holds a copy of the bucket there (CUDA IPC on GPU, a shared-memory file on
+CPU). So:
 
-1. every trainer rank packs bucket k into its own buffer and shares it (`SharedBuffer.of`);
-2. the handles are gathered to the shipping rank (`gather_handles`, a collective over the trainer ranks);
-3. the shipping rank builds the payload (`payload_entries`): entry r = the handle of `Colocation.trainer_rank_of[r]`;
-4. every rank holds its buffer (`KeepAlive.hold`) until the engine has copied bucket k (the engine's reply, plus
-   its copy-done event on GPU: SGLang may reply before its device copy finished), then releases it
-   (`KeepAlive.release`, then `torch.cuda.ipc_collect()` so the IPC mapping goes).
+1. every trainer rank keeps its own shared buffers (`SharedBuffer.allocate` / `SharedBuffer.of`, made and shared
+   once); the shipping rank packs bucket k into its own (the one `pack_bucket`), and the packed bytes are
+   broadcast into the other ranks' (`beamrl.sync.rank_slots`);
+2. the handles are gathered to the shipping rank once (`gather_handles`, a collective over the trainer ranks);
+3. the shipping rank builds each engine's payload (`payload_entries`): entry r = the buffer of
+   `Colocation.trainer_rank_of[r]`, sent as a `RankedFlatBucket`;
+4. the shipping rank holds the buffers of bucket k (`KeepAlive.hold`) until every engine replied for it, then
+   releases them (`KeepAlive.release`, then `torch.cuda.ipc_collect()` on GPU); the other ranks write into theirs
+   only in the next collective broadcast, which the shipping rank enters after that release.
 
 The rules (`tests/sync/test_rank_payload.py`): every engine TP rank gets exactly one entry, from the trainer rank on
 its device (a layout where an engine rank shares no trainer rank's device is refused by name); a bucket is held once
 and released once; at most `max_outstanding` buckets are in flight per rank (the caller waits for replies first);
 `finalize` finds nothing outstanding; `release_all` (abort) drops everything.
 
-Status: the payload, the handles and the keep-alive rules, and the SGLang payload builder's per-rank buffers
-(`beamrl.rollout.sglang.payloads.flattened_bucket_payloads(..., buffers=...)`), are here and tested on CPU with
-gloo; the RL loop's colocated sync still ships from trainer rank 0 (docs/colocated.md, "Not done yet").
+Wiring: `beamrl.sync.rank_slots.RankSlots` keeps every trainer rank's buffers (persistent slots, shared once) and
+spreads each packed bucket to them; the colocated transport's per-rank mode sends each engine a `RankedFlatBucket`
+(its entries, the layout, the index and the shipping rank's checksum) and holds each slot in a `KeepAlive`
+(docs/colocated.md, "Buckets from every trainer rank").
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from beamrl.protocols.flat_bucket import FlatBucket, TensorMeta
 
 
 class PayloadError(ValueError):
@@ -76,9 +83,10 @@ class SharedBuffer:
     """A picklable handle on one trainer rank's packed bucket: a CUDA-IPC handle (torch's own reduction) on GPU, a
     shared-memory file on CPU. `rank`: the trainer rank that owns it; `index`: the bucket."""
 
-    def __init__(self, rank: int, index: int, nbytes: int, cuda_ipc=None, path: str | None = None) -> None:
+    def __init__(self, rank: int, index: int, nbytes: int, cuda_ipc=None, path: str | None = None,
+                 device_uuid: str | None = None) -> None:
         self.rank, self.index, self.nbytes = rank, index, nbytes
-        self.cuda_ipc, self.path = cuda_ipc, path
+        self.cuda_ipc, self.path, self.device_uuid = cuda_ipc, path, device_uuid
 
     @classmethod
     def of(cls, buffer: torch.Tensor, rank: int, index: int) -> "SharedBuffer":
@@ -88,7 +96,8 @@ class SharedBuffer:
         if buffer.is_cuda:
             from torch.multiprocessing.reductions import reduce_tensor
 
-            return cls(rank, index, buffer.numel(), cuda_ipc=reduce_tensor(buffer))
+            uuid_ = str(torch.cuda.get_device_properties(buffer.device).uuid)
+            return cls(rank, index, buffer.numel(), cuda_ipc=reduce_tensor(buffer), device_uuid=uuid_)
         path = getattr(buffer, "_beamrl_shm_path", None)
         if path is None:
             raise PayloadError(f"bucket {index} on trainer rank {rank}: a CPU buffer must come from "
@@ -108,15 +117,41 @@ class SharedBuffer:
         weakref.finalize(buf, _unlink, path)
         return buf
 
+    def for_bucket(self, index: int, nbytes: int) -> "SharedBuffer":
+        """The first `nbytes` of this (persistent, `beamrl.sync.rank_slots`) buffer as the handle of bucket
+        `index`: the same memory, nothing is shared again."""
+        if nbytes > self.nbytes:
+            raise PayloadError(f"bucket {index} has {nbytes} bytes; trainer rank {self.rank}'s buffer holds "
+                               f"{self.nbytes}")
+        return SharedBuffer(self.rank, index, nbytes, cuda_ipc=self.cuda_ipc, path=self.path,
+                            device_uuid=self.device_uuid)
+
     def open(self) -> torch.Tensor:
-        """The receiver's view of the buffer (same memory; no copy)."""
+        """The receiver's view of the buffer's `nbytes` (same memory; no copy)."""
         if self.cuda_ipc is not None:
             rebuild, args = self.cuda_ipc
-            return rebuild(*args)
+            return rebuild(*args)[:self.nbytes]
         if self.path is None or not os.path.exists(self.path):
             raise PayloadError(f"bucket {self.index} of trainer rank {self.rank} is gone (released before the "
                                f"engine copied it)")
         return torch.from_file(self.path, shared=True, size=self.nbytes, dtype=torch.uint8)
+
+
+class _CudaTensorByUUID:
+    """Pickles as torch's rebuild of a shared CUDA buffer with the device named by its UUID, which SGLang's
+    unpickler maps to its own device index (`sglang.srt.utils.patch_torch`): the trainer process and the engine's
+    scheduler number their visible GPUs differently. The consumer gets the whole slot; the flattened bucket's
+    metadata says which bytes are the bucket."""
+
+    _DEVICE_ARG = 6  # of torch's `rebuild_cuda_tensor` arguments (SGLang relies on the same position)
+
+    def __init__(self, handle: SharedBuffer) -> None:
+        self.handle = handle
+
+    def __reduce__(self):
+        rebuild, args = self.handle.cuda_ipc
+        args = tuple(self.handle.device_uuid if i == self._DEVICE_ARG else a for i, a in enumerate(args))
+        return rebuild, args
 
 
 def _unlink(path: str) -> None:
@@ -126,8 +161,9 @@ def _unlink(path: str) -> None:
         pass
 
 
-def gather_handles(handle: SharedBuffer, dst: int = 0, group=None) -> list[SharedBuffer] | None:
-    """Collective over the trainer ranks: every rank's handle, on `dst` (None elsewhere)."""
+def gather_handles(handle, dst: int = 0, group=None) -> list | None:
+    """Collective over the trainer ranks: every rank's handle (a `SharedBuffer`, or a tuple of them: a rank's
+    persistent slots), on `dst`, indexed by rank (None elsewhere)."""
     import torch.distributed as dist
 
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
@@ -192,3 +228,66 @@ class KeepAlive:
         self._held.clear()
         if cuda:
             torch.cuda.ipc_collect()
+
+
+class RankedFlatBucket(FlatBucket):
+    """A colocated bucket whose bytes stay where the trainer ranks packed them: one `SharedBuffer` per engine TP
+    rank (`entries[r]` from the trainer rank on engine rank r's device, `payload_entries`), with the bucket's
+    layout, index and the shipping rank's checksum of the bytes. Picklable (the handles, never the bytes).
+
+    `buffer` is TP rank 0's entry, opened on first use (what an engine of TP 1, e.g. the native engine, reads);
+    `rank_buffers()` opens every entry (an engine of TP > 1 hands entry r to its rank r and checks each one's
+    checksum: a corrupted copy on one trainer rank is refused, naming the rank)."""
+
+    def __init__(self, entries: Sequence[SharedBuffer], metas: list[TensorMeta], index: int,
+                 checksum: tuple[int, int]) -> None:
+        if not entries:
+            raise PayloadError(f"bucket {index}: no payload entries")
+        if not metas:
+            raise ValueError("FlatBucket needs at least one tensor")
+        for r, e in enumerate(entries):
+            if e.index != index or e.nbytes != metas[-1].end:
+                raise PayloadError(f"bucket {index}: entry {r} is bucket {e.index} with {e.nbytes} bytes, the "
+                                   f"layout needs bucket {index} with {metas[-1].end}")
+        self.entries = list(entries)
+        self.metas = list(metas)
+        self.index = index
+        self.checksum = checksum
+        self._opened: list[torch.Tensor | None] = [None] * len(self.entries)
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_opened"] = [None] * len(self.entries)  # mappings are per process
+        return state
+
+    def rank_buffer(self, r: int) -> torch.Tensor:
+        if self._opened[r] is None:
+            self._opened[r] = self.entries[r].open()
+        return self._opened[r]
+
+    def rank_buffers(self) -> list[torch.Tensor]:
+        return [self.rank_buffer(r) for r in range(len(self.entries))]
+
+    @property
+    def on_cuda(self) -> bool:
+        return self.entries[0].cuda_ipc is not None
+
+    def payload_tensors(self) -> list:
+        """What engine TP rank r deserializes, per rank: on CPU the opened shared-memory entry; on GPU an object
+        that pickles as the trainer rank's own CUDA-IPC handle (a CUDA tensor received by IPC cannot be shared
+        again, so the engine adapter never opens it)."""
+        if self.on_cuda:
+            return [_CudaTensorByUUID(e) for e in self.entries]
+        return self.rank_buffers()
+
+    @property
+    def buffer(self) -> torch.Tensor:  # type: ignore[override]
+        return self.rank_buffer(0)
+
+    @property
+    def nbytes(self) -> int:
+        return self.metas[-1].end
+
+    def __repr__(self) -> str:
+        return (f"RankedFlatBucket(bucket {self.index}, {len(self.metas)} tensors, {self.nbytes} bytes, entries "
+                f"from trainer ranks {[e.rank for e in self.entries]})")

@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode, transport_mode", [("colocated", "staged"), ("distributed", "distributed")])
+@pytest.mark.parametrize("mode, transport_mode", [("colocated", "staged"), ("per_rank", "per_rank"),
+                                                  ("distributed", "distributed")])
 def test_cpu_smoke_run_moves_every_byte(tmp_path, mode, transport_mode):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
     out = tmp_path / "result.json"
@@ -43,7 +44,8 @@ def test_cpu_smoke_run_moves_every_byte(tmp_path, mode, transport_mode):
             fraction = r["gbps_best"] / r["raw_broadcast_same_bytes_gbps"]
             assert r["sync_fraction_of_raw_broadcast"] == pytest.approx(fraction)
         assert "| sync / it |" in p.stdout
-    refs = {"colocated": ["d2d_copy_gbps"], "distributed": ["raw_broadcast_gbps", "peer_copy_gbps"]}[mode]
+    refs = {"colocated": ["d2d_copy_gbps"], "per_rank": ["d2d_copy_gbps"],
+            "distributed": ["raw_broadcast_gbps", "peer_copy_gbps"]}[mode]
     assert list(result["references"]) == refs and all(result["references"][k] > 0 for k in refs)
     assert "checksums equal after 2 syncs" in p.stdout and "| sync / reference |" in p.stdout
 

@@ -23,7 +23,7 @@ def test_colocated_native_versions_follow_steps_and_runs_reproduce(tmp_path):
     _ok(p)
     # `beamrl train` syncs through the same orchestrator and packing function as `beamrl bench sync`
     # (tests/commands/test_bench.py asserts the bench's code path is this same string)
-    assert f"[beamrl] weight sync: {TRAINING_CODE_PATH} (colocated, " in p.stdout
+    assert f"[beamrl] weight sync: {TRAINING_CODE_PATH} (colocated: staged, " in p.stdout
     rows = metrics(a)
     assert [r["step"] for r in rows] == [0, 1, 2]
     for r in rows:

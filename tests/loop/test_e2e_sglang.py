@@ -13,8 +13,13 @@ def _ok(p):
     assert p.returncode == 0, f"beamrl train failed (rc={p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
 
 
-def test_colocated_sglang_engine(tmp_path):
-    _ok(run_train(tmp_path / "run", *SGLANG, "run.num_steps=3"))
+def test_colocated_sglang_engine_of_tp2(tmp_path):
+    """Two trainer ranks and an engine of TP 2 on the same two worker slots: each engine TP rank reads each bucket
+    from the trainer rank on its slot (`colocated: per_rank`, docs/colocated.md), checked by the probe every sync."""
+    p = run_train(tmp_path / "run", *SGLANG, "run.num_steps=3", "cluster.gpus_per_node=2", "trainer.num_gpus=2",
+                  "rollout.engine_tp=2")
+    _ok(p)
+    assert "(colocated: per_rank, " in p.stdout
     rows = metrics(tmp_path / "run")
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert [r["rollout/weight_version"] for r in rows] == [0, 1, 2]

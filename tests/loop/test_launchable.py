@@ -1,5 +1,5 @@
 """What `beamrl train` refuses before starting any actor: the production layouts are launchable (multi-node
-engines, colocated engines with TP > 1); what still cannot work is named."""
+engines, colocated engines with TP > 1, colocated layouts over several nodes); what still cannot work is named."""
 
 import pytest
 
@@ -19,14 +19,19 @@ def test_production_layouts_are_launchable(name, overrides):
     check_launchable(load_recipe(name, overrides))
 
 
-def test_colocated_cuda_ipc_across_nodes_is_refused_by_name():
+def test_colocated_engines_on_several_nodes_are_launchable():
+    """Colocated CUDA-IPC buckets come from the trainer rank on each engine rank's GPU (every node ships its own),
+    so a colocated layout over several nodes is launched, and each engine's TP ranks are matched to trainer ranks."""
+    from beamrl.loop.weight_update import rank_colocations
+    from beamrl.recipe.layout import placement_of
+
     r = load_recipe("grpo_dapo_math", ["placement.mode=colocated", "placement.off_policy_steps=0",
                                        "sync.transport=colocated", "trainer.num_gpus=96", "trainer.ep=32",
                                        "trainer.global_batch_size=96", "rollout.prompts_per_step=24",
                                        "rollout.num_engines=12", "rollout.engine_tp=8"])
-    with pytest.raises(NotImplementedError, match="sync.transport=colocated on several nodes"):
-        check_launchable(r)
-    check_launchable(r.model_copy(update={"sync": r.sync.model_copy(update={"transport": "disk"})}))
+    check_launchable(r)
+    colocations = rank_colocations(placement_of(r), r.sync.transport)
+    assert colocations == tuple(tuple(range(8 * e, 8 * e + 8)) for e in range(12))
 
 
 def test_cpu_engine_spanning_nodes_needs_a_transport_over_http():

@@ -29,3 +29,23 @@ def test_tolerance_is_exact_only_where_both_sides_compute_the_same_thing():
     assert sync_probe(data, tok, "float32", "native").tolerance == EXACT_TOLERANCE == 1e-4
     for dtype, engine in (("bfloat16", "native"), ("float32", "sglang"), ("bfloat16", "sglang")):
         assert sync_probe(data, tok, dtype, engine).tolerance == ALARM_TOLERANCE
+
+
+def test_colocated_engines_take_buckets_from_every_trainer_rank_where_rank_0_cannot_reach_them():
+    """Per engine, the trainer rank on each of its TP ranks' devices, from the placement plan: for engines of TP > 1
+    and for layouts over several nodes; () where trainer rank 0 ships every bucket (one node of TP-1 engines,
+    disaggregated engines, other transports)."""
+    from beamrl.loop.weight_update import rank_colocations
+    from beamrl.recipe import load_recipe
+    from beamrl.recipe.layout import placement_of
+
+    def colocations(*overrides):
+        r = load_recipe("quickstart", ["sft=null", "rollout.engine=sglang", *overrides])
+        return rank_colocations(placement_of(r), r.sync.transport)
+
+    two = ["cluster.gpus_per_node=2", "trainer.num_gpus=2", "trainer.micro_batch_size=32"]
+    assert colocations(*two, "rollout.engine_tp=2") == ((0, 1),)
+    assert colocations(*two, "rollout.num_engines=2") == ()  # one node, TP 1: rank 0's buffers reach both
+    assert colocations("cluster.num_nodes=2", "trainer.num_gpus=2", "trainer.micro_batch_size=32",
+                       "rollout.num_engines=2") == ((0,), (1,))  # the engine on node 1 reads rank 1's copy
+    assert colocations(*two, "rollout.engine_tp=2", "sync.transport=disk") == ()

@@ -60,7 +60,17 @@ def test_colocated_recipes_use_the_colocated_rate():
     for o in ("placement.mode=colocated", "sync.transport=colocated", "rollout.engine_tp=1", "rollout.num_engines=16",
               "trainer.num_gpus=16"):
         apply_override(base_raw, o)
+    apply_override(base_raw, "cluster.num_nodes=1")
+    apply_override(base_raw, "cluster.gpus_per_node=16")
     r = validate_recipe(base_raw)
     c = preset("tiny")
-    e = estimate_sync_time(r, c)
-    assert e.transfer_s == pytest.approx(model_bytes(c, r.model.dtype)[0] / (RATES["h200"].colocated * 1e9))
+    total = model_bytes(c, r.model.dtype)[0]
+    assert estimate_sync_time(r, c).transfer_s == pytest.approx(total / (RATES["h200"].colocated * 1e9))
+    # buckets from every trainer rank (engines of TP > 1, several nodes): first spread to every trainer rank
+    for overrides, link in ((["rollout.engine_tp=2", "rollout.num_engines=8"], RATES["h200"].intra_node),
+                            (["cluster.num_nodes=2", "cluster.gpus_per_node=8"], RATES["h200"].inter_node)):
+        raw = copy.deepcopy(base_raw)
+        for o in overrides:
+            apply_override(raw, o)
+        e = estimate_sync_time(validate_recipe(raw), c)
+        assert e.transfer_s == pytest.approx(total / (RATES["h200"].colocated * 1e9) + total / (link * 1e9))

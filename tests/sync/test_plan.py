@@ -165,3 +165,34 @@ def test_copy_tensors_copies_large_tensors_as_bytes_and_strided_ones_as_they_are
     packing.copy_tensors(dst, src)
     for d, s in zip(dst, src):
         assert torch.equal(d, s)
+
+
+def _when_yielded(units, buckets_of):
+    """(bucket, units pulled from the stream when it was yielded) for each bucket `buckets_of(stream)` yields."""
+    pulled = [0]
+
+    def stream():
+        for u in units:
+            pulled[0] += 1
+            yield u
+
+    return [(k if isinstance(k, int) else k[0], pulled[0]) for k in buckets_of(stream())]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_completions_follow_assemble_from_the_unit_sizes_alone(state_dict, seed):
+    """A rank without tensors (empty units) sees each bucket complete after the same unit as the shipping rank,
+    and the shipping rank can resume following them after `assemble` stopped mid-stream."""
+    units = shuffled_units(state_dict, seed)
+    plan = plan_buckets([specs_of(u) for u in units], bucket_bytes=64 * 1024)
+    sizes = [len(u) for u in units]
+    shipped = _when_yielded(units, plan.assemble)
+    assert len(shipped) == len(plan.buckets) > 4
+    assert _when_yielded([[] for _ in units], lambda s: plan.completions(s, sizes)) == shipped
+    # resume after unit j with the buckets already seen: the rest, at the same points
+    j = len(units) // 2
+    seen = sum(1 for _, at in shipped if at < j)  # assemble stopped inside unit j: its buckets are still due
+    rest = _when_yielded(units[j:], lambda s: plan.completions(s, sizes, units_done=j, next_bucket=seen))
+    assert [(k, at + j) for k, at in rest] == shipped[seen:]
+    with pytest.raises(WeightSyncError, match="incomplete"):
+        list(plan.completions(iter([[]] * (len(units) - 1)), sizes))

@@ -1,13 +1,14 @@
 """Colocated buckets from every trainer rank (`beamrl.sync.rank_payload`): one payload entry per engine TP rank from
-the trainer rank on its device, each kept alive until the engine copied it; and SGLang's flattened-bucket payload
-with one buffer per TP rank."""
+the trainer rank on its device, each kept alive until the engine copied it; the ranked bucket that carries the
+entries; and SGLang's flattened-bucket payload with one buffer per TP rank. Wired into a sync with several trainer
+ranks: tests/sync/test_rank_slots.py."""
 
 import pytest
 import torch
 
-from beamrl.sync.rank_payload import Colocation, KeepAlive, PayloadError, SharedBuffer, payload_entries
-from beamrl.trainer.megatron.launch import launch
-from tests.sync import _rank_payload_runs as R
+from beamrl.protocols.flat_bucket import layout
+from beamrl.sync.rank_payload import (Colocation, KeepAlive, PayloadError, RankedFlatBucket, SharedBuffer,
+                                      payload_entries)
 
 
 def test_colocation_maps_engine_ranks_to_the_trainer_rank_on_their_device():
@@ -74,11 +75,44 @@ def test_sglang_payload_carries_each_tp_rank_its_own_buffer():
     assert [m.name for m in got[1]["metadata"]] == ["a", "b"]
     with pytest.raises(ValueError, match="2 per-rank buffers for an engine of TP 3"):
         flattened_bucket_payloads(bucket, 3, as_str=False, buffers=per_rank)
+    ranked, _bufs = _ranked([7, 9])  # a RankedFlatBucket: entry r of the payload is its TP rank r's entry
+    got = [MultiprocessingSerializer.deserialize(p) for p in flattened_bucket_payloads(ranked, 2, as_str=False)]
+    assert [int(g["flattened_tensor"][0]) for g in got] == [7, 9]
 
 
-@pytest.mark.slow
-def test_every_trainer_rank_ships_its_own_copy_kept_alive_until_copied():
-    out = launch(R.per_rank_payload, 2, (), timeout_s=300)[0]
-    assert out["entry_ranks"] == [0, 1] and out["distinct_buffers"]
-    assert out["entries_match"] and out["copied"]
-    assert out["gone_refused"]
+def _ranked(values):
+    metas = layout(["a", "b"], ["float32", "float32"], [(2,), (4,)])
+    bufs = [SharedBuffer.allocate(24, "cpu") for _ in values]
+    for b, v in zip(bufs, values):
+        b.fill_(v)
+    entries = [SharedBuffer.of(b, rank=r, index=0).for_bucket(0, 24) for r, b in enumerate(bufs)]
+    return RankedFlatBucket(entries, metas, 0, (1, 2)), bufs
+
+
+def test_a_ranked_bucket_travels_as_handles_and_opens_each_ranks_own_buffer():
+    import pickle
+
+    bucket, bufs = _ranked([3, 5])
+    again = pickle.loads(pickle.dumps(bucket))  # a Ray call or a pipe carries the handles, not the bytes
+    assert [int(b[0]) for b in again.rank_buffers()] == [3, 5] and int(again.buffer[0]) == 3
+    assert again.nbytes == 24 and [n for n, _ in again.unflatten()] == ["a", "b"]
+    with pytest.raises(PayloadError, match="entry 0 is bucket 0 with 24 bytes, the layout needs bucket 1"):
+        RankedFlatBucket(bucket.entries, bucket.metas, 1, (1, 2))
+    with pytest.raises(PayloadError, match="bucket 0 has 32 bytes; trainer rank 0's buffer holds 24"):
+        SharedBuffer.of(bufs[0], 0, 0).for_bucket(0, 32)
+
+
+def test_a_cuda_entry_pickles_as_torchs_rebuild_with_the_device_named_by_uuid():
+    """SGLang's unpickler maps a device UUID at torch's `storage_device` argument to its own device index; the
+    position is checked against torch's signature, so a torch change shows here and not on a GPU."""
+    import inspect
+
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    from beamrl.sync.rank_payload import _CudaTensorByUUID
+
+    assert list(inspect.signature(rebuild_cuda_tensor).parameters)[_CudaTensorByUUID._DEVICE_ARG] == "storage_device"
+    args = tuple(range(15))
+    handle = SharedBuffer(rank=1, index=0, nbytes=8, cuda_ipc=(rebuild_cuda_tensor, args), device_uuid="GPU-abc")
+    fn, got = _CudaTensorByUUID(handle).__reduce__()
+    assert fn is rebuild_cuda_tensor and got[6] == "GPU-abc" and got[:6] + got[7:] == args[:6] + args[7:]

@@ -176,12 +176,15 @@ class SGLangHTTPEngine(RolloutEngine, WeightReceiver):
         self._in_session = True
 
     def _load_flat_bucket(self, bucket, timeout: float) -> None:
-        if bucket.device.type != "cuda":
+        from beamrl.sync.rank_payload import RankedFlatBucket
+
+        cuda = bucket.on_cuda if isinstance(bucket, RankedFlatBucket) else bucket.device.type == "cuda"
+        if not cuda:
             # SGLang's serializer shares a CPU tensor through a file descriptor that only processes of the
             # sender's multiprocessing family can fetch; the server's scheduler cannot (it dies on the payload).
             raise WeightSyncError(
                 f"{self.name}: update_weights_from_tensor over HTTP needs the bucket on CUDA (CUDA-IPC handles), "
-                f"got {bucket.device}; use update_weights_from_distributed or update_weights_from_disk instead")
+                f"got a CPU bucket; use update_weights_from_distributed or update_weights_from_disk instead")
         body = {"serialized_named_tensors": payloads.flattened_bucket_payloads(bucket, self.tp_size, as_str=True),
                 "load_format": "flattened_bucket", "flush_cache": False}
         self._post("/update_weights_from_tensor", body, timeout, WeightSyncError)

@@ -134,20 +134,29 @@ def flattened_bucket_payloads(bucket, tp_size: int, as_str: bool, buffers: list 
     `FlattenedTensorMetadata`, so the engine rebuilds exactly our layout (FlatBucket is byte-compatible with
     `FlattenedTensorBucket`). `as_str`: base64 strings for the HTTP JSON body, raw bytes in-process.
     `buffers`: one packed copy of the bucket per TP rank (entry r on engine rank r's device, packed by the trainer
-    rank sharing it: `beamrl.sync.rank_payload`); None: every rank gets `bucket.buffer`."""
+    rank sharing it: `beamrl.sync.rank_payload`); None: a `RankedFlatBucket`'s entries, else every rank gets
+    `bucket.buffer`."""
     from sglang.srt.utils.common import MultiprocessingSerializer
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
 
     import torch
 
+    from beamrl.sync.rank_payload import RankedFlatBucket
+
+    if buffers is None and isinstance(bucket, RankedFlatBucket):
+        # A CPU entry is a file mapping, which SGLang's serializer cannot share by file descriptor: each TP rank
+        # gets a copy of its own entry (CPU rehearsal only; on GPU the trainer rank's handle passes through).
+        buffers = [b.clone() if isinstance(b, torch.Tensor) else b for b in bucket.payload_tensors()]
     if buffers is None:
         buffers = [bucket.buffer] * tp_size
     if len(buffers) != tp_size:
         raise ValueError(f"bucket {bucket.index}: {len(buffers)} per-rank buffers for an engine of TP {tp_size}")
     for r, b in enumerate(buffers):
-        if b.dtype != torch.uint8 or b.numel() != bucket.buffer.numel():
+        if not isinstance(b, torch.Tensor):
+            continue  # a trainer rank's CUDA-IPC handle, passed through unopened (RankedFlatBucket.payload_tensors)
+        if b.dtype != torch.uint8 or b.numel() != bucket.nbytes:
             raise ValueError(f"bucket {bucket.index}: the buffer of TP rank {r} has {b.numel()} {b.dtype} elements, "
-                             f"the bucket {bucket.buffer.numel()} uint8")
+                             f"the bucket {bucket.nbytes} uint8")
     metadata = [FlattenedTensorMetadata(name=m.name, shape=torch.Size(m.shape), dtype=m.dtype, start_idx=m.start,
                                         end_idx=m.end, numel=m.nbytes) for m in bucket.metas]
     return [MultiprocessingSerializer.serialize({"flattened_tensor": b, "metadata": metadata}, output_str=as_str)
