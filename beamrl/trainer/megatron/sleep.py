@@ -12,7 +12,7 @@ to the driver (`torch.cuda.empty_cache`), so another process (the engine) can us
 
 What stays on the device while asleep (docs/colocated.md): the CUDA context, NCCL communicators and their buffers
 (the process groups are kept: rebuilding Megatron's groups every step costs more than the memory of an idle
-communicator on one node; at world size 1 there is none), Megatron's lazily allocated global memory buffer (SP
+communicator on one node), Megatron's lazily allocated global memory buffer (SP
 all-gathers) and small scratch tensors (e.g. the optimizer's overflow flag). `SleepReport.asleep_bytes` measures
 what the caching allocator still holds.
 
