@@ -59,7 +59,8 @@ class ColocatedTransport(ReceiverTransport):
         self._mode: str | None = None
         self.rank_slots = rank_slots
         self.colocations = dict(colocations or {})
-        self.keep = KeepAlive(max_outstanding=staging_slots)
+        # per-rank buckets in flight: one per rank slot (other modes hold nothing)
+        self.keep = KeepAlive(max_outstanding=rank_slots.num_slots if rank_slots is not None else 1)
 
     @property
     def mode(self) -> str | None:
