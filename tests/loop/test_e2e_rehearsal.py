@@ -1,9 +1,9 @@
 """Rehearsals of cluster layouts on one machine (`cluster.device: cpu` with several nodes: a local Ray cluster of
-one simulated node per recipe node), end to end through `beamrl train` with the real SGLang CPU engine and the
-real Megatron trainer (gloo), disaggregated, the weights synced over the distributed transport and verified
-after every step:
-- an engine of TP2 spanning two nodes (two server processes) next to a one-rank trainer;
-- a TP2 trainer on a node of its own, its TP2 engine on the other node, one step off policy."""
+one simulated node per recipe node), end to end with the real SGLang CPU engine and the real Megatron trainer
+(gloo), disaggregated, the weights synced over the distributed transport and verified after every step:
+- an engine of TP2 spanning two nodes (two server processes) next to a one-rank trainer, one of its node
+  processes killed mid-rollout (issue 15: restart, resync, re-issued requests);
+- a TP2 trainer on a node of its own, its TP2 engine on the other node, one step off policy (`beamrl train`)."""
 
 import os
 import signal
