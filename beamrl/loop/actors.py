@@ -123,12 +123,16 @@ class TrainerActor:
         self.trainer.shutdown()
 
 
-@ray.remote
+# Liveness and shutdown calls of an engine actor run in a thread of their own ("control"): a health check or a
+# process-id question must not queue behind a `generate` that runs for minutes (the loop would take a busy engine for
+# a dead one and restart it), and shutting a wedged engine down must not wait for the call it is stuck in.
+@ray.remote(concurrency_groups={"control": 1})
 class EngineActor:
     """One process of a rollout engine (`RolloutEngine` + `WeightReceiver`; on node ranks >= 1 of a multi-node
     engine a follower that serves no API), built in the actor from a picklable factory in two phases:
     `reserve` picks this node's address and free ports (the leader's become the engine's meeting point), then
-    `start` builds the engine with them (every node of an engine starts at the same time)."""
+    `start` builds the engine with them (every node of an engine starts at the same time). API calls (`call`) run
+    one at a time; `health`, `pid`, `process_ids` and `shutdown` are answered while one runs."""
 
     def __init__(self, factory, num_threads: int = 1):
         torch.set_num_threads(num_threads)
@@ -161,6 +165,7 @@ class EngineActor:
     def ready(self) -> bool:
         return True
 
+    @ray.method(concurrency_group="control")
     def pid(self) -> int:
         """This node process's OS process id (logged at start-up and at each restart)."""
         return os.getpid()
@@ -168,6 +173,7 @@ class EngineActor:
     def tp_size(self) -> int:
         return self.engine.tp_size
 
+    @ray.method(concurrency_group="control")
     def health(self, timeout: float) -> bool:
         return self.engine is not None and bool(self.engine.health(timeout))
 
@@ -178,6 +184,7 @@ class EngineActor:
     def weight_version(self) -> int:
         return self.engine.weight_version
 
+    @ray.method(concurrency_group="control")
     def process_ids(self) -> list[int]:
         """The OS processes of this engine process on its node: its server, or an in-process engine's children."""
         server = getattr(self.engine, "server", None)
@@ -185,6 +192,7 @@ class EngineActor:
             return [server.pid] if server.pid is not None else []
         return list(getattr(self.engine, "child_pids", []))
 
+    @ray.method(concurrency_group="control")
     def shutdown(self) -> None:
         self._release_ports()
         if self.engine is not None:

@@ -249,6 +249,9 @@ class EngineGroup:
         self.names = [nodes[0].name for nodes in engines]
         self.nodes: list[list] = [[] for _ in engines]
         self.recovery = None  # `EngineRecovery`, set by the RL loop
+        # Calls left in flight on engines that failed: held until they end (their engine is shut down) and their
+        # errors are read, never dropped unread (Ray reports a dropped call's error as unhandled, asynchronously).
+        self._abandoned: list = []
         self.tp_sizes = [0] * len(engines)  # as each engine reports it once started
         try:
             self._start(list(range(len(engines))))
@@ -336,6 +339,7 @@ class EngineGroup:
 
     def generate_async(self, groups: list[list[GenerateRequest]], timeout: float) -> "PendingGenerate":
         """Submit every group (the router picks a healthy engine per group) and return a handle for `collect`."""
+        self._read_abandoned()
         requests = [req for group in groups for req in group]
         keys = [g for g, group in enumerate(groups) for _ in group]
         pending = PendingGenerate(requests, keys, [len(g) for g in groups], timeout)
@@ -363,6 +367,7 @@ class EngineGroup:
                 raise ActorCallError(f"{reason}{self._dead_followers(e)}")
             lost = sorted(p for _, positions in failed.values() for p in positions)
             self.recovery.recover({e: reason for e, (reason, _) in failed.items()})
+            self._read_abandoned()
             self._submit(pending, lost)  # the same requests (same seeds) on healthy engines
         out, start = [], 0
         for n in pending.group_sizes:
@@ -395,6 +400,7 @@ class EngineGroup:
         for ref, (e, positions, deadline) in list(pending.inflight.items()):
             if deadline <= now:
                 del pending.inflight[ref]
+                self._abandoned.append(ref)
                 failed.setdefault(e, (f"{self.names[e]}.generate: no answer within {pending.timeout + 30:.0f} s",
                                       []))[1].extend(positions)
         if self.recovery is not None:
@@ -404,7 +410,19 @@ class EngineGroup:
         for e, (_, lost) in failed.items():  # everything else in flight on a failed engine is lost with it
             for ref in [r for r, (k, _, _) in pending.inflight.items() if k == e]:
                 lost.extend(pending.inflight.pop(ref)[1])
+                self._abandoned.append(ref)
         return failed
+
+    def _read_abandoned(self, timeout: float = 0.0) -> None:
+        """Read (and discard) the answers of abandoned calls that have ended; the others stay held."""
+        if not self._abandoned:
+            return
+        done, self._abandoned = ray.wait(self._abandoned, num_returns=len(self._abandoned), timeout=timeout)
+        for ref in done:
+            try:
+                ray.get(ref, timeout=0)
+            except Exception:  # noqa: BLE001 - the engine failed: its call's error was reported when it did
+                pass
 
     def _dead_followers(self, e: int) -> str:
         dead = []
@@ -445,3 +463,5 @@ class EngineGroup:
         shutdown_actors([a for _, nodes in started for a in nodes[1:]],
                         [f"{n}/node{j}" for n, nodes in started for j in range(1, len(nodes))])
         self.nodes = [[] for _ in self.nodes]
+        self._read_abandoned(timeout=10.0)  # their actors are gone: the calls end with the actors' deaths
+        self._abandoned = []

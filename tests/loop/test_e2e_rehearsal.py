@@ -1,14 +1,17 @@
 """Rehearsals of cluster layouts on one machine (`cluster.device: cpu` with several nodes: a local Ray cluster of
-one simulated node per recipe node), end to end through `beamrl train` with the real SGLang CPU engine and the
-real Megatron trainer (gloo), disaggregated, the weights synced over the distributed transport and verified
-after every step:
-- an engine of TP2 spanning two nodes (two server processes) next to a one-rank trainer;
-- a TP2 trainer on a node of its own, its TP2 engine on the other node, one step off policy."""
+one simulated node per recipe node), end to end with the real SGLang CPU engine and the real Megatron trainer
+(gloo), disaggregated, the weights synced over the distributed transport and verified after every step:
+- an engine of TP2 spanning two nodes (two server processes) next to a one-rank trainer, one of its node
+  processes killed mid-rollout (issue 15: restart, resync, re-issued requests);
+- a TP2 trainer on a node of its own, its TP2 engine on the other node, one step off policy (`beamrl train`)."""
+
+import os
+import signal
 
 import pytest
 
-from tests.loop.e2e_helpers import (assert_engine_routes_replayed, assert_importance_metrics_in_bounds, metrics,
-                                     run_train)
+from tests.loop.e2e_helpers import (QUICKSTART, SMALL, assert_engine_routes_replayed,
+                                     assert_importance_metrics_in_bounds, metrics, run_train)
 
 pytestmark = pytest.mark.slow
 
@@ -37,17 +40,49 @@ def _synced_and_verified_every_step(rows, versions):
     assert_engine_routes_replayed(rows)
 
 
-def test_engine_spanning_two_nodes(tmp_path):
-    p = run_train(tmp_path / "run", *COMMON, "cluster.num_nodes=3", "cluster.gpus_per_node=1",
-                  "rollout.engine_tp=2", timeout=1500)
-    _ok(p)
-    out = p.stdout
+def test_engine_spanning_two_nodes_survives_a_killed_node_process(tmp_path, monkeypatch, capsys):
+    """The spanning engine's follower server process (its node's TP rank) is killed while step 1's requests are in
+    flight on the engine: the loop restarts the whole engine (both nodes), resyncs it to version 1 and re-issues
+    the lost requests; the run ends with every step's full batch. In process (not `beamrl train`) so the kill
+    lands at a known point of the run."""
+    from beamrl.loop import run_training
+    from beamrl.loop.collect import RolloutCollector
+    from beamrl.loop.ray_utils import ray_get
+    from beamrl.recipe import load_recipe
+
+    killed: list[int] = []
+    start = RolloutCollector.start
+
+    def start_then_kill_the_follower(self, step):
+        if step != 1:
+            return start(self, step)
+        (follower,) = self.engines.followers[0]
+        (pid,) = ray_get(follower.process_ids.remote(), 60, "follower server pid")
+        pending = start(self, step)  # step 1's requests are in flight on the engine ...
+        os.killpg(pid, signal.SIGKILL)  # ... when the follower node's server (and its TP rank) dies
+        killed.append(pid)
+        return pending
+
+    monkeypatch.setattr(RolloutCollector, "start", start_then_kill_the_follower)
+    # health checks every 5 s while the rollout waits: the dead node is found soon after the kill
+    overrides = [f"run.output_dir={tmp_path / 'run'}", *SMALL, *COMMON, "cluster.num_nodes=3",
+                 "cluster.gpus_per_node=1", "rollout.engine_tp=2", "rollout.health_check_interval_s=5"]
+    out_dir = run_training(load_recipe(QUICKSTART, overrides))
+    monkeypatch.undo()
+    out = capsys.readouterr().out
     assert "rehearsal: local Ray cluster of 3 simulated node(s) x 1 worker slot(s)" in out
     assert "node 0 slots 0: trainer ranks 0" in out
     assert "node 1 slots 0: engine sglang-0 node rank 0/2 (leader: API) TP ranks 0, weight-sync ranks 1" in out
     assert "node 2 slots 0: engine sglang-0 node rank 1/2 TP ranks 1, weight-sync ranks 2" in out
     assert "1 sglang engine(s) (2 node process(es)) ready" in out
-    _synced_and_verified_every_step(metrics(tmp_path / "run"), [0, 1, 2])
+    assert len(killed) == 1
+    assert "sglang-0 restarted (node pids" in out, out[-3000:]
+    rows = metrics(out_dir)
+    assert [r["engine/restarts"] for r in rows] == [0, 1, 0]
+    for r in rows:  # every step trained on its full batch: the lost requests were re-issued
+        assert r["rollout/num_samples"] == 16 and r["rollout/aborted_groups"] == 0, r
+    # the restarted engine was resynced: it served step 1 at version 1 (and the probe check passed after it)
+    _synced_and_verified_every_step(rows, [0, 1, 2])
 
 
 def test_tp2_trainer_on_its_own_node_one_step_off(tmp_path):

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from beamrl.loop.checkpoints import problems, published, step_of
 from tests.loop.e2e_helpers import QUICKSTART, ROOT, env, metrics
 
 pytestmark = pytest.mark.slow
@@ -79,6 +80,9 @@ def test_outputs_name_the_run_its_samples_and_its_last_checkpoint(first_run):
     assert summary["name"] == "quickstart-addition" and summary["steps"] == 2 and summary["wall_time_s"] > 0
     assert summary["last_checkpoint"] == str(out / "checkpoints" / "step_2")
     assert Path(summary["last_checkpoint"], "manifest.json").is_file()
+    # checkpoint.every_n_steps defaults to 0 = only at the end: exactly the final checkpoint, complete
+    assert [step_of(p) for p in published(out / "checkpoints")] == [2]
+    assert problems(out / "checkpoints" / "step_2") == []
     assert summary["files"]["samples.jsonl"] == str(out / "samples.jsonl") and summary["resumed_from"] is None
     samples = [json.loads(ln) for ln in (out / "samples.jsonl").read_text().splitlines()]
     assert [s["step"] for s in samples] == [0] * 4 + [1] * 4
