@@ -42,16 +42,23 @@ class EngineRecovery:
 
     def recover(self, failed: dict[int, str]) -> None:
         """Engines `failed` (index -> what went wrong) failed a call: restart each (their requests are re-issued
-        by the caller, to whichever engines are healthy then)."""
+        by the caller, to whichever engines are healthy then). A restart that fails while no engine is healthy is
+        tried again at once, each try counting against the budget (a transient start failure must not end a run
+        that has restarts left); with another engine healthy the next health round tries again."""
         for k, reason in sorted(failed.items()):
             reason = " ".join(reason.strip().splitlines()[0].split())  # Ray's death notices run to many lines
             self.log(f"rollout: engine {k} ({self.engines.names[k]}) failed: {reason}; restarting it")
-            self.monitor.restart(k, reason)
+            while not self.monitor.restart(k, reason) and not self._any_healthy():
+                reason = f"its restart failed ({self.monitor.last_error.get(k)})"
+                self.log(f"rollout: engine {k} ({self.engines.names[k]}): {reason}; no engine is healthy, trying "
+                         f"again")
         self._require_one()
 
+    def _any_healthy(self) -> bool:
+        return any(self.engines.router.is_healthy(k) for k in range(len(self.engines.names)))
+
     def _require_one(self) -> None:
-        router = self.engines.router
-        if not any(router.is_healthy(k) for k in range(len(self.engines.names))):
+        if not self._any_healthy():
             why = "; ".join(f"{self.engines.names[k]}: {e}" for k, e in sorted(self.monitor.last_error.items()))
             raise EngineError(f"no rollout engine is healthy (restarts failed: {why or 'no reason recorded'})")
 
