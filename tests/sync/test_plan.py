@@ -127,3 +127,17 @@ def test_empty_and_duplicate_exports_are_loud():
         plan_buckets([[], []])
     with pytest.raises(WeightSyncError, match="twice"):
         plan_buckets([specs_of([("x", torch.zeros(1))]), specs_of([("x", torch.zeros(1))])])
+
+
+def test_the_plans_manifest_is_built_once_per_mode_and_carries_each_syncs_version(state_dict):
+    """The layout digest is computed once per apply mode (a 501B layout hashes ~38K tensors); every sync's manifest
+    equals a freshly built one, with its own version."""
+    from beamrl.protocols.manifest import SyncManifest
+
+    plan = plan_buckets([specs_of(list(state_dict.items()))], 40_000)
+    for version in (1, 2, 7):
+        for mode in ("full", "adapter"):
+            got = plan.manifest(version, mode)
+            assert got == SyncManifest.build(version, mode, plan.buckets) and got.version == version
+    assert plan.manifest(3, "full").digest != plan.manifest(3, "adapter").digest
+    assert plan.manifest(3, "full").buckets is plan.manifest(4, "full").buckets  # built once, not per sync
