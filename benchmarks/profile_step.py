@@ -1,7 +1,7 @@
 """Where one quickstart step goes: CPU time per phase and per process, then the top costs inside the train step.
 
 The quickstart (`recipes/quickstart.yaml`: the real Megatron trainer actor, the native engine actor, R3,
-a verified weight sync every step) runs for a few steps with timing proxies around the driver's actor
+a checked weight sync every step, probed per `sync.probe_every`) runs for a few steps with timing proxies around the driver's actor
 groups, reward manager and logger. Three parts, three tables:
 
 1. **Phases** (the real run under Ray): per GRPO step, the wall time and the CPU time of the driver, the

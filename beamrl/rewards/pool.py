@@ -7,6 +7,13 @@ call that overruns its timeout has its worker killed (with the worker's process 
 worker that dies (segfault, `os._exit`) costs the calls it was running and is replaced. Async functions run
 up to `max_concurrency` calls at once per worker, each cancelled at its own timeout inside the worker.
 
+A sync worker is sent up to `SYNC_QUEUE_DEPTH` calls at once (one message each, read in order; at most
+`SYNC_QUEUE_BYTES` of them unanswered, so a send never blocks): it runs them one after another and answers each,
+so a batch costs a few pipe round trips instead of one per call. Only the call the worker is running has a
+deadline; the next one's starts when the previous answer arrives, so every call still gets its own `timeout_s`.
+When the running call overruns (or the worker dies), the calls queued behind it never started: they go back to
+the component's queue for the replacement worker.
+
 `concurrent.futures.ProcessPoolExecutor` cannot cancel a running call or kill one worker, hence this small
 pool of spawn-started processes, each on its own Pipe, all driven by one `multiprocessing.connection.wait`.
 
@@ -26,6 +33,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from beamrl.rewards.breaker import CircuitBreaker
@@ -36,6 +44,10 @@ from beamrl.rewards.worker import worker_main
 # An async call is cancelled by its worker at timeout_s; the parent kills the worker only if no answer came
 # this much later (the event loop is blocked, e.g. by a synchronous sleep inside an `async def`).
 ASYNC_KILL_GRACE_S = 5.0
+# Calls a one-at-a-time worker holds at once (the running one and those queued behind it in its pipe), and the
+# bytes of their messages: well below a pipe's buffer (64 KiB on Linux), so queueing never blocks the sender.
+SYNC_QUEUE_DEPTH = 16
+SYNC_QUEUE_BYTES = 32 * 1024
 
 
 class RewardPoolError(RuntimeError):
@@ -61,8 +73,9 @@ class PoolRun:
 @dataclass
 class _Call:
     task: int
-    dispatched: float
-    deadline: float  # when the parent stops waiting and kills the worker
+    dispatched: float  # when it started (a queued call of a sync worker: when the call before it answered)
+    deadline: float | None  # when the parent stops waiting and kills the worker; None: queued, not started
+    nbytes: int = 0  # the pickled call message
 
 
 @dataclass
@@ -83,6 +96,10 @@ def _exit_reason(code: int | None) -> str:
     return f"exit code {code}"
 
 
+def _overdue(w: _Worker, now: float) -> bool:
+    return any(call.deadline is not None and now >= call.deadline for call in w.calls.values())
+
+
 class _ComponentWorkers:
     """One component's workers, its queue of calls in the current batch, and its breaker."""
 
@@ -96,6 +113,31 @@ class _ComponentWorkers:
     @property
     def busy(self) -> bool:
         return any(w.calls for w in self.workers)
+
+    def takes(self, w: "_Worker", nbytes: int) -> bool:
+        """Whether `w` takes another call (of `nbytes` pickled) now: an idle worker always; an async one up to
+        `max_concurrency`; a sync one up to `SYNC_QUEUE_DEPTH` while the messages it has not answered stay within
+        `SYNC_QUEUE_BYTES`, so a send never blocks on a full pipe behind a call that hangs."""
+        if not w.calls:
+            return True
+        if self.plan.max_concurrency > 1:
+            return len(w.calls) < self.plan.max_concurrency
+        return (len(w.calls) < SYNC_QUEUE_DEPTH
+                and sum(call.nbytes for call in w.calls.values()) + nbytes <= SYNC_QUEUE_BYTES)
+
+    def start_next(self, w: "_Worker", now: float) -> None:
+        """A sync worker answered its running call: the first queued call starts now, with its own deadline."""
+        if self.plan.max_concurrency == 1 and w.calls:
+            head = next(iter(w.calls.values()))
+            if head.deadline is None:
+                head.dispatched, head.deadline = now, self.call_deadline(now)
+
+    def requeue_unstarted(self, w: "_Worker") -> None:
+        """Put the calls queued on `w` that never started back at the front of the queue, in order."""
+        unstarted = [i for i, call in w.calls.items() if call.deadline is None]
+        for i in unstarted:
+            del w.calls[i]
+        self.pending.extendleft(reversed(unstarted))
 
     def call_deadline(self, now: float) -> float:
         return now + self.plan.timeout_s + (ASYNC_KILL_GRACE_S if self.plan.max_concurrency > 1 else 0.0)
@@ -231,7 +273,8 @@ class RewardWorkerPool:
             if not any(c.pending or c.busy for c in comps):
                 break
             now = time.monotonic()
-            deadlines = [call.deadline for c in comps for w in c.workers for call in w.calls.values()]
+            deadlines = [call.deadline for c in comps for w in c.workers for call in w.calls.values()
+                         if call.deadline is not None]
             deadlines += [w.started + self.start_timeout_s for c in comps for w in c.workers if not w.ready]
             if batch_deadline is not None:
                 deadlines.append(batch_deadline)
@@ -255,24 +298,30 @@ class RewardWorkerPool:
                 results[c.pending.popleft()] = CallOutcome("skipped", message=why)
             return
         while c.pending:
-            free = [w for w in c.workers if w.ready and len(w.calls) < c.plan.max_concurrency]
-            if not free:
-                return
-            w = min(free, key=lambda x: len(x.calls))  # spread async calls over the workers
-            i = c.pending.popleft()
-            try:
-                w.conn.send(("call", i, tasks[i].call_kwargs, c.plan.timeout_s))
-            except OSError:  # the worker died since the last look: settle it; the task waits for another worker
-                c.pending.appendleft(i)
-                self._worker_died(c, w, results)
-                continue
+            i = c.pending[0]
+            try:  # pickled here (what `Connection.send` does), so its size is known before a worker is chosen
+                payload = ForkingPickler.dumps(("call", i, tasks[i].call_kwargs, c.plan.timeout_s))
             except Exception as e:  # unpicklable sample fields: nothing was written to the pipe
+                c.pending.popleft()
                 results[i] = CallOutcome(
                     "error", message=f"cannot send the sample to a reward worker: {type(e).__name__}: {e}"
                 )
                 continue
+            free = [w for w in c.workers if w.ready and c.takes(w, len(payload))]
+            if not free:
+                return
+            w = min(free, key=lambda x: len(x.calls))  # spread the calls over the workers
+            c.pending.popleft()
+            try:
+                w.conn.send_bytes(payload)
+            except OSError:  # the worker died since the last look: settle it; the task waits for another worker
+                c.pending.appendleft(i)
+                self._worker_died(c, w, results)
+                continue
             now = time.monotonic()
-            w.calls[i] = _Call(task=i, dispatched=now, deadline=c.call_deadline(now))
+            queued = c.plan.max_concurrency == 1 and bool(w.calls)  # a sync worker's next call waits its turn
+            w.calls[i] = _Call(task=i, dispatched=now, deadline=None if queued else c.call_deadline(now),
+                               nbytes=len(payload))
 
     def _collect(self, c: _ComponentWorkers, w: _Worker, results: list) -> None:
         """Read what `w` sent; handle its death (all of its data is read first)."""
@@ -288,6 +337,7 @@ class RewardWorkerPool:
                 _, task_id, outcome = msg
                 if w.calls.pop(task_id, None) is None:
                     continue  # already settled (a timeout raced the answer)
+                c.start_next(w, time.monotonic())
                 results[task_id] = outcome
                 if outcome.status == "timeout":  # an async call cancelled at its timeout
                     c.breaker.record_failure(outcome.message or "timeout")
@@ -306,6 +356,7 @@ class RewardWorkerPool:
                 "its traceback on stderr. Workers are spawned, which re-imports the main script: guard a script's "
                 "top-level code with `if __name__ == '__main__':`"
             )
+        c.requeue_unstarted(w)  # a sync worker's queued calls never ran: the replacement runs them
         if w.calls:
             now = time.monotonic()
             message = f"{c.plan.ref}: its reward worker process died ({_exit_reason(w.proc.exitcode)}) during the call"
@@ -325,11 +376,12 @@ class RewardWorkerPool:
                     raise RewardPoolError(f"a worker of reward {c.plan.name!r} did not start within "
                                           f"{self.start_timeout_s:g} s (reward_pool.start_timeout_s)")
                 continue
-            if not any(now >= call.deadline for call in w.calls.values()):
+            if not _overdue(w, now):
                 continue
             self._collect(c, w, results)  # an answer may have come since the last look
-            if w not in c.workers or not any(now >= call.deadline for call in w.calls.values()):
+            if w not in c.workers or not _overdue(w, now):
                 continue
+            c.requeue_unstarted(w)  # only the running call overran; the queued ones get the replacement worker
             limit = c.plan.timeout_s
             if c.plan.max_concurrency == 1:
                 message = f"{c.plan.ref} did not return within {limit:g} s; its worker was killed"
@@ -345,15 +397,15 @@ class RewardWorkerPool:
 
     def _abandon_batch(self, comps: list[_ComponentWorkers], results: list, limit: float | None) -> None:
         message = f"reward batch did not finish within {limit:g} s (reward_pool.batch_timeout_s)"
+        unstarted = f"{message}; not started: this component's own earlier calls used the time"
         now = time.monotonic()
         for c in comps:
             for w in list(c.workers):
                 if w.calls:
                     for call in w.calls.values():
-                        results[call.task] = CallOutcome("timeout", message=message, elapsed_s=now - call.dispatched)
+                        why = message if call.deadline is not None else unstarted  # queued on the worker
+                        results[call.task] = CallOutcome("timeout", message=why, elapsed_s=now - call.dispatched)
                     w.calls.clear()
                     self._replace(c, w)
             while c.pending:
-                results[c.pending.popleft()] = CallOutcome(
-                    "timeout", message=f"{message}; not started: this component's own earlier calls used the time"
-                )
+                results[c.pending.popleft()] = CallOutcome("timeout", message=unstarted)

@@ -10,8 +10,8 @@ from beamrl.sync.transports import TRANSPORTS
 
 class SyncConfig(Section):
     """transport: a `TRANSPORTS` name. bucket_mb: bucket size in MiB (one oversized tensor may exceed it).
-    verify: after a sync, compare the engines' logprobs on short probe sequences with the trainer's (every
-    `probe_every` syncs; the per-bucket checksums are checked on every sync regardless)."""
+    verify: after a sync, compare the engines' logprobs on short probe sequences with the trainer's (on the first
+    sync, then every `probe_every`-th; the per-bucket checksums are checked on every sync regardless)."""
 
     transport: registry_choice(TRANSPORTS) = "colocated"  # type: ignore[valid-type]
     bucket_mb: int = Field(512, gt=0)

@@ -18,8 +18,9 @@
    rank never leaves the other ranks waiting in a collective.
 6. **finalize**: every engine commits (checks every bucket arrived with intact bytes) and serves the new version.
 7. **version**: every engine must report it.
-8. **verify** (every `probe.every` syncs): every engine scores the probe sequences; the largest |engine - trainer|
-   logprob must be within `probe.tolerance` (the trainer's side, `source.logprobs`, is a collective too).
+8. **verify** (the first sync, then every `probe.every`-th): every engine scores the probe sequences; the largest
+   |engine - trainer| logprob must be within `probe.tolerance` (the trainer's side, `source.logprobs`, is a
+   collective too).
 9. **resume**: colocated GPUs take back their KV cache and CUDA graphs.
 
 Any failure aborts the session: each engine rolls back or stops serving (`abort_weight_update`), the orchestrator
@@ -70,8 +71,8 @@ class ProbeCheck:
     """Post-sync check: engines' prompt logprobs on `sequences` vs the trainer's for the synced weights.
 
     `tolerance`: largest |engine - trainer| allowed (1e-4 where both compute the same thing in float32; a loose
-    sanity alarm in bfloat16, where the per-step exactness check is the checksums). `every`: run it every N syncs
-    (checksums run every sync)."""
+    sanity alarm in bfloat16, where the per-step exactness check is the checksums). `every`: run it on the first
+    sync and then on every N-th (syncs 1, 1 + N, 1 + 2N, ...; a subset sync always); checksums run every sync."""
 
     sequences: Sequence[Sequence[int]]
     tolerance: float = 1e-4
@@ -330,7 +331,8 @@ class WeightSync:
         new_version = version if version is not None else (self.version if subset else self.version + 1)
         plan = self.plan(source)
         self.syncs += 1
-        probe_due = self.probe is not None and (subset or self.syncs % self.probe.every == 0)
+        # The first sync is always verified (a wrong layout or mapping shows at once), then every `probe.every`-th.
+        probe_due = self.probe is not None and (subset or (self.syncs - 1) % self.probe.every == 0)
         transport = None
         failure: BaseException | None = None
         t_begin = time.perf_counter()

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -58,6 +58,7 @@ class BucketPlan:
     slots: tuple[tuple[int, int], ...]
     ready: tuple[tuple[int, ...], ...]
     bucket_bytes: int
+    _manifests: dict[str, SyncManifest] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def nbytes(self) -> int:
@@ -68,7 +69,12 @@ class BucketPlan:
         return max(b.nbytes for b in self.buckets)
 
     def manifest(self, version: int, mode: str) -> SyncManifest:
-        return SyncManifest.build(version, mode, self.buckets)
+        """The session's manifest. The layout's digest (a hash over every tensor) is computed once per mode; each
+        sync only sets its version."""
+        built = self._manifests.get(mode)
+        if built is None:
+            built = self._manifests[mode] = SyncManifest.build(version, mode, self.buckets)
+        return built.with_version(version)
 
     def assemble(self, stream: Iterable[NamedTensors]) -> Iterator[tuple[int, list[torch.Tensor]]]:
         """Yield `(bucket index, tensors in the bucket's packing order)` as buckets complete, in index order.

@@ -13,10 +13,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = ROOT / "recipes" / "quickstart.yaml"
-# A short, small version of the quickstart: 4 prompts x 4 samples, no SFT, float32.
+# A short, small version of the quickstart: 4 prompts x 4 samples, no SFT, float32, the probe after every sync
+# (the tests check the engine's logprobs at every step).
 SMALL = ["sft=null", "rollout.prompts_per_step=4", "rollout.n_samples_per_prompt=4",
          "trainer.global_batch_size=16", "trainer.micro_batch_size=8", "logging.plot_reward_curve=false",
-         "timeouts.generate_s=300", "timeouts.train_step_s=300", "timeouts.sync_s=120"]
+         "timeouts.generate_s=300", "timeouts.train_step_s=300", "timeouts.sync_s=120", "sync.probe_every=1"]
 
 
 def train_cmd(out_dir: Path, *overrides: str, resume: bool = False, recipe: Path = QUICKSTART) -> list[str]:

@@ -151,3 +151,39 @@ def test_a_disabled_breaker_lets_every_call_run():
     with RewardManager(comps) as rm:
         res = rm.score(samples(["a"] * 4))
     assert statuses(res, "hang") == ["timeout"] * 4 and res.metrics["reward/hang/breaker_tripped"] == 0
+
+
+def test_calls_queued_on_a_sync_worker_keep_their_own_timeout_and_outlive_a_hang():
+    """A sync worker is sent several calls at once (`pool.SYNC_QUEUE_DEPTH`); each call's timeout counts from when it
+    starts, and the calls queued behind one that hangs run on the replacement worker."""
+    comps = [comp("slow", "slow", timeout_s=2.5, num_workers=1),
+             comp("hang", "sleeps_on_hang", timeout_s=1.0, num_workers=1)]
+    with RewardManager(comps) as rm:
+        rm.wait_ready()
+        res = rm.score(samples(["a", "hang", "b", "c"]))
+        restarts = rm.pool.restarts
+    assert statuses(res, "slow") == ["ok"] * 4  # 4 x 1.5 s on one worker: 6 s in all, each call within its 2.5 s
+    assert statuses(res, "hang") == ["ok", "timeout", "ok", "ok"]
+    assert "did not return within 1 s" in res.components["hang"][1].message
+    assert restarts == {"slow": 0, "hang": 1}
+
+
+def test_a_sync_worker_queues_calls_only_within_the_depth_and_byte_bounds():
+    """Queued calls must fit the pipe (a send that blocks behind a hanging call would hang the trainer): an idle
+    worker takes any call, a busy sync worker only while its unanswered messages stay within the bounds."""
+    from beamrl.rewards.plan import ComponentPlan
+    from beamrl.rewards.pool import SYNC_QUEUE_BYTES, SYNC_QUEUE_DEPTH, _Call, _ComponentWorkers, _Worker
+
+    sync = _ComponentWorkers(ComponentPlan("s", f"{M}:slow", False, 5.0, 1, 1, 3))
+    w = _Worker(proc=None, conn=None, started=0.0)
+    assert sync.takes(w, 10 * SYNC_QUEUE_BYTES)  # idle: one call of any size (the worker is reading)
+    w.calls[0] = _Call(0, 0.0, 1.0, nbytes=SYNC_QUEUE_BYTES // 2)
+    assert sync.takes(w, SYNC_QUEUE_BYTES // 2) and not sync.takes(w, SYNC_QUEUE_BYTES // 2 + 1)
+    for i in range(1, SYNC_QUEUE_DEPTH):
+        w.calls[i] = _Call(i, 0.0, None, nbytes=1)
+    assert not sync.takes(w, 1)  # the depth bound
+    concurrent = _ComponentWorkers(ComponentPlan("a", f"{M}:async_len", True, 5.0, 1, 4, 3))
+    w = _Worker(proc=None, conn=None, started=0.0, calls={i: _Call(i, 0.0, 1.0) for i in range(3)})
+    assert concurrent.takes(w, 10 * SYNC_QUEUE_BYTES)  # async workers: up to max_concurrency calls, as before
+    w.calls[3] = _Call(3, 0.0, 1.0)
+    assert not concurrent.takes(w, 1)

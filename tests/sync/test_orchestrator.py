@@ -184,3 +184,21 @@ def test_a_replaced_engine_takes_the_next_full_syncs_and_its_failure_marks_are_d
     assert report.version == 2 == receivers[0].weight_version == replacement.weight_version  # the new engine took it
     assert receivers[1].weight_version == 1  # the replaced one no longer gets syncs
     assert all(torch.equal(a, b) for a, b in zip(restarted.parameters(), trainer_model.parameters()))
+
+
+def test_the_probe_runs_on_the_first_sync_then_every_nth(hosted_engine, trainer_model):
+    """`ProbeCheck.every`: syncs 1, 1 + N, 1 + 2N, ... are verified (the first at once, so a wrong layout shows in
+    the first step); the others still check every bucket's checksum and the served version."""
+    v0 = hosted_engine.weight_version
+    sync = WeightSync(TRANSPORTS.get("colocated")([hosted_engine]), [hosted_engine], bucket_bytes=256 * 1024,
+                      probe=ProbeCheck(PROBES, tolerance=1e-4, every=3), timeouts=TIMEOUTS, initial_version=v0,
+                      progress=None)
+    try:
+        perturb(trainer_model, seed=21)
+        source = StateDictSource.of_model(trainer_model)
+        reports = [sync.sync(source) for _ in range(7)]
+    finally:
+        sync.close()
+    assert [r.verified for r in reports] == [True, False, False, True, False, False, True]
+    assert [r.version for r in reports] == list(range(v0 + 1, v0 + 8)) and hosted_engine.weight_version == v0 + 7
+    assert all(r.max_abs_logprob_diff <= 1e-4 for r in reports if r.verified)

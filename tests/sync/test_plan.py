@@ -196,3 +196,17 @@ def test_completions_follow_assemble_from_the_unit_sizes_alone(state_dict, seed)
     assert [(k, at + j) for k, at in rest] == shipped[seen:]
     with pytest.raises(WeightSyncError, match="incomplete"):
         list(plan.completions(iter([[]] * (len(units) - 1)), sizes))
+
+
+def test_the_plans_manifest_is_built_once_per_mode_and_carries_each_syncs_version(state_dict):
+    """The layout digest is computed once per apply mode (a 501B layout hashes ~38K tensors); every sync's manifest
+    equals a freshly built one, with its own version."""
+    from beamrl.protocols.manifest import SyncManifest
+
+    plan = plan_buckets([specs_of(list(state_dict.items()))], 40_000)
+    for version in (1, 2, 7):
+        for mode in ("full", "adapter"):
+            got = plan.manifest(version, mode)
+            assert got == SyncManifest.build(version, mode, plan.buckets) and got.version == version
+    assert plan.manifest(3, "full").digest != plan.manifest(3, "adapter").digest
+    assert plan.manifest(3, "full").buckets is plan.manifest(4, "full").buckets  # built once, not per sync
