@@ -18,10 +18,11 @@ from beamrl.protocols.manifest import FULL, BucketLayout, SyncManifest
 
 
 #: Tensors of at least this many bytes are copied one by one, as raw bytes: on the H200 a plain uint8 copy moves
-#: ~2.1 TB/s, a bf16 copy or `_foreach_copy_`'s chunked kernel ~1.4 TB/s. Below it, one batched copy for all: a
-#: launch per tensor costs more host time than it saves (a 512 MiB bucket of 26 tensors of ~20 MB packed in 0.37 ms
-#: with one `_foreach_copy_`, 0.46 ms one by one; docs/benchmarks.md, "Weight sync").
-LARGE_COPY_BYTES = 64 << 20
+#: ~2.1 TB/s, a bf16 copy or `_foreach_copy_`'s chunked kernel ~1.4 TB/s. Smaller ones go in one batched copy. A
+#: launch per tensor costs host time (a 512 MiB bucket of 26 tensors: 0.46 ms of launches one by one vs 0.37 ms for
+#: one `_foreach_copy_`), which a sync hides while its device work is the longer part (it is, from 64 MiB buckets
+#: up): the 2026-12-01 H200 figures in docs/benchmarks.md ("Weight sync") were measured with 8 MiB.
+LARGE_COPY_BYTES = 8 << 20
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor | None:
