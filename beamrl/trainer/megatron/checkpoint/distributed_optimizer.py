@@ -139,12 +139,12 @@ def _own_shards(sub, model_sharded_state_dict: dict) -> dict:
             raise DistributedOptimizerStateError(f"{sh.key}: replica id {sh.replica_id}, expected (PP, TP, DP)")
         # Every element is owned by one DP rank: the DP coordinate is the optimizer instance's (0 = main).
         replica_id = (*sh.replica_id[:2], sub.distributed_optimizer_instance_id)
-        out[number] = {key: _boxes_of(sh, f"{STATE_PREFIX}.{key}.{sh.key}", flat, rng.start, rng.end, replica_id)
+        out[number] = {key: owned_boxes(sh, f"{STATE_PREFIX}.{key}.{sh.key}", flat, rng.start, rng.end, replica_id)
                        for key, flat in tensors[number].items()}
     return out
 
 
-def _boxes_of(sh, key: str, flat: torch.Tensor, start: int, end: int, replica_id) -> dict[int, ShardedTensor]:
+def owned_boxes(sh, key: str, flat: torch.Tensor, start: int, end: int, replica_id) -> dict[int, ShardedTensor]:
     """The elements [start, end) of the row-major flattened local tensor that `sh` (a ShardedTensor or factory)
     describes, held by `flat`, as ShardedTensors of `sh`'s global tensor(s) under `key`, in flat order."""
     parts = []  # (flat start in the local tensor, local shape, prepend axes, global offset, key)
