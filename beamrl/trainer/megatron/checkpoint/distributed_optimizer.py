@@ -83,9 +83,9 @@ def load_state_dict(sub, state: dict) -> None:
     inner = sub.optimizer
     # Megatron gives every parameter the *same* torch-Adam `step` tensor, which Adam then increments in place once
     # per parameter: each parameter gets its own.
-    for param_state_ in inner.state.values():
-        if isinstance(param_state_.get("step"), torch.Tensor):
-            param_state_["step"] = param_state_["step"].detach().clone()
+    for per_param in inner.state.values():
+        if isinstance(per_param.get("step"), torch.Tensor):
+            per_param["step"] = per_param["step"].detach().clone()
     if isinstance(inner, HybridDeviceOptimizer):
         inner._sync_hdo_state_to_sub_optimizers()  # as Megatron's own loaders do
 
