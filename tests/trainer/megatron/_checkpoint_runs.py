@@ -214,6 +214,76 @@ def bf16_non_distributed(directory: str) -> dict:
     return out
 
 
+def dp_sharded_save(directory: str) -> dict:
+    """The distributed optimizer at EP2 (the dense parameters at DP2), float32, after K steps:
+    - `written`: elements of dense parameters' optimizer state in each rank's main replicas, with beamrl's
+      description (every DP rank writes what it owns) and with Megatron's own `fully_reshardable` one (gathered
+      onto DP rank 0, which writes all of it);
+    - `ours` / `megatron`: the whole checkpoint state as global tensors from each description (rank 0): equal;
+    - sync saves in both (`<directory>`, `<directory>-megatron`: what the previous beamrl wrote), then N more
+      steps (`straight`); fresh trainers that load each and train N steps (`resumed`, `resumed_megatron`);
+    - `resharded`: the global state of a fresh trainer at TP2+SP x EP2 that loads the first checkpoint."""
+    t = _trainer({"ep": 2}, True, weights="initial")
+    _train(t, K)
+    out = {"written": {"ours": _dense_optimizer_elements(t)}, "ours": _global_state(t)}
+    with _megatron_optimizer_description():
+        out["written"]["megatron"] = _dense_optimizer_elements(t)
+        out["megatron"] = _global_state(t)
+        t.save_checkpoint(f"{directory}-megatron", async_save=False)
+    t.save_checkpoint(directory, async_save=False)
+    out["straight"] = _train(t, N)
+    t.shutdown()
+    for name, source in (("resumed", directory), ("resumed_megatron", f"{directory}-megatron")):
+        t = _trainer({"ep": 2}, True)  # random init: everything must come from the checkpoint
+        t.load_checkpoint(source)
+        out[name] = _train(t, N)
+        t.shutdown()
+    t = _trainer(SAVE_LAYOUT, True)
+    t.load_checkpoint(directory)
+    out["resharded"] = _global_state(t)
+    t.shutdown()
+    return out
+
+
+def _dense_optimizer_elements(t) -> list[int]:
+    """Per rank (on every rank): elements of non-expert parameters' optimizer state in this rank's main replicas."""
+    import torch.distributed as dist
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import apply_factories, is_main_replica
+
+    from beamrl.trainer.megatron.checkpoint import state
+
+    sharded, _ = state.sharded_state(t, is_loading=False)
+    apply_factories(sharded)
+    mine = sum(sh.data.numel() for sh in nested_values(sharded) if sh.key.startswith("optimizer.state.")
+               and ".experts." not in sh.key and is_main_replica(sh.replica_id))
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    return gathered
+
+
+class _megatron_optimizer_description:
+    """Within: the distributed optimizer is described by Megatron's own `fully_reshardable` gather (memory-efficient
+    variant), and checkpoints record its metadata, as beamrl did before `checkpoint/distributed_optimizer.py`."""
+
+    METADATA = {"distrib_optim_sharding_type": "fully_reshardable",
+                "distrib_optim_fully_reshardable_mem_efficient": True, "chained_optim_avoid_prefix": True}
+
+    def __enter__(self):
+        from beamrl.trainer.megatron.checkpoint import distributed_optimizer, state
+
+        self.saved = distributed_optimizer.sharded_state_dict, state.SHARDING_METADATA
+        distributed_optimizer.sharded_state_dict = (
+            lambda sub, model, is_loading: sub.sharded_state_dict(model, is_loading=is_loading,
+                                                                  metadata=dict(self.METADATA)))
+        state.SHARDING_METADATA = dict(self.METADATA)
+
+    def __exit__(self, *exc):
+        from beamrl.trainer.megatron.checkpoint import distributed_optimizer, state
+
+        distributed_optimizer.sharded_state_dict, state.SHARDING_METADATA = self.saved
+
+
 def _global_state(t) -> dict[str, torch.Tensor] | None:
     """Every tensor of `t`'s checkpoint state (model and optimizer) as one global tensor per key, assembled on rank 0
     from all ranks' main replicas (None elsewhere): what a checkpoint of `t` holds, whatever the layout."""

@@ -228,6 +228,10 @@ def _check_compatible(meta: dict, trainer, directory: Path) -> None:
                               f"{mine.get(diff[0])!r} in this trainer (a checkpoint of another model)")
     if meta["dtype"] != trainer.config.dtype:
         raise CheckpointError(f"{path}: written with dtype {meta['dtype']!r}, this trainer uses {trainer.config.dtype!r}")
+    optimizer_format = meta.get("sharding", {}).get("distrib_optim_sharding_type")
+    if optimizer_format != state.OPTIMIZER_STATE_FORMAT:
+        raise CheckpointError(f"{path}: its optimizer state is in the {optimizer_format!r} format; this trainer reads "
+                              f"{state.OPTIMIZER_STATE_FORMAT!r} (per-parameter tensors in the model's space)")
     dist_opt = trainer.config.trainer.distributed_optimizer
     if meta.get("optimizer", {}).get("distributed_optimizer") != dist_opt:
         raise CheckpointError(f"{path}: written with distributed_optimizer="

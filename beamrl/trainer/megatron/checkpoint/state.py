@@ -3,12 +3,12 @@
 - Model: every chunk's `sharded_state_dict` (Beam's modules describe their TP/EP-split tensors, see
   `model/sharding.py`), keys are global (layer numbers are global, experts are one tensor over EP), so they do not
   depend on the layout. Megatron's `_extra_state` slots of the local linears hold nothing and are dropped.
-- Optimizer: Megatron's `sharded_state_dict` of the (chained) optimizer. The distributed optimizer uses the
-  `fully_reshardable` format: every parameter's FP32 main copy and Adam moments as tensors of the parameter's own
-  shape and sharding, gathered over DP on DP rank 0 at save time (the gloo, memory-efficient variant), so they
-  reshard like the weights. The non-distributed optimizer stores the same per-parameter tensors natively (in a
-  BF16 model described by `float16_optimizer`, not by Megatron, which misnumbers them next to FP32 parameters).
-  Sub-optimizer prefixes are off (`chained_optim_avoid_prefix`): the chain's make-up depends on the layout.
+- Optimizer: every parameter's FP32 main copy and Adam moments as tensors of the parameter's own shape and
+  sharding (Megatron's `fully_reshardable` format), so they reshard like the weights. The distributed optimizer's
+  is described by `distributed_optimizer` (each DP rank writes and reads only the state it owns; Megatron's own
+  description gathers it over DP), the non-distributed one natively (in a BF16 model by `float16_optimizer`, not
+  by Megatron, which misnumbers its parameters next to FP32 ones). Sub-optimizer prefixes are off
+  (`chained_optim_avoid_prefix`): the chain's make-up depends on the layout.
 
 The non-tensor part of the optimizer state (parameter-group hyper-parameters) is not stored: it is rebuilt from
 the trainer's own settings on load. Adam's step count, the one non-tensor value that matters, is stored in the
@@ -22,14 +22,16 @@ from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
 from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedObject
 from megatron.core.dist_checkpointing.utils import extract_sharded_base
 
-from beamrl.trainer.megatron.checkpoint import float16_optimizer
+from beamrl.trainer.megatron.checkpoint import distributed_optimizer, float16_optimizer
 
-#: Metadata passed to every `sharded_state_dict` call (see the module docstring).
+#: Metadata passed to Megatron's `sharded_state_dict` calls (models, the FP32 optimizer), and recorded in the
+#: checkpoint's JSON as the layout of its optimizer state (`OPTIMIZER_STATE_FORMAT`, checked on load).
 SHARDING_METADATA = {
     "distrib_optim_sharding_type": "fully_reshardable",
-    "distrib_optim_fully_reshardable_mem_efficient": True,
     "chained_optim_avoid_prefix": True,
 }
+#: The optimizer state format this code writes and reads (Megatron's name for it).
+OPTIMIZER_STATE_FORMAT = SHARDING_METADATA["distrib_optim_sharding_type"]
 MODEL_PREFIX = "model."
 
 
@@ -38,8 +40,7 @@ class StateError(RuntimeError):
 
 
 def sharded_state(trainer, is_loading: bool) -> tuple[dict, dict]:
-    """(sharded part, non-tensor part) of the trainer's model + optimizer state. Collective for the distributed
-    optimizer (gathers its state over DP when saving)."""
+    """(sharded part, non-tensor part) of the trainer's model + optimizer state. Local: no collective."""
     model = {f"chunk{i}": _model_chunk(m) for i, m in enumerate(trainer.models)}
     _align_param_index_maps(trainer.optimizer)
     if is_loading:
@@ -53,13 +54,14 @@ def sharded_state(trainer, is_loading: bool) -> tuple[dict, dict]:
 
 def _optimizer_sharded_state(optimizer, model: dict, is_loading: bool):
     """The (chained) optimizer's `sharded_state_dict`, as Megatron's `ChainedOptimizer` builds it without prefixes
-    (one dict per sub-optimizer, or the single one's), except that the non-distributed mixed-precision
-    sub-optimizers are described by `float16_optimizer` (Megatron 0.19.2 misnumbers their parameters next to FP32
-    ones, see there)."""
+    (one dict per sub-optimizer, or the single one's), except that the distributed sub-optimizers are described by
+    `distributed_optimizer` (no gather over DP) and the non-distributed mixed-precision ones by `float16_optimizer`
+    (Megatron 0.19.2 misnumbers their parameters next to FP32 ones, see there)."""
     subs = _sub_optimizers(optimizer)
     if len(subs) > 1:
         optimizer._synchronize_steps()  # as ChainedOptimizer does (TE/Apex keep the step per group)
-    parts = [float16_optimizer.sharded_state_dict(sub, model, is_loading)
+    parts = [distributed_optimizer.sharded_state_dict(sub, model, is_loading) if _is_distributed(sub)
+             else float16_optimizer.sharded_state_dict(sub, model, is_loading)
              if float16_optimizer.is_float16_optimizer(sub)
              else sub.sharded_state_dict(model, is_loading=is_loading, metadata=dict(SHARDING_METADATA))
              for sub in subs]
@@ -160,26 +162,10 @@ def adam_step(trainer, common: dict) -> int:
 def load_optimizer(trainer, merged: dict, step: int) -> None:
     """Load the optimizer part of a loaded `sharded_state` (non-tensor part rebuilt by this trainer) with Adam's
     step count `step`, one sub-optimizer at a time."""
-    from megatron.core.optimizer.distrib_optimizer import HAVE_APEX_OR_TE
-
     for sub, sd in zip(_sub_optimizers(trainer.optimizer), _per_sub(trainer.optimizer, merged["optimizer"])):
         for slot, key in _step_slots(sub, sd):
             slot[key] = float(step) if _is_distributed(sub) else torch.tensor(float(step))
-        torch_adam = isinstance(sub.optimizer, torch.optim.Adam) and not HAVE_APEX_OR_TE
-        if not (_is_distributed(sub) and torch_adam and sd.get("param_state") is not None):
+        if _is_distributed(sub):
+            distributed_optimizer.load_state_dict(sub, sd)
+        else:
             sub.load_state_dict(sd)
-            continue
-        # torch's Adam keeps `step` as a tensor in each parameter's state, which Megatron 0.19.2's
-        # fully_reshardable loader mistakes for a state tensor to fill (KeyError 'step'): load the non-tensor
-        # part (it sets the step), then the tensors with the step tensors set aside. Megatron also gives every
-        # parameter the *same* step tensor, which Adam increments in place once per parameter: each gets a copy.
-        param_state = sd.pop("param_state")
-        sd.pop("param_state_sharding_type", None)
-        sub.load_state_dict(sd)
-        inner = sub.optimizer.state
-        steps = {p: st.pop("step") for p, st in inner.items() if "step" in st}
-        try:
-            sub.load_parameter_state_from_fully_reshardable(param_state)
-        finally:
-            for p, value in steps.items():
-                inner[p]["step"] = value.detach().clone()

@@ -9,6 +9,7 @@ import pytest
 
 from beamrl.trainer.megatron.checkpoint import CheckpointError
 from beamrl.trainer.megatron.checkpoint.checkpointer import _check_compatible, _optimizer_settings
+from beamrl.trainer.megatron.checkpoint.state import SHARDING_METADATA
 from tests.trainer.megatron import _equivalence as E
 
 
@@ -18,7 +19,7 @@ def _two_rank_world(monkeypatch):
 
 
 def _meta(cfg):
-    return {"model": cfg.model.to_dict(), "dtype": cfg.dtype,
+    return {"model": cfg.model.to_dict(), "dtype": cfg.dtype, "sharding": dict(SHARDING_METADATA),
             "optimizer": _optimizer_settings(SimpleNamespace(config=cfg))}
 
 
@@ -47,3 +48,15 @@ def test_another_model_dtype_or_optimizer_kind_is_refused(change, field):
     with pytest.raises(CheckpointError, match=field) as e:
         _check_compatible(_meta(cfg), SimpleNamespace(config=change(cfg)), Path("/ckpt"))
     assert "/ckpt/beamrl_checkpoint.json" in str(e.value)
+
+
+def test_another_optimizer_state_format_is_refused_naming_it():
+    cfg = E.trainer_config({"ep": 2}, True)
+    meta = _meta(cfg)
+    meta["sharding"] = {**meta["sharding"], "distrib_optim_sharding_type": "dp_reshardable"}
+    with pytest.raises(CheckpointError, match="'dp_reshardable' format; this trainer reads 'fully_reshardable'"):
+        _check_compatible(meta, SimpleNamespace(config=cfg), Path("/ckpt"))
+    # The previous beamrl recorded Megatron's gather option too: still the same format.
+    meta["sharding"] = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True,
+                        "distrib_optim_fully_reshardable_mem_efficient": True}
+    _check_compatible(meta, SimpleNamespace(config=cfg), Path("/ckpt"))
