@@ -129,6 +129,9 @@ def per_rank_sync(engine_kind: str, corrupt_bucket: int | None, workdir: str = "
             super().spread(bucket)
             if self.rank == 1 and bucket.index == self.corrupt:  # rank 1's copy changes after the broadcast
                 self.slot(bucket.index).payload(bucket.nbytes)[7] ^= 0x20
+            # ... and before the shipping rank sends the bucket (without this barrier the engine could read rank
+            # 1's copy before the change: the test then failed about one run in five)
+            dist.barrier()
 
     slots = FaultySlots(rank, "cpu")
     slots.corrupt = corrupt_bucket
