@@ -270,12 +270,18 @@ class WeightSync:
             transport.send(layout, self.timeouts.bucket)
             count += 1
             nbytes += layout.nbytes
-            now = time.perf_counter()
-            if now - last_said >= self.progress_every_s:  # long syncs only (a 500B sync has ~2000 buckets)
-                last_said = now
-                self._say(f"[weight sync v{version}] bucket {count}/{len(plan.buckets)}: {nbytes / 2**30:.3f} GiB "
-                          f"sent, {now - t_begin:.1f} s")
+            last_said = self._progress(version, count, len(plan.buckets), nbytes, t_begin, last_said)
         return count, nbytes
+
+    def _progress(self, version: int, count: int, total: int, nbytes: int, t_begin: float, last_said: float) -> float:
+        """A bucket line if `progress_every_s` passed since the last one (long syncs only: a 500B sync has ~2000
+        buckets); returns when the last line was said."""
+        now = time.perf_counter()
+        if now - last_said < self.progress_every_s:
+            return last_said
+        self._say(f"[weight sync v{version}] bucket {count}/{total}: {nbytes / 2**30:.3f} GiB sent, "
+                  f"{now - t_begin:.1f} s")
+        return now
 
     def _ship_per_rank(self, plan: BucketPlan, source: ExportSource, stream, transport: WeightTransport | None,
                        failure: BaseException | None, version: int,
@@ -307,11 +313,7 @@ class WeightSync:
                             continue
                         count += 1
                         nbytes += layout.nbytes
-                        now = time.perf_counter()
-                        if now - last_said >= self.progress_every_s:
-                            last_said = now
-                            self._say(f"[weight sync v{version}] bucket {count}/{len(plan.buckets)}: "
-                                      f"{nbytes / 2**30:.3f} GiB sent, {now - t_begin:.1f} s")
+                        last_said = self._progress(version, count, len(plan.buckets), nbytes, t_begin, last_said)
             except Exception as exc:  # the export did not match its layout: the rest of it is only followed
                 failure = exc
         sizes = [len(u) for u in source.units()]

@@ -121,7 +121,7 @@ class ColocatedTransport(ReceiverTransport):
         if self._mode == "per_rank":
             self._require_session("finalize")
             deadline = time.monotonic() + timeout
-            for slot in self._slots:
+            for slot in self._slots_in_bucket_order():  # the earliest bucket's failure is the one reported
                 self._wait_slot(slot, max(deadline - time.monotonic(), 1e-3))
             self.keep.check_finished()
         super().finalize(timeout)
