@@ -2,7 +2,10 @@
 """The GPU passes of a colocated weight sync, timed one by one on a Beam-shaped bucket (where a sync's device time
 goes): packing (`pack_bucket`, and one `_foreach_copy_` of the same tensors for comparison), the raw-bit checksum
 (`bucket_checksum`: the Triton kernel on CUDA; torch's widening row sum alone for comparison), and the engine's copy
-out (`copy_tensors`), next to one plain device copy of the same bytes. Times one full bucket of each size.
+out (`copy_tensors`), next to one plain device copy of the same bytes; and the fused passes a sync runs now: the pack
+with its checksum (`pack_bucket(..., checksum=)`) and the copy out with its checksum (`unpack_bucket`), one pass each
+on CUDA (`beamrl.kernels.bucket_copy`), with a sweep of that kernel's launch choices. Times one full bucket of each
+size.
 
   python benchmarks/sync_passes_h200.py --json $OUT/sync_passes.json      # one H200
   python benchmarks/sync_passes_h200.py --device cpu --bucket-mb 1         # CPU smoke run
@@ -21,7 +24,7 @@ from beamrl.models.beam import preset
 from beamrl.models.beam.weights import expected_tensors
 from beamrl.protocols.checksum import ROW_BYTES, bucket_checksum, padded_rows
 from beamrl.sync.export import specs_of
-from beamrl.sync.packing import bucket_views, copy_tensors, pack_bucket
+from beamrl.sync.packing import BucketChecksum, bucket_views, copy_tensors, pack_bucket, unpack_bucket
 from beamrl.sync.plan import plan_buckets
 
 
@@ -77,6 +80,26 @@ def main(argv=None) -> int:
                 r[f"checksum_r{rows_}_p{programs}_w{warps}_ms"] = timed_ms(lambda: bucket_checksum(checked), dev)
             checksum_rows.TUNING.clear()
             checksum_rows.TUNING.update(default)
+        cs = BucketChecksum(slot, torch.zeros(2, dtype=torch.int64, device=dev))
+        got = torch.zeros(2, dtype=torch.int64, device=dev)
+        r["pack_with_checksum_ms"] = timed_ms(lambda: pack_bucket(slot, layout, tensors, views, cs), dev)
+        r["unpack_with_checksum_ms"] = timed_ms(lambda: unpack_bucket(checked, layout, dst, views, got), dev)
+        if dev == "cuda":
+            from beamrl.kernels import bucket_copy
+
+            plan = bucket_copy.plan_copy(checked, [(m.start, m.end) for m in layout.metas if m.end > m.start], tensors)
+            r["fused"] = plan is not None
+            r["fused_aligned"] = bool(plan is not None and plan.aligned)
+            r["fused_checksums_equal"] = bool(torch.equal(cs.out, got) and torch.equal(got, bucket_checksum(checked)))
+            default = dict(bucket_copy.TUNING)
+            for rows_, programs, warps in [(4, 8192, 4), (8, 8192, 4), (8, 1 << 20, 4), (16, 8192, 8), (8, 8192, 8),
+                                           (4, 1 << 20, 4), (2, 1 << 20, 4)]:
+                bucket_copy.TUNING.update(rows=rows_, programs=programs, warps=warps)
+                tag = f"r{rows_}_p{programs}_w{warps}"
+                r[f"pack_fused_{tag}_ms"] = timed_ms(lambda: pack_bucket(slot, layout, tensors, views, cs), dev)
+                r[f"unpack_fused_{tag}_ms"] = timed_ms(lambda: unpack_bucket(checked, layout, dst, views, got), dev)
+            bucket_copy.TUNING.clear()
+            bucket_copy.TUNING.update(default)
         w32 = checked.view(torch.int32).view(-1, ROW_BYTES // 4)
         r["rowsum_torch_int32_to_int64_ms"] = timed_ms(lambda: w32.sum(1, dtype=torch.int64), dev)
         flat = checked.clone()

@@ -26,6 +26,7 @@ ROW_BYTES = 4096
 _ROW_WORDS = ROW_BYTES // 4
 _P = 2**31 - 1
 _PERIOD = 1021
+MODULUS, WEIGHT_PERIOD = _P, _PERIOD  # for kernels that compute the checksum themselves (`beamrl.kernels`)
 #: S and W are exact int64 sums (no final reduction): W < rows * P * 1021 must stay below 2^63
 MAX_BYTES = (2**63 // (_P * _PERIOD)) * ROW_BYTES
 _weights: dict[torch.device, torch.Tensor] = {}

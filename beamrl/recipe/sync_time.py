@@ -51,12 +51,12 @@ class LinkRates:
 
 RATES = {
     "h200": LinkRates(
-        colocated=487.0, intra_node=345.0, inter_node=40.0, copy=2123.0,
+        colocated=554.0, intra_node=345.0, inter_node=40.0, copy=2108.0,
         source="H200 measured with benchmarks/sync_h200.py on the lent machines (docs/benchmarks.md: colocated "
-               "487 GB/s at 512 MiB through the training path and d2d copy 2,123 GB/s, 2026-12-01; raw NCCL "
+               "554 GB/s at 512 MiB through the training path and d2d copy 2,108 GB/s, 2026-12-02; raw NCCL "
                "broadcast GPU0->GPU1 345 GB/s, 2026-11-30); inter-node: 400 Gb/s NIC per GPU at 80 % (not measured)"),
     "b200": LinkRates(
-        colocated=487.0, intra_node=690.0, inter_node=40.0, copy=3700.0,
+        colocated=554.0, intra_node=690.0, inter_node=40.0, copy=3700.0,
         source="B200 not measured: NVLink 5 doubles NVLink 4, so the H200 NCCL figure x2; HBM3e 8 TB/s, so the H200 "
                "copy figure x1.8; the colocated figure is the H200 one; inter-node: 400 Gb/s NIC per GPU at 80 %"),
 }

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from beamrl.protocols.flat_bucket import FlatBucket, TensorMeta
 from beamrl.protocols.manifest import FULL, SyncManifest
 from beamrl.protocols.weights import ROLLED_BACK, UNHEALTHY, UNTOUCHED, WeightReceiver, WeightSyncError
-from beamrl.sync.packing import bucket_views, copy_tensors
+from beamrl.sync.packing import bucket_views, copy_tensors, unpack_bucket
 from beamrl.sync.receive_session import ManifestCache, ReceiveSession, UndoLog, WeightTable
 from beamrl.sync.update_group import destroy_update_group, init_update_group
 
@@ -141,7 +141,10 @@ class LocalWeightReceiver(WeightReceiver):
                                   f"({self._session_error}); abort it")
         return self._session
 
-    def _apply(self, index: int, src: list[torch.Tensor]) -> None:
+    def _apply(self, index: int, src: list[torch.Tensor], rows: torch.Tensor | None = None,
+               checksum_out: torch.Tensor | None = None) -> None:
+        """Copy bucket `index` (`src`: its views) into its destinations; with `checksum_out`, also checksum the
+        bucket's `rows` into it (`unpack_bucket`: one pass on CUDA)."""
         session = self._session
         # Copy targets are looked up once per session, never kept across sessions: a parameter's storage may be
         # replaced between syncs (memory release/resume on GPU), and a stale target would be written silently.
@@ -152,7 +155,9 @@ class LocalWeightReceiver(WeightReceiver):
             if self._undo is not None:
                 self._undo.save(dst)
             self._touched = True
-        if dst:
+        if checksum_out is not None:
+            unpack_bucket(rows, session.manifest.bucket(index), dst, src, checksum_out)
+        elif dst:
             copy_tensors(dst, src)
         session.advance()
 
@@ -271,8 +276,12 @@ class LocalWeightReceiver(WeightReceiver):
             src = s.views.get(key)
             if src is None:
                 src = s.views[key] = bucket_views(s.buffer, layout)
-            session.check_checksum(index, s.checked(layout.nbytes), s.trailer, defer=self._defer)
-            self._apply(index, src)
+            rows = s.checked(layout.nbytes)
+            if self._defer:  # checksum while copying out, compared at commit
+                self._apply(index, src, rows, session.deferred(index, s.trailer, rows.device))
+            else:
+                session.check_checksum(index, rows, s.trailer)
+                self._apply(index, src)
             s.signal_done()
 
         with self._lock:

@@ -265,7 +265,7 @@ class WeightSync:
         for k, tensors in plan.assemble(stream):
             layout = plan.buckets[k]
             target = transport.buffer(layout, self.timeouts.bucket)
-            self.pack(target.buffer, layout, tensors, target.views)
+            self.pack(target.buffer, layout, tensors, target.views, target.checksum)
             del tensors
             transport.send(layout, self.timeouts.bucket)
             count += 1
@@ -299,7 +299,7 @@ class WeightSync:
                     if failure is None:
                         try:
                             target = transport.buffer(layout, self.timeouts.bucket)
-                            self.pack(target.buffer, layout, tensors, target.views)
+                            self.pack(target.buffer, layout, tensors, target.views, target.checksum)
                         except Exception as exc:
                             failure = exc
                     del tensors

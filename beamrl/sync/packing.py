@@ -7,12 +7,22 @@ with batched copies from the tensors as they are into typed views of the buffer 
 `torch._foreach_copy_` for the small tensors, a plain copy per large one; the views are made once per buffer and
 bucket and cached by the transport; no dtype change, no host round trip). On GPU the copies are queued on the current stream; the transport records the
 bucket's event after them.
+
+Where the transport checksums the packed bucket on the device (staging slots), `pack_bucket` also writes that
+checksum (`BucketChecksum`), and `unpack_bucket` is the receiver's side: copy out of the bucket and checksum it. On
+CUDA each is one pass over the bytes (`beamrl.kernels.bucket_copy`: copy and checksum fused) where the layout allows
+(every tensor 4-byte aligned, laid out back to back: all of Beam's); otherwise the batched copies and the checksum
+kernel run one after the other. The result is the same bytes and the same checksum either way.
 """
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
+
 import torch
 
+from beamrl.protocols.checksum import MODULUS, WEIGHT_PERIOD, bucket_checksum, padded_rows
 from beamrl.protocols.flat_bucket import FlatBucket
 from beamrl.protocols.manifest import FULL, BucketLayout, SyncManifest
 
@@ -58,18 +68,69 @@ def bucket_views(buffer: torch.Tensor, bucket: BucketLayout) -> list[torch.Tenso
     return [buffer[m.start:m.end].view(m.dtype).view(m.shape) for m in bucket.metas if m.end > m.start]
 
 
+@dataclass
+class BucketChecksum:
+    """Where `pack_bucket` also writes the checksum of what it packs: `out` (int64 [2], on the device) =
+    `bucket_checksum(rows[:padded_rows(nbytes)])`, `rows` being the packing buffer's whole 4 KiB rows (a staging
+    slot). `bucket`: the index of the bucket whose checksum `out` holds (None: none yet)."""
+
+    rows: torch.Tensor
+    out: torch.Tensor
+    bucket: int | None = None
+
+
+def _spans(bucket: BucketLayout) -> list[tuple[int, int]]:
+    return [(m.start, m.end) for m in bucket.metas if m.end > m.start]
+
+
+def _fused_copy(rows: torch.Tensor, bucket: BucketLayout, tensors: list[torch.Tensor], out: torch.Tensor,
+                gather: bool) -> bool:
+    """Copy and checksum in one kernel (`beamrl.kernels.bucket_copy`) on CUDA; False where it does not apply.
+    On CPU it runs only on Triton's interpreter (`TRITON_INTERPRET=1`, Triton's own switch: the tests' CPU runs)."""
+    if not (rows.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        return False
+    from beamrl.kernels.bucket_copy import copy_with_checksum, plan_copy
+
+    plan = plan_copy(rows, _spans(bucket), tensors)
+    if plan is None:
+        return False
+    copy_with_checksum(rows, plan, out, gather, MODULUS, WEIGHT_PERIOD)
+    return True
+
+
 def pack_bucket(buffer: torch.Tensor, bucket: BucketLayout, tensors: list[torch.Tensor],
-                views: list[torch.Tensor] | None = None) -> torch.Tensor:
+                views: list[torch.Tensor] | None = None, checksum: BucketChecksum | None = None) -> torch.Tensor:
     """Copy `tensors` (in `bucket.metas` order) into `buffer[:bucket.nbytes]`; returns that slice. `views` are
-    `bucket_views(buffer, bucket)`, passed in when the caller caches them (they are the same every sync)."""
+    `bucket_views(buffer, bucket)`, passed in when the caller caches them (they are the same every sync).
+    `checksum`: also write the packed rows' checksum there (`BucketChecksum`; `buffer` is the start of its rows)."""
     if len(tensors) != len(bucket.metas):
         raise ValueError(f"bucket {bucket.index} has {len(bucket.metas)} tensors, got {len(tensors)}")
     dst = views if views is not None else bucket_views(buffer, bucket)
     src = tensors if len(dst) == len(tensors) else [t for t, m in zip(tensors, bucket.metas) if m.end > m.start]
     if len(src) != len(dst):
         raise ValueError(f"bucket {bucket.index}: {len(src)} non-empty tensors for {len(dst)} views")
-    copy_tensors(dst, src)
+    if checksum is None:
+        copy_tensors(dst, src)
+        return buffer[:bucket.nbytes]
+    rows = checksum.rows[:padded_rows(bucket.nbytes)]
+    if rows.data_ptr() != buffer.data_ptr():
+        raise ValueError(f"bucket {bucket.index}: the checksum's rows do not start at the packing buffer")
+    checksum.bucket = None
+    if not _fused_copy(rows, bucket, src, checksum.out, gather=True):
+        copy_tensors(dst, src)
+        bucket_checksum(rows, out=checksum.out)
+    checksum.bucket = bucket.index
     return buffer[:bucket.nbytes]
+
+
+def unpack_bucket(rows: torch.Tensor, bucket: BucketLayout, dst: list[torch.Tensor], views: list[torch.Tensor],
+                  out: torch.Tensor) -> None:
+    """The receiver's side of a checksummed bucket: `dst[i].copy_(views[i])` (the bucket's non-empty tensors, as
+    `bucket_views`) and `out` = `bucket_checksum(rows)`, `rows` being the bucket's bytes in whole 4 KiB rows.
+    Queued on the current stream; the caller compares `out` with the sender's checksum."""
+    if not _fused_copy(rows, bucket, dst, out, gather=False):
+        bucket_checksum(rows, out=out)
+        copy_tensors(dst, views)
 
 
 def pack_session(named: list[tuple[str, torch.Tensor]], version: int, bucket_bytes: int | None = None,

@@ -113,19 +113,24 @@ class ReceiveSession:
         """Compare the raw-bit checksum of `buffer` (the bucket's bytes as received) with the sender's `sent`.
         `defer`: keep both on the device and compare them all at commit (no host round trip per bucket)."""
         if defer:
-            if self._mine is None:
-                n = len(self.manifest.buckets)
-                self._mine = torch.zeros(n, 2, dtype=torch.int64, device=buffer.device)
-                self._sent = torch.zeros(n, 2, dtype=torch.int64, device=buffer.device)
-            bucket_checksum(buffer, out=self._mine[index])
-            sent_t = sent if isinstance(sent, torch.Tensor) else torch.tensor(sent, dtype=torch.int64)
-            self._sent[index].copy_(sent_t, non_blocking=True)
+            bucket_checksum(buffer, out=self.deferred(index, sent, buffer.device))
             return
         got = checksum_values(bucket_checksum(buffer))
         want = checksum_values(sent) if isinstance(sent, torch.Tensor) else (int(sent[0]), int(sent[1]))
         if got != want:
             raise WeightSyncError(f"{self.engine}: bucket {index} failed its checksum (sent {want}, received {got}): "
                                   f"its bytes changed in transit; bucket refused")
+
+    def deferred(self, index: int, sent: tuple[int, int] | torch.Tensor, device: torch.device) -> torch.Tensor:
+        """Keep the sender's checksum of bucket `index` on `device` for `settle`; returns where the receiver's own
+        checksum of the bucket goes (int64 [2] on `device`), to be written before commit."""
+        if self._mine is None:
+            n = len(self.manifest.buckets)
+            self._mine = torch.zeros(n, 2, dtype=torch.int64, device=device)
+            self._sent = torch.zeros(n, 2, dtype=torch.int64, device=device)
+        sent_t = sent if isinstance(sent, torch.Tensor) else torch.tensor(sent, dtype=torch.int64)
+        self._sent[index].copy_(sent_t, non_blocking=True)
+        return self._mine[index]
 
     def advance(self) -> None:
         self.next_index += 1

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from beamrl.protocols.checksum import padded_rows
+from beamrl.sync.packing import BucketChecksum
 
 TRAILER_BYTES = 16  # int64 [S, W] of `beamrl.protocols.checksum`
 
@@ -100,6 +101,8 @@ class StagingSlot:
         else:
             self.buffer = torch.empty(size, dtype=torch.uint8)
         self.trailer = self.buffer[_trailer_offset(self.capacity):].view(torch.int64)
+        # the packer writes the bucket's checksum into the trailer (`pack_bucket`, one pass with the copy on CUDA)
+        self.packed = BucketChecksum(self.buffer[:_trailer_offset(self.capacity)], self.trailer)
         self.pending: list = []  # PendingCall of every receiver's call on this slot
         self.receiver_events: list = []  # per receiver: what to wait on before packing again (GPU)
         self.views: dict[int, tuple] = {}  # id(layout) -> (layout, packing views) (`pack_bucket`)

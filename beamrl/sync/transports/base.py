@@ -28,7 +28,7 @@ from beamrl.protocols.checksum import bucket_checksum
 from beamrl.protocols.manifest import FULL, BucketLayout, SyncManifest
 from beamrl.protocols.weights import UNHEALTHY, PendingCall, WeightReceiver, WeightSyncError
 from beamrl.sync.calls import ReceiverCallError, check_reply, run_concurrently
-from beamrl.sync.packing import bucket_views
+from beamrl.sync.packing import BucketChecksum, bucket_views
 
 #: Packing views cached per staging slot (a few plans' worth: full and adapter layouts alternate in a LoRA run).
 _MAX_CACHED_VIEWS = 4096
@@ -54,6 +54,7 @@ class PackTarget:
     index: int
     buffer: torch.Tensor
     views: list[torch.Tensor]
+    checksum: BucketChecksum | None = None  # where the packer also writes the bucket's checksum (staging slots)
 
 
 class WeightTransport(abc.ABC):
@@ -257,10 +258,20 @@ class ReceiverTransport(WeightTransport):
             if len(slot.views) >= _MAX_CACHED_VIEWS:
                 slot.views.clear()
             cached = slot.views[id(bucket)] = (bucket, bucket_views(slot.buffer, bucket))
-        return PackTarget(bucket.index, slot.payload(bucket.nbytes), cached[1])
+        checksum = None
+        if self._packer_checksums():
+            checksum = slot.packed
+            checksum.bucket = None  # set by `pack_bucket` once it wrote this bucket's checksum
+        return PackTarget(bucket.index, slot.payload(bucket.nbytes), cached[1], checksum)
+
+    def _packer_checksums(self) -> bool:
+        """Whether `buffer` asks the packer for the bucket's checksum into the slot's trailer (`_checksum_into_trailer`
+        then has nothing left to do): transports whose receivers read the trailer say yes."""
+        return False
 
     def _checksum_into_trailer(self, slot: StagingSlot, bucket: BucketLayout) -> None:
-        bucket_checksum(slot.checked(bucket.nbytes), out=slot.trailer)
+        if slot.packed.bucket != bucket.index:  # packed without its checksum (a caller of pack_bucket's own)
+            bucket_checksum(slot.checked(bucket.nbytes), out=slot.trailer)
         slot.last_bucket = bucket.index
 
     def finalize(self, timeout: float) -> None:

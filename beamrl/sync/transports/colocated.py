@@ -132,6 +132,9 @@ class ColocatedTransport(ReceiverTransport):
         finally:
             self.keep.release_all()
 
+    def _packer_checksums(self) -> bool:
+        return self._mode == "staged"
+
     def send(self, bucket: BucketLayout, timeout: float) -> None:
         self._require_session("send")
         slot = self._slot(bucket.index)
