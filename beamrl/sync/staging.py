@@ -107,6 +107,7 @@ class StagingSlot:
         self.receiver_events: list = []  # per receiver: what to wait on before packing again (GPU)
         self.views: dict[int, tuple] = {}  # id(layout) -> (layout, packing views) (`pack_bucket`)
         self.last_bucket: int | None = None
+        self.in_flight = None  # a transport's own work still reading the slot (the distributed broadcast)
 
     def payload(self, nbytes: int) -> torch.Tensor:
         if nbytes > self.capacity:

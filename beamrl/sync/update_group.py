@@ -49,6 +49,18 @@ def broadcast_from_rank0(pg: dist.ProcessGroup, tensor: torch.Tensor) -> None:
         torch.cuda.current_stream(tensor.device).synchronize()
 
 
+def start_broadcast_from_rank0(pg: dist.ProcessGroup, tensor: torch.Tensor) -> dist.Work:
+    """Start broadcasting `tensor` from group rank 0 and return at once (NCCL: on its own stream, after the work
+    queued on the current stream; gloo: on its own thread). `tensor` must stay unchanged until `wait_broadcast`."""
+    return dist.broadcast(tensor, src=0, group=pg, async_op=True)
+
+
+def wait_broadcast(work: dist.Work, timeout: float) -> None:
+    """Before `tensor` of `start_broadcast_from_rank0` is written again: NCCL makes the current stream wait for the
+    broadcast (no host wait); gloo waits on the host, at most `timeout` s."""
+    work.wait(timedelta(seconds=timeout))
+
+
 def destroy_update_group(pg: dist.ProcessGroup) -> None:
     """Tear the group down (idempotent for a group already destroyed)."""
     if pg in c10d._world.pg_map:

@@ -6,7 +6,14 @@ the engines before it (`update_group_ranks`); a launcher that knows better (mult
 Per bucket the engines are told the bucket's index and checksum (its layout is in the session's manifest; SGLang
 is given the names, dtypes and shapes by its adapter) and block receiving while the trainer broadcasts; they
 rebuild the layout themselves (`FlatBucket.empty`, identical to SGLang's `FlattenedTensorBucket.empty`). The
-checksum is read on the host before the broadcast (one round trip per bucket; this path is network-bound).
+checksum is read on the host before the broadcast (SGLang is told it with the bucket's index).
+
+Buckets are pipelined over staging slots (2 from 128 MiB buckets up, `auto_staging_slots`): per bucket the trainer
+issues the engines' calls in issue order and starts its broadcast without waiting for either, so the next bucket
+is packed (and its checksum read) while the engines receive and load this one. A slot is packed again only after
+the engines replied for its previous bucket and its broadcast is done (NCCL: a stream wait). An engine that
+refuses a bucket without receiving it is seen at the latest one bucket later, when its reply is waited for; the
+transport then leaves the group, which frees the broadcasts in flight (no wait for the group's timeout).
 
 After any failure the collective sequence is out of step, so the trainer leaves the group and the next sync
 builds a new one (a fresh group name) once the engines have been restarted.
@@ -15,6 +22,7 @@ builds a new one (a fresh group name) once the engines have been restarted.
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from collections.abc import Sequence
 
@@ -27,7 +35,8 @@ from beamrl.protocols.weights import WeightReceiver, WeightSyncError
 from beamrl.sync.calls import run_concurrently
 from beamrl.sync.transports import TRANSPORTS
 from beamrl.sync.transports.base import ReceiverTransport
-from beamrl.sync.update_group import broadcast_from_rank0, destroy_update_group, init_update_group
+from beamrl.sync.update_group import (destroy_update_group, init_update_group, start_broadcast_from_rank0,
+                                      wait_broadcast)
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +64,7 @@ class DistributedTransport(ReceiverTransport):
                  rank_offsets: Sequence[int] | None = None, world_size: int | None = None) -> None:
         """`rank_offsets` / `world_size`: the engines' update-group ranks when the caller computes them (e.g.
         engines spanning nodes); default `update_group_ranks` of the receivers' TP sizes."""
-        super().__init__(receivers, device=device, staging_slots=1)
+        super().__init__(receivers, device=device)
         if (rank_offsets is None) != (world_size is None):
             raise ValueError("give both rank_offsets and world_size, or neither")
         if rank_offsets is not None and len(rank_offsets) != len(self.receivers):
@@ -115,18 +124,34 @@ class DistributedTransport(ReceiverTransport):
                  world, self.backend)
 
     def send(self, bucket: BucketLayout, timeout: float) -> None:
+        """Issue the engines' receive calls and start the broadcast; returns without waiting (module docstring)."""
         self._require_session("send")
         if self._pg is None:
             raise WeightSyncError("send before connect(): the update group does not exist")
-        payload = self._slot(bucket.index).payload(bucket.nbytes)
-        checksum = checksum_values(bucket_checksum(payload))
-        index, group, pg = bucket.index, self.group_name, self._pg
-        self._touched = True
-        self._call_all("update_weights_from_distributed",
-                       lambda r: r.update_weights_from_distributed(index, checksum, group, timeout), timeout,
-                       extra=[(TRAINER, lambda: broadcast_from_rank0(pg, payload))])
+        slot = self._slot(bucket.index)
+        payload = slot.payload(bucket.nbytes)
+        checksum = checksum_values(bucket_checksum(payload))  # also: the pack is done before the broadcast reads
+        slot.last_bucket = bucket.index
+        slot.pending = self._issue("update_weights_from_distributed", timeout, bucket.index, checksum,
+                                   self.group_name)
+        slot.in_flight = start_broadcast_from_rank0(self._pg, payload)
+
+    def _wait_slot(self, slot, timeout: float) -> None:
+        """The engines' replies for the slot's bucket (host, bounded: a refusal or a dead engine raises here), then
+        its broadcast (done by then on gloo; a stream wait on NCCL)."""
+        deadline = time.monotonic() + timeout
+        super()._wait_slot(slot, timeout)
+        work, slot.in_flight = slot.in_flight, None
+        if work is not None:
+            try:
+                wait_broadcast(work, max(deadline - time.monotonic(), 1e-3))
+            except Exception as exc:  # noqa: BLE001 - gloo/NCCL raise their own types
+                raise WeightSyncError(f"the trainer's broadcast of bucket {slot.last_bucket} failed: "
+                                      f"{type(exc).__name__}: {exc}") from exc
 
     def abort(self, reason: str, timeout: float) -> None:
+        for slot in self._slots:
+            slot.in_flight = None  # never waited for after a failure: leaving the group below ends them
         if self._pg is not None:  # the collective sequence is broken: leave the group (frees blocked receives)
             self._destroy_local(self._pg)
             self._pg, self.group_name = None, None

@@ -1,12 +1,21 @@
-"""Distributed transport specifics: group geometry, and a join that never happens fails within its timeout."""
+"""Distributed transport specifics: group geometry, a join that never happens fails within its timeout, a dead
+engine is noticed at once, teardown is bounded, and buckets are pipelined (the next one is packed while the engines
+receive this one)."""
 
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
-from beamrl.sync.local_receiver import LocalWeightReceiver
 from beamrl.protocols.weights import WeightSyncError
+from beamrl.rollout.native.config import NativeEngineConfig
+from beamrl.rollout.native.engine import NativeEngine
+from beamrl.sync.export import StateDictSource
+from beamrl.sync.local_receiver import LocalWeightReceiver
+from beamrl.sync.orchestrator import SyncTimeouts, WeightSync
+from beamrl.sync.packing import pack_bucket
+from beamrl.sync.process_receiver import HostedEngine
 from beamrl.sync.transports import TRANSPORTS
 
 from ..conftest import WedgedReceiver
@@ -70,8 +79,9 @@ def test_engine_killed_mid_sync_fails_fast_and_leaves_the_group(tiny_checkpoint,
         transport.begin(manifest, timeout=30)
         engine.kill()
         t0 = time.monotonic()
+        send(transport, manifest, tensors, 0, timeout=600)  # pipelined: the engines' replies are waited for later
         with pytest.raises(WeightSyncError, match=r"native-doomed: .*receiver process is (dead|gone)"):
-            send(transport, manifest, tensors, 0, timeout=600)
+            transport.finalize(timeout=600)
         assert time.monotonic() - t0 < 120  # the dead engine is noticed at once, not after the 600 s timeout
         transport.abort("engine died", timeout=5)
         assert transport.group_name is None and "native-doomed" in transport.unhealthy
@@ -138,3 +148,43 @@ def test_twenty_open_sync_close_cycles_each_close_bounded(tiny_checkpoint, train
     print("update-group close times (s): " + ", ".join(f"{s:.3f}" for s in closes))
     assert len(groups) == 20  # a fresh group every cycle
     assert max(closes) < 20.0, closes  # generous for a loaded CPU; the H200 target is < 2 s (issue 12)
+
+
+class ReceivesBucketZeroAfterTheNextPack(NativeEngine):
+    """Takes bucket 0 only once `signal` exists (the trainer writes it when it has packed bucket 1), and refuses it if
+    that does not happen within 20 s: a serial transport waits for this reply before it packs bucket 1."""
+
+    def __init__(self, config, signal: str) -> None:
+        super().__init__(config)
+        self.signal = Path(signal)
+
+    def update_weights_from_distributed(self, index, checksum, group_name, timeout):
+        if index == 0:
+            deadline = time.monotonic() + 20
+            while not self.signal.exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            if not self.signal.exists():
+                raise WeightSyncError(f"{self.name}: bucket 1 was not packed while bucket 0 was in flight")
+        return super().update_weights_from_distributed(index, checksum, group_name, timeout)
+
+
+def test_the_next_bucket_is_packed_while_the_engines_receive_this_one(tiny_checkpoint, trainer_model, tmp_path):
+    signal = tmp_path / "bucket-1-packed"
+    cfg = NativeEngineConfig(model_path=tiny_checkpoint, dtype="float32", device="cpu", name="pipelined")
+    engine = HostedEngine(ReceivesBucketZeroAfterTheNextPack, (cfg, str(signal)), name="pipelined")
+    try:
+        sync = WeightSync(lambda r: TRANSPORTS.get("distributed")(r), [engine], progress=None, bucket_bytes=1 << 15,
+                          timeouts=SyncTimeouts(connect=60, call=30, bucket=60, verify=60))
+
+        def pack(buffer, layout, tensors, views=None, checksum=None):
+            out = pack_bucket(buffer, layout, tensors, views, checksum)
+            if layout.index == 1:
+                signal.touch()
+            return out
+
+        sync.pack = pack
+        report = sync.sync(StateDictSource(list(trainer_model.named_parameters())))
+        assert report.version == 1 == engine.weight_version and report.buckets > 2
+        sync.close()
+    finally:
+        engine.shutdown(timeout=5)
