@@ -56,8 +56,8 @@ def start_broadcast_from_rank0(pg: dist.ProcessGroup, tensor: torch.Tensor) -> d
 
 
 def wait_broadcast(work: dist.Work, timeout: float) -> None:
-    """Before `tensor` of `start_broadcast_from_rank0` is written again: NCCL makes the current stream wait for the
-    broadcast (no host wait); gloo waits on the host, at most `timeout` s."""
+    """Before `tensor` of `start_broadcast_from_rank0` is written again: wait on the host until the broadcast is done,
+    at most `timeout` s (with a timeout, NCCL's wait is a host wait too)."""
     work.wait(timedelta(seconds=timeout))
 
 

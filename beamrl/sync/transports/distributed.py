@@ -11,7 +11,8 @@ checksum is read on the host before the broadcast (SGLang is told it with the bu
 Buckets are pipelined over staging slots (2 from 128 MiB buckets up, `auto_staging_slots`): per bucket the trainer
 issues the engines' calls in issue order and starts its broadcast without waiting for either, so the next bucket
 is packed (and its checksum read) while the engines receive and load this one. A slot is packed again only after
-the engines replied for its previous bucket and its broadcast is done (NCCL: a stream wait). An engine that
+the engines replied for its previous bucket and its broadcast is done (by then it is: engines reply after
+receiving). An engine that
 refuses a bucket without receiving it is seen at the latest one bucket later, when its reply is waited for; the
 transport then leaves the group, which frees the broadcasts in flight (no wait for the group's timeout).
 
@@ -138,7 +139,7 @@ class DistributedTransport(ReceiverTransport):
 
     def _wait_slot(self, slot, timeout: float) -> None:
         """The engines' replies for the slot's bucket (host, bounded: a refusal or a dead engine raises here), then
-        its broadcast (done by then on gloo; a stream wait on NCCL)."""
+        its broadcast (done by then: the engines reply after receiving it)."""
         deadline = time.monotonic() + timeout
         super()._wait_slot(slot, timeout)
         work, slot.in_flight = slot.in_flight, None
