@@ -22,13 +22,13 @@ release, the bit-exact restore and identical training after a cycle.
 
 from __future__ import annotations
 
-import sys
 import time
-import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
+
+from beamrl.trainer.megatron.pinned import pinned_host
 
 
 class TrainerAsleepError(RuntimeError):
@@ -97,29 +97,6 @@ def megatron_state_tensors(chunks: Iterable, optimizer) -> Iterator[torch.Tensor
             yield from _tensors(state)
 
 
-_warned_pinning = False
-
-
-def _pinned_host(nbytes: int) -> torch.Tensor:
-    """Page-locked host memory of exactly `nbytes` (plain host memory registered with CUDA). torch's pinned caching
-    allocator rounds every block up to a power of two (up to 2x the trainer's state in host memory); registering
-    an exact allocation does not. If registration is unavailable, the caching allocator is used (said once)."""
-    global _warned_pinning
-    host = torch.empty(nbytes, dtype=torch.uint8)
-    try:
-        from torch.cuda._pin_memory_utils import pin_memory, unpin_memory  # torch's own helpers (FSDP, DCP)
-
-        pin_memory(host.data_ptr(), nbytes)
-    except (ImportError, RuntimeError, AttributeError) as e:
-        if not _warned_pinning:
-            _warned_pinning = True
-            print(f"[beamrl] trainer sleep: cannot register host memory with CUDA ({type(e).__name__}: {e}); using "
-                  f"torch's pinned allocator (blocks rounded up to powers of two)", file=sys.stderr, flush=True)
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    weakref.finalize(host, unpin_memory, host.data_ptr())  # unregistered before the memory is freed
-    return host
-
-
 class _Held:
     """One device storage while asleep: the storage object (resizing it resizes it for every view) and its bytes."""
 
@@ -172,7 +149,7 @@ class DeviceStateSleeper:
         free = pool.get(nbytes)
         if free:
             return free.pop()
-        return _pinned_host(nbytes) if self.cuda else torch.empty(nbytes, dtype=torch.uint8)
+        return pinned_host(nbytes) if self.cuda else torch.empty(nbytes, dtype=torch.uint8)
 
     def sleep(self) -> SleepReport:
         """Copy every storage to host and free it on the device. Idempotent (a second call does nothing)."""

@@ -50,6 +50,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from beamrl import manifest
 from beamrl.trainer.megatron.checkpoint.file_writer import write_rank_files
+from beamrl.trainer.megatron.pinned import pinned_host
 from beamrl.trainer.megatron.checkpoint.safe_unpickle import SafeFileSystemReader, load_metadata, refuse_bytes_items
 
 #: Per-rank write results + digests, folded into the checkpoint manifest at finalize and then removed.
@@ -92,7 +93,8 @@ class HostStaging:
     changed them). Host tensors are written as they are: inline before training goes on, or by a forked child
     that sees them as of the fork.
 
-    CUDA tensors are copied into pinned host buffers (fast copies, one synchronisation for all), kept from one
+    CUDA tensors are copied into page-locked host buffers of their exact size (`beamrl.trainer.megatron.pinned`:
+    fast copies, one synchronisation for all), kept from one
     save to the next: a run's saves hold the same tensors, so later saves allocate nothing. The buffers cost host
     memory of the size of the rank's device-resident checkpoint state for the run's lifetime. They are rewritten
     only by the next save, which first waits for the previous one's writer."""
@@ -116,11 +118,13 @@ class HostStaging:
             if data.device.type != "cuda":  # other accelerators: a plain (synchronous) copy
                 out[index] = data.to("cpu")
             else:
-                buf = self._buffers.get(index)
-                if buf is None or buf.shape != data.shape or buf.dtype != data.dtype:
-                    buf = torch.empty(data.shape, dtype=data.dtype, pin_memory=True)
-                buf.copy_(data, non_blocking=True)
-                kept[index] = out[index] = buf
+                held = self._buffers.get(index)
+                if held is None or held[1].shape != data.shape or held[1].dtype != data.dtype:
+                    base = pinned_host(data.nbytes)  # exactly sized (`pinned.py`); kept: it holds the registration
+                    held = (base, base.view(data.dtype).view(data.shape))
+                held[1].copy_(data, non_blocking=True)
+                kept[index] = held
+                out[index] = held[1]
                 devices.add(data.device)
             copied += data.nbytes
         for device in devices:
