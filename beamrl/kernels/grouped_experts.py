@@ -52,13 +52,11 @@ def eager_grouped_experts(x, ids, weights, w_gate_up, w_down, scaling):
     expert first)."""
     _check(x, ids, weights, w_gate_up, w_down)
     t, k = ids.shape
-    num_experts, two_i, hidden = w_gate_up.shape
-    inter = two_i // 2
+    num_experts, _, hidden = w_gate_up.shape
     order, tokens, counts, inverse = sort_by_expert(ids, num_experts)
     sizes = counts.tolist()
     xs = _GatherRows.apply(x, tokens, sizes)
-    y = numerics.grouped_expert_outputs(xs, sizes, w_gate_up[:, :inter], w_gate_up[:, inter:], w_down,
-                                        weights.reshape(-1)[order])
+    y = numerics.grouped_expert_outputs(xs, sizes, w_gate_up, w_down, weights.reshape(-1)[order])
     return numerics.moe_combine(y[inverse].view(t, k, hidden), scaling)
 
 

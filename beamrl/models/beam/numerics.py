@@ -120,30 +120,81 @@ def expert_output(x: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor, dow
     return (acc * weight.float().unsqueeze(-1)).to(x.dtype)
 
 
-def grouped_expert_outputs(x: torch.Tensor, sizes: list[int], gate_w: torch.Tensor, up_w: torch.Tensor,
-                           down_w: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def grouped_expert_outputs(x: torch.Tensor, sizes: list[int], gate_up_w: torch.Tensor, down_w: torch.Tensor,
+                           weight: torch.Tensor) -> torch.Tensor:
     """`expert_output` of every expert on its contiguous rows: x [N, H] sorted by expert, `sizes[e]` rows for
-    expert e; gate_w/up_w [E, I, H], down_w [E, H, I] (views are fine); weight FP32 [N]. Returns [N, H].
+    expert e; gate_up_w [E, 2I, H] (gate rows, then up rows), down_w [E, H, I] (views are fine); weight FP32
+    [N]. Returns [N, H].
 
-    On CPU the three GEMMs run as `torch._grouped_mm` over all experts at once: the same per-expert products
-    bit for bit, forward and backward (tests/models/beam/test_numerics.py checks it against the loop), in 3
-    ops instead of ~10 per expert. Elsewhere (the GPU reference path) experts run one by one."""
+    On CPU the GEMMs run as `torch._grouped_mm` over all experts at once (gate and up as one GEMM,
+    `_GateUpGroupedMM`): the same per-expert products bit for bit, forward and backward
+    (tests/models/beam/test_numerics.py checks it against the loop), in 2 ops instead of ~10 per expert. The CPU
+    fallback of `_grouped_mm` still runs one GEMM per expert inside (about 13 aten ops and a host read each), so
+    every grouped GEMM saved matters. Elsewhere (the GPU reference path) experts run one by one."""
     if not any(sizes):
         return x.new_zeros(0, x.shape[1])
+    inter = gate_up_w.shape[1] // 2
     if x.device.type != "cpu" or not hasattr(torch, "_grouped_mm"):
         rows = x.split(sizes)
         ws = weight.split(sizes)
-        return torch.cat([expert_output(rows[e], gate_w[e], up_w[e], down_w[e], ws[e]) for e, n in enumerate(sizes)
-                          if n])
+        return torch.cat([expert_output(rows[e], gate_up_w[e, :inter], gate_up_w[e, inter:], down_w[e], ws[e])
+                          for e, n in enumerate(sizes) if n])
     offs = torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(torch.int32)
-    gate = torch._grouped_mm(x, gate_w.transpose(-2, -1), offs=offs).split(sizes)
-    up = torch._grouped_mm(x, up_w.transpose(-2, -1), offs=offs).split(sizes)
-    # SiLU per expert, as the loop: ATen computes a tensor's last (numel mod 2 vector widths) elements with the
-    # scalar exp and the rest with the vector one, so one SiLU over all rows would round some elements
-    # differently (measured), while the GEMMs above equal the per-expert ones.
-    act = torch.cat([swiglu(gate[e], up[e]) for e, n in enumerate(sizes) if n])
+    gate_up = _GateUpGroupedMM.apply(x, gate_up_w, offs)
+    gate, up = gate_up[:, :inter], gate_up[:, inter:]
+    if silu_rounds_per_row(gate):
+        act = swiglu(gate, up)  # one SiLU over all experts' rows: the same roundings as the per-expert calls
+    else:
+        # SiLU per expert, as the loop: ATen computes a tensor's last (numel mod 2 vector widths) elements with
+        # the scalar exp and the rest with the vector one, so one SiLU over all rows would round some elements
+        # differently (measured), while the GEMMs above equal the per-expert ones. Contiguous copies: on the
+        # strided halves each row would have a scalar tail of its own.
+        gate, up = gate.contiguous().split(sizes), up.contiguous().split(sizes)
+        act = torch.cat([swiglu(gate[e], up[e]) for e, n in enumerate(sizes) if n])
     acc = torch._grouped_mm(act.float(), down_w.float().transpose(-2, -1), offs=offs)
     return (acc * weight.float().unsqueeze(-1)).to(x.dtype)
+
+
+class _GateUpGroupedMM(torch.autograd.Function):
+    """`x @ [gate; up]^T` per expert as one CPU `torch._grouped_mm` [N, 2I] instead of one for gate and one for up
+    (the per-expert products are the same bit for bit: only the GEMM's N grows). Autograd's own backward of the
+    merged GEMM would sum x's gradient over all 2I columns at once; this one computes it as the two separate
+    GEMMs' gradients added, as autograd accumulated them before, and the weight gradient with one GEMM (each
+    element the same dot product over the expert's rows)."""
+
+    @staticmethod
+    def forward(ctx, x, gate_up_w, offs):
+        ctx.save_for_backward(x, gate_up_w, offs)
+        return torch._grouped_mm(x, gate_up_w.transpose(-2, -1), offs=offs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w, offs = ctx.saved_tensors
+        inter = w.shape[1] // 2
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = (torch._grouped_mm(grad[:, :inter], w[:, :inter], offs=offs)
+                  + torch._grouped_mm(grad[:, inter:], w[:, inter:], offs=offs))
+        if ctx.needs_input_grad[1]:
+            dw = torch._grouped_mm(x.t(), grad, offs=offs).transpose(-2, -1)
+        return dx, dw, None
+
+
+# ATen's CPU elementwise loops run 2 vectors of 8 (AVX2) or 16 (AVX512) floats per iteration and the last
+# `numel mod 2 vectors` elements with the scalar function; 32 covers both (and the 8-float generic vector).
+SILU_VECTOR_BLOCK = 32
+# at::internal::GRAIN_SIZE: above it a multi-threaded elementwise op splits its range at thread-count-dependent
+# offsets, each chunk with its own scalar tail.
+ATEN_GRAIN_SIZE = 32768
+
+
+def silu_rounds_per_row(gate: torch.Tensor) -> bool:
+    """True when one SiLU (and its backward) over the CPU tensor gate [N, I] (rows contiguous) rounds every element
+    as SiLU over contiguous copies of any split of its rows would: every row starts and ends on a vector block (I
+    is a multiple of `SILU_VECTOR_BLOCK`), so no element falls in a scalar tail, and the op runs as one range (one
+    thread, or small enough not to be split)."""
+    return (gate.dim() == 2 and gate.stride(-1) == 1 and gate.shape[1] % SILU_VECTOR_BLOCK == 0
+            and (torch.get_num_threads() == 1 or gate.numel() <= ATEN_GRAIN_SIZE))
 
 
 def moe_combine(per_expert: torch.Tensor, scaling: float) -> torch.Tensor:

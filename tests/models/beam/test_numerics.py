@@ -173,21 +173,25 @@ def test_attention_batched_equals_unbatched():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_grouped_expert_outputs_equal_expert_output_per_expert(dtype):
+@pytest.mark.parametrize("inter", [8, 32, 64])
+def test_grouped_expert_outputs_equal_expert_output_per_expert(dtype, inter):
     """The CPU grouped-GEMM path gives every expert's `expert_output` bit for bit, forward and backward; the
-    per-expert counts are odd, so a single SiLU over all rows would round some elements differently."""
+    per-expert counts are odd, so with I = 8 a single SiLU over all rows would round some elements differently
+    (per-expert SiLU); with I a multiple of the vector block one SiLU over all rows rounds as the loop."""
     g = torch.Generator().manual_seed(3)
-    sizes = [5, 0, 13, 1, 7, 0, 9, 3]
-    E, H, I, N = len(sizes), 16, 8, sum(sizes)
+    sizes = [5, 0, 13, 1, 7, 0, 9, 3, 30, 17]
+    E, H, I, N = len(sizes), 16, inter, sum(sizes)
+    assert numerics.silu_rounds_per_row(torch.empty(N, I)) == (I % numerics.SILU_VECTOR_BLOCK == 0)
     x = torch.randn(N, H, generator=g).to(dtype).requires_grad_()
-    gate, up = (torch.randn(E, I, H, generator=g).to(dtype).requires_grad_() for _ in range(2))
+    gate_up = torch.randn(E, 2 * I, H, generator=g).to(dtype).requires_grad_()
     down = torch.randn(E, H, I, generator=g).to(dtype).requires_grad_()
     weight = torch.rand(N, generator=g).requires_grad_()
     gy = torch.randn(N, H, generator=g).to(dtype)
     rows, ws = x.split(sizes), weight.split(sizes)
-    want = torch.cat([numerics.expert_output(rows[e], gate[e], up[e], down[e], ws[e]) for e in range(E) if sizes[e]])
-    got = numerics.grouped_expert_outputs(x, sizes, gate, up, down, weight)
+    want = torch.cat([numerics.expert_output(rows[e], gate_up[e, :I], gate_up[e, I:], down[e], ws[e])
+                      for e in range(E) if sizes[e]])
+    got = numerics.grouped_expert_outputs(x, sizes, gate_up, down, weight)
     assert torch.equal(got, want)
-    leaves = (x, gate, up, down, weight)
+    leaves = (x, gate_up, down, weight)
     for a, b in zip(torch.autograd.grad(got, leaves, gy), torch.autograd.grad(want, leaves, gy)):
         assert torch.equal(a, b)
