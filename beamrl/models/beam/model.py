@@ -137,15 +137,14 @@ class BeamMoE(nn.Module):
         flat = ids.reshape(-1)
         order = flat.argsort(stable=True)
         counts = torch.bincount(flat, minlength=c.num_experts).tolist()
-        xs, ws = x[order // k], weights.reshape(-1)[order]
+        xs, ws = x.index_select(0, order // k), weights.reshape(-1).index_select(0, order)
         experts = list(self.experts)
         # [E, 2I, H]: gate_e then up_e per expert, from one stack of [gate_0, up_0, gate_1, up_1, ...].
         gate_up = torch.stack([w for ex in experts for w in (ex.gate_proj.weight, ex.up_proj.weight)])
         outs = numerics.grouped_expert_outputs(
             xs, counts, gate_up.view(len(experts), -1, gate_up.shape[-1]),
             torch.stack([ex.down_proj.weight for ex in experts]), ws)
-        per_expert = torch.empty_like(outs)
-        per_expert[order] = outs
+        per_expert = torch.empty_like(outs).index_copy_(0, order, outs)
         return numerics.moe_combine(per_expert.view(n, k, -1), c.routed_scaling_factor), ids
 
 
