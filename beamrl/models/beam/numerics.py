@@ -228,10 +228,19 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     callers must give every real query at least itself."""
     hq, hkv, d = q.shape[-2], k.shape[-2], q.shape[-1]
     rep = hq // hkv
+    lead, tq, tk, n = q.shape[:-3], q.shape[-3], k.shape[-3], q.dim() - 3
+    b = tuple(range(n))  # the leading batch dims
     # Query head h reads KV head h // rep: group the query heads instead of materialising repeated K/V.
-    qg = q.float().unflatten(-2, (hkv, rep))  # [..., Tq, Hkv, rep, D]
-    scores = torch.einsum("...qgrd,...kgd->...grqk", qg, k.float()) * (1.0 / math.sqrt(d))
+    # The contractions "...qgrd,...kgd->...grqk" and "...grqk,...kgd->...qgrd" as the batched GEMMs that
+    # torch.einsum runs for them (the same permutes, reshapes and bmm operand layouts, so the same bits forward
+    # and backward; tests/models/beam/test_numerics.py), without einsum's ~25 extra view ops per call.
+    qg = q.float().unflatten(-2, (hkv, rep)).permute(*b, n + 1, n + 2, n, n + 3)  # [..., Hkv, rep, Tq, D]
+    kt = k.float().permute(*b, n + 1, n + 2, n)  # [..., Hkv, D, Tk]
+    scores = torch.bmm(qg.reshape(-1, rep * tq, d), kt.reshape(-1, d, tk)).view(*lead, hkv, rep, tq, tk)
+    scores = scores * (1.0 / math.sqrt(d))
     scores = scores.masked_fill(~mask.unsqueeze(-3).unsqueeze(-3), float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("...grqk,...kgd->...qgrd", probs, v.float())
+    probs = torch.softmax(scores, dim=-1)  # [..., Hkv, rep, Tq, Tk]
+    pq = probs.permute(*b, n, n + 2, n + 1, n + 3).reshape(-1, tq * rep, tk)  # [B*Hkv, Tq*rep, Tk]
+    vg = v.float().permute(*b, n + 1, n, n + 2).reshape(-1, tk, d)  # [B*Hkv, Tk, D]
+    out = torch.bmm(pq, vg).view(*lead, hkv, tq, rep, d).permute(*b, n + 1, n, n + 2, n + 3)  # [..., Tq, Hkv, rep, D]
     return out.flatten(-3, -2).to(q.dtype)

@@ -195,3 +195,31 @@ def test_grouped_expert_outputs_equal_expert_output_per_expert(dtype, inter):
     leaves = (x, gate_up, down, weight)
     for a, b in zip(torch.autograd.grad(got, leaves, gy), torch.autograd.grad(want, leaves, gy)):
         assert torch.equal(a, b)
+
+
+def _einsum_attention(q, k, v, mask):
+    """`numerics.attention` as it was written with torch.einsum (the reference of the bmm form)."""
+    hq, hkv, d = q.shape[-2], k.shape[-2], q.shape[-1]
+    qg = q.float().unflatten(-2, (hkv, hq // hkv))
+    scores = torch.einsum("...qgrd,...kgd->...grqk", qg, k.float()) * (1.0 / math.sqrt(d))
+    scores = scores.masked_fill(~mask.unsqueeze(-3).unsqueeze(-3), float("-inf"))
+    out = torch.einsum("...grqk,...kgd->...qgrd", torch.softmax(scores, dim=-1), v.float())
+    return out.flatten(-3, -2).to(q.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lead", [(), (3,), (2, 5)])
+def test_attention_bmm_form_equals_einsum(dtype, lead):
+    """The explicit bmm form of `numerics.attention` gives einsum's bits, forward and backward (GQA and MHA,
+    prefill and decode-like shapes)."""
+    g = torch.Generator().manual_seed(len(lead))
+    for tq, tk, hkv, rep, d in [(7, 7, 2, 2, 16), (1, 9, 2, 2, 16), (5, 8, 1, 3, 8), (11, 11, 4, 1, 64)]:
+        q = torch.randn(*lead, tq, hkv * rep, d, generator=g).to(dtype).requires_grad_()
+        k, v = (torch.randn(*lead, tk, hkv, d, generator=g).to(dtype).requires_grad_() for _ in range(2))
+        mask = torch.rand(*lead, tq, tk, generator=g) < 0.7
+        mask[..., 0] = True
+        gy = torch.randn(*lead, tq, hkv * rep, d, generator=g).to(dtype)
+        got, want = numerics.attention(q, k, v, mask), _einsum_attention(q, k, v, mask)
+        assert torch.equal(got, want)
+        for a, b in zip(torch.autograd.grad(got, (q, k, v), gy), torch.autograd.grad(want, (q, k, v), gy)):
+            assert torch.equal(a, b)
