@@ -140,8 +140,7 @@ def grouped_expert_outputs(x: torch.Tensor, sizes: list[int], gate_up_w: torch.T
         return torch.cat([expert_output(rows[e], gate_up_w[e, :inter], gate_up_w[e, inter:], down_w[e], ws[e])
                           for e, n in enumerate(sizes) if n])
     offs = torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(torch.int32)
-    gate_up = _GateUpGroupedMM.apply(x, gate_up_w, offs)
-    gate, up = gate_up[:, :inter], gate_up[:, inter:]
+    gate, up = _GateUpGroupedMM.apply(x, gate_up_w, offs)
     if silu_rounds_per_row(gate):
         act = swiglu(gate, up)  # one SiLU over all experts' rows: the same roundings as the per-expert calls
     else:
@@ -157,20 +156,26 @@ def grouped_expert_outputs(x: torch.Tensor, sizes: list[int], gate_up_w: torch.T
 
 class _GateUpGroupedMM(torch.autograd.Function):
     """`x @ [gate; up]^T` per expert as one CPU `torch._grouped_mm` [N, 2I] instead of one for gate and one for up
-    (the per-expert products are the same bit for bit: only the GEMM's N grows). Autograd's own backward of the
-    merged GEMM would sum x's gradient over all 2I columns at once; this one computes it as the two separate
-    GEMMs' gradients added, as autograd accumulated them before, and the weight gradient with one GEMM (each
-    element the same dot product over the expert's rows)."""
+    (the per-expert products are the same bit for bit: only the GEMM's N grows); returns the gate and up halves
+    (views). Autograd's own backward of the merged GEMM would sum x's gradient over all 2I columns at once; this one
+    computes it as the two separate GEMMs' gradients added, as autograd accumulated them before, and the weight
+    gradient with one GEMM (each element the same dot product over the expert's rows). The halves' gradients are
+    joined by one `cat` plus 0 (autograd joined the slices' zero-padded gradients by addition, which turns -0
+    into +0) instead of two zero-filled [N, 2I] buffers and their sum."""
 
     @staticmethod
     def forward(ctx, x, gate_up_w, offs):
         ctx.save_for_backward(x, gate_up_w, offs)
-        return torch._grouped_mm(x, gate_up_w.transpose(-2, -1), offs=offs)
+        gate_up = torch._grouped_mm(x, gate_up_w.transpose(-2, -1), offs=offs)
+        inter = gate_up_w.shape[1] // 2
+        return gate_up[:, :inter], gate_up[:, inter:]
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad_gate, grad_up):
         x, w, offs = ctx.saved_tensors
         inter = w.shape[1] // 2
+        halves = [g if g is not None else x.new_zeros(x.shape[0], inter) for g in (grad_gate, grad_up)]
+        grad = torch.cat(halves, dim=1).add_(0.0)
         dx = dw = None
         if ctx.needs_input_grad[0]:
             dx = (torch._grouped_mm(grad[:, :inter], w[:, :inter], offs=offs)
