@@ -96,9 +96,9 @@ def grouped_topk(logits: torch.Tensor, correction_bias: torch.Tensor, top_k: int
     choice = scores + correction_bias.float().view(1, e)
     group_scores = choice.view(t, n_group, -1).topk(2, dim=-1)[0].sum(dim=-1)
     group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
-    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0)
-    expert_mask = group_mask.unsqueeze(-1).expand(t, n_group, e // n_group).reshape(t, e)
-    masked = choice.masked_fill(~expert_mask.bool(), float("-inf"))
+    dropped = torch.ones_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, False)  # [T, n_group]
+    # -inf on every expert of a dropped group, through a broadcast [T, n_group, 1] mask (no [T, E] mask copy)
+    masked = choice.view(t, n_group, -1).masked_fill(dropped.unsqueeze(-1), float("-inf")).view(t, e)
     ids = torch.topk(masked, k=top_k, dim=-1, sorted=False)[1]
     return routing_weights(scores, ids), ids
 
