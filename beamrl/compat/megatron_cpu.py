@@ -50,6 +50,13 @@ W5  `TypeError: Wrapped parameters must be one of torch.cuda.FloatTensor...` (`o
     bare `AssertionError` at `optimizer/clip_grads.py:174`, same pattern in `optimizer/optimizer.py:1009/1028`:
     string checks on `Tensor.type()`. The *no-argument* `Tensor.type()` reports `torch.cuda.*Tensor` names for
     CPU tensors; `Tensor.type(dtype)` (a cast) is unchanged.
+W6  Not a failure, a cost: without TE/Apex, Megatron's grad-norm and grad-clip fallbacks
+    (`utils.local_multi_tensor_l2_norm` / `local_multi_tensor_scale`, used by `optimizer/clip_grads.py`) read every
+    parameter's norm to the host (`torch.tensor(list of 0-dim tensors)`: one host read per tensor) and scale each
+    grad with a multiply and a copy, in Python loops. Replaced, in `clip_grads` only and only while they are
+    those fallbacks, by `torch._foreach_norm` + `torch.stack` and `torch._foreach_mul_`: the same per-tensor
+    kernels (`linalg_vector_norm`, `mul`) and the same norm of the stacked norms, so the same values bit for bit
+    (tests/compat/test_megatron_cpu.py), without the host reads. On GPU TE/Apex provide fused kernels instead.
 
 Config flags that still fail on CPU and must stay off: `gradient_accumulation_fusion`, `apply_rope_fusion`,
 `moe_permute_fusion`, `moe_router_fusion`; use `batch_p2p_comm=False` with PP=2 + VPP on gloo (§3).
@@ -88,7 +95,7 @@ def is_active() -> bool:
 
 
 def activate() -> None:
-    """Apply W0-W5 once per process (idempotent). Raises `MegatronCpuError` when CUDA is available."""
+    """Apply W0-W6 once per process (idempotent). Raises `MegatronCpuError` when CUDA is available."""
     global _active
     with _lock:
         if _active:
@@ -107,6 +114,7 @@ def activate() -> None:
         _w2b_numpy_split_sizes()
         _w4_sequence_parallel_norm()
         _w5_tensor_type_names()
+        _w6_foreach_grad_norm_and_scale()
         _active = True
 
 
@@ -431,3 +439,41 @@ def _type(self, dtype=None, non_blocking=False, **kwargs):
 
 def _w5_tensor_type_names() -> None:
     _patch(torch.Tensor, "type", _type)
+
+
+# ------------------------------------------------------------------------------------------------------- W6
+
+
+def foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """`megatron.core.utils.local_multi_tensor_l2_norm` without a host read per tensor: the per-tensor norms from
+    `torch._foreach_norm` (the same `linalg_vector_norm` per tensor), stacked to the same [lists, tensors] shape
+    that `torch.tensor(l2)` built, and the same norm of them."""
+    if not all(tensor_lists):  # torch.tensor([[]]) is a [1, 0] tensor; keep Megatron's own code for that case
+        from megatron.core.utils import local_multi_tensor_l2_norm
+
+        return local_multi_tensor_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args)
+    norms = torch.stack([torch.stack(torch._foreach_norm(tl)) for tl in tensor_lists])
+    l2_reduced = torch.norm(norms)
+    return torch.tensor([float(l2_reduced)], dtype=torch.float, device="cuda"), None
+
+
+def foreach_scale(chunk_size, noop_flag, tensor_lists, scale):
+    """`megatron.core.utils.local_multi_tensor_scale` (dst = src * scale) as one `torch._foreach_mul_` when every
+    dst is its src (the grad clip's in-place case); otherwise Megatron's loop."""
+    src, dst = tensor_lists
+    if len(src) == len(dst) and all(s is d for s, d in zip(src, dst)):
+        torch._foreach_mul_(dst, scale)
+        return
+    from megatron.core.utils import local_multi_tensor_scale
+
+    local_multi_tensor_scale(chunk_size, noop_flag, tensor_lists, scale)
+
+
+def _w6_foreach_grad_norm_and_scale() -> None:
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads
+
+    if clip_grads.l2_norm_impl is utils.local_multi_tensor_l2_norm:
+        _patch(clip_grads, "l2_norm_impl", foreach_l2_norm)
+    if clip_grads.multi_tensor_scale_impl is utils.local_multi_tensor_scale:
+        _patch(clip_grads, "multi_tensor_scale_impl", foreach_scale)

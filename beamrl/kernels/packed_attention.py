@@ -26,6 +26,11 @@ class _Group:
     index: Optional[torch.Tensor]  # [n, L] token indices (None: the whole batch is this one group, in order)
     mask: torch.Tensor  # [L, L] bool visibility
 
+    @property
+    def flat_index(self) -> torch.Tensor:
+        """`index` flattened to [n * L] (a view)."""
+        return self.index.view(-1)
+
 
 @dataclass(frozen=True)
 class AttentionPlan:
@@ -58,8 +63,7 @@ def attention_plan(bounds: tuple[int, ...], window: Optional[int], device: torch
         groups.append(_Group(length, len(starts), idx, _mask(length, window, device)))
         index.append(idx.flatten())
     order = torch.cat(index)
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel(), device=device)
+    inverse = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=device))
     return AttentionPlan(tuple(groups), inverse)
 
 
@@ -74,8 +78,11 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: 
                                  k.view(g.num_sequences, g.length, *k.shape[1:]),
                                  v.view(g.num_sequences, g.length, *v.shape[1:]), g.mask)
         return out.view(q.shape)
-    outs = [numerics.attention(q[g.index], k[g.index], v[g.index], g.mask).flatten(0, 1) for g in plan.groups]
-    return torch.cat(outs)[plan.inverse]
+    # index_select rather than q[index]: the same rows, several times faster on CPU, and its backward (index_add_
+    # into zeros) gives the same gradient (every token is in exactly one group: one add to a zero per element).
+    outs = [numerics.attention(*(t.index_select(0, g.flat_index).view(g.num_sequences, g.length, *t.shape[1:])
+                                 for t in (q, k, v)), g.mask).flatten(0, 1) for g in plan.groups]
+    return torch.cat(outs).index_select(0, plan.inverse)
 
 
 def _mask(length: int, window: Optional[int], device) -> torch.Tensor:

@@ -176,3 +176,29 @@ def test_triton_free_paged_stash_stub():
     assert module.GLOBAL_BLOCK_SIZE == 1024
     with pytest.raises(megatron_cpu.MegatronCpuError, match="paged stash"):
         module.paged_stash_copy_kernel()
+
+
+def test_foreach_grad_norm_and_scale_equal_megatron_fallbacks():
+    """W6: the grad-norm and grad-clip replacements give Megatron's fallback results bit for bit, and
+    `clip_grads` uses them while the layer is active."""
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads
+
+    megatron_cpu.activate()
+    assert clip_grads.l2_norm_impl is megatron_cpu.foreach_l2_norm
+    assert clip_grads.multi_tensor_scale_impl is megatron_cpu.foreach_scale
+    g = torch.Generator().manual_seed(0)
+    shapes = [(16, 64), (4,), (64,), (16, 2, 64, 32), (16, 64, 32), (512, 64), (1,)] * 10  # the quickstart's kinds
+    grads = [torch.randn(s, generator=g) * torch.rand(1, generator=g).item() for s in shapes]
+    want, _ = utils.local_multi_tensor_l2_norm(2048 * 32, None, [grads], False)
+    got, _ = megatron_cpu.foreach_l2_norm(2048 * 32, None, [grads], False)
+    assert got.dtype == want.dtype and torch.equal(got, want)
+    scaled_want = [t.clone() for t in grads]
+    utils.local_multi_tensor_scale(2048 * 32, None, [scaled_want, scaled_want], 0.37)
+    scaled_got = [t.clone() for t in grads]
+    megatron_cpu.foreach_scale(2048 * 32, None, [scaled_got, scaled_got], 0.37)
+    assert all(torch.equal(a, b) for a, b in zip(scaled_got, scaled_want))
+    # dst other than src: Megatron's copy semantics
+    out = [torch.empty_like(t) for t in grads]
+    megatron_cpu.foreach_scale(2048 * 32, None, [grads, out], 0.37)
+    assert all(torch.equal(a, b) for a, b in zip(out, scaled_want))

@@ -96,9 +96,9 @@ def grouped_topk(logits: torch.Tensor, correction_bias: torch.Tensor, top_k: int
     choice = scores + correction_bias.float().view(1, e)
     group_scores = choice.view(t, n_group, -1).topk(2, dim=-1)[0].sum(dim=-1)
     group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
-    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0)
-    expert_mask = group_mask.unsqueeze(-1).expand(t, n_group, e // n_group).reshape(t, e)
-    masked = choice.masked_fill(~expert_mask.bool(), float("-inf"))
+    dropped = torch.ones_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, False)  # [T, n_group]
+    # -inf on every expert of a dropped group, through a broadcast [T, n_group, 1] mask (no [T, E] mask copy)
+    masked = choice.view(t, n_group, -1).masked_fill(dropped.unsqueeze(-1), float("-inf")).view(t, e)
     ids = torch.topk(masked, k=top_k, dim=-1, sorted=False)[1]
     return routing_weights(scores, ids), ids
 
@@ -120,30 +120,86 @@ def expert_output(x: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor, dow
     return (acc * weight.float().unsqueeze(-1)).to(x.dtype)
 
 
-def grouped_expert_outputs(x: torch.Tensor, sizes: list[int], gate_w: torch.Tensor, up_w: torch.Tensor,
-                           down_w: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def grouped_expert_outputs(x: torch.Tensor, sizes: list[int], gate_up_w: torch.Tensor, down_w: torch.Tensor,
+                           weight: torch.Tensor) -> torch.Tensor:
     """`expert_output` of every expert on its contiguous rows: x [N, H] sorted by expert, `sizes[e]` rows for
-    expert e; gate_w/up_w [E, I, H], down_w [E, H, I] (views are fine); weight FP32 [N]. Returns [N, H].
+    expert e; gate_up_w [E, 2I, H] (gate rows, then up rows), down_w [E, H, I] (views are fine); weight FP32
+    [N]. Returns [N, H].
 
-    On CPU the three GEMMs run as `torch._grouped_mm` over all experts at once: the same per-expert products
-    bit for bit, forward and backward (tests/models/beam/test_numerics.py checks it against the loop), in 3
-    ops instead of ~10 per expert. Elsewhere (the GPU reference path) experts run one by one."""
+    On CPU the GEMMs run as `torch._grouped_mm` over all experts at once (gate and up as one GEMM,
+    `_GateUpGroupedMM`): the same per-expert products bit for bit, forward and backward
+    (tests/models/beam/test_numerics.py checks it against the loop), in 2 ops instead of ~10 per expert. The CPU
+    fallback of `_grouped_mm` still runs one GEMM per expert inside (about 13 aten ops and a host read each), so
+    every grouped GEMM saved matters. Elsewhere (the GPU reference path) experts run one by one."""
     if not any(sizes):
         return x.new_zeros(0, x.shape[1])
+    inter = gate_up_w.shape[1] // 2
     if x.device.type != "cpu" or not hasattr(torch, "_grouped_mm"):
         rows = x.split(sizes)
         ws = weight.split(sizes)
-        return torch.cat([expert_output(rows[e], gate_w[e], up_w[e], down_w[e], ws[e]) for e, n in enumerate(sizes)
-                          if n])
+        return torch.cat([expert_output(rows[e], gate_up_w[e, :inter], gate_up_w[e, inter:], down_w[e], ws[e])
+                          for e, n in enumerate(sizes) if n])
     offs = torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(torch.int32)
-    gate = torch._grouped_mm(x, gate_w.transpose(-2, -1), offs=offs).split(sizes)
-    up = torch._grouped_mm(x, up_w.transpose(-2, -1), offs=offs).split(sizes)
-    # SiLU per expert, as the loop: ATen computes a tensor's last (numel mod 2 vector widths) elements with the
-    # scalar exp and the rest with the vector one, so one SiLU over all rows would round some elements
-    # differently (measured), while the GEMMs above equal the per-expert ones.
-    act = torch.cat([swiglu(gate[e], up[e]) for e, n in enumerate(sizes) if n])
+    gate, up = _GateUpGroupedMM.apply(x, gate_up_w, offs)
+    if silu_rounds_per_row(gate):
+        act = swiglu(gate, up)  # one SiLU over all experts' rows: the same roundings as the per-expert calls
+    else:
+        # SiLU per expert, as the loop: ATen computes a tensor's last (numel mod 2 vector widths) elements with
+        # the scalar exp and the rest with the vector one, so one SiLU over all rows would round some elements
+        # differently (measured), while the GEMMs above equal the per-expert ones. Contiguous copies: on the
+        # strided halves each row would have a scalar tail of its own.
+        gate, up = gate.contiguous().split(sizes), up.contiguous().split(sizes)
+        act = torch.cat([swiglu(gate[e], up[e]) for e, n in enumerate(sizes) if n])
     acc = torch._grouped_mm(act.float(), down_w.float().transpose(-2, -1), offs=offs)
     return (acc * weight.float().unsqueeze(-1)).to(x.dtype)
+
+
+class _GateUpGroupedMM(torch.autograd.Function):
+    """`x @ [gate; up]^T` per expert as one CPU `torch._grouped_mm` [N, 2I] instead of one for gate and one for up
+    (the per-expert products are the same bit for bit: only the GEMM's N grows); returns the gate and up halves
+    (views). Autograd's own backward of the merged GEMM would sum x's gradient over all 2I columns at once; this one
+    computes it as the two separate GEMMs' gradients added, as autograd accumulated them before, and the weight
+    gradient with one GEMM (each element the same dot product over the expert's rows). The halves' gradients are
+    joined by one `cat` plus 0 (autograd joined the slices' zero-padded gradients by addition, which turns -0
+    into +0) instead of two zero-filled [N, 2I] buffers and their sum."""
+
+    @staticmethod
+    def forward(ctx, x, gate_up_w, offs):
+        ctx.save_for_backward(x, gate_up_w, offs)
+        gate_up = torch._grouped_mm(x, gate_up_w.transpose(-2, -1), offs=offs)
+        inter = gate_up_w.shape[1] // 2
+        return gate_up[:, :inter], gate_up[:, inter:]
+
+    @staticmethod
+    def backward(ctx, grad_gate, grad_up):
+        x, w, offs = ctx.saved_tensors
+        inter = w.shape[1] // 2
+        halves = [g if g is not None else x.new_zeros(x.shape[0], inter) for g in (grad_gate, grad_up)]
+        grad = torch.cat(halves, dim=1).add_(0.0)
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = (torch._grouped_mm(grad[:, :inter], w[:, :inter], offs=offs)
+                  + torch._grouped_mm(grad[:, inter:], w[:, inter:], offs=offs))
+        if ctx.needs_input_grad[1]:
+            dw = torch._grouped_mm(x.t(), grad, offs=offs).transpose(-2, -1)
+        return dx, dw, None
+
+
+# ATen's CPU elementwise loops run 2 vectors of 8 (AVX2) or 16 (AVX512) floats per iteration and the last
+# `numel mod 2 vectors` elements with the scalar function; 32 covers both (and the 8-float generic vector).
+SILU_VECTOR_BLOCK = 32
+# at::internal::GRAIN_SIZE: above it a multi-threaded elementwise op splits its range at thread-count-dependent
+# offsets, each chunk with its own scalar tail.
+ATEN_GRAIN_SIZE = 32768
+
+
+def silu_rounds_per_row(gate: torch.Tensor) -> bool:
+    """True when one SiLU (and its backward) over the CPU tensor gate [N, I] (rows contiguous) rounds every element
+    as SiLU over contiguous copies of any split of its rows would: every row starts and ends on a vector block (I
+    is a multiple of `SILU_VECTOR_BLOCK`), so no element falls in a scalar tail, and the op runs as one range (one
+    thread, or small enough not to be split)."""
+    return (gate.dim() == 2 and gate.stride(-1) == 1 and gate.shape[1] % SILU_VECTOR_BLOCK == 0
+            and (torch.get_num_threads() == 1 or gate.numel() <= ATEN_GRAIN_SIZE))
 
 
 def moe_combine(per_expert: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -177,10 +233,19 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     callers must give every real query at least itself."""
     hq, hkv, d = q.shape[-2], k.shape[-2], q.shape[-1]
     rep = hq // hkv
+    lead, tq, tk, n = q.shape[:-3], q.shape[-3], k.shape[-3], q.dim() - 3
+    b = tuple(range(n))  # the leading batch dims
     # Query head h reads KV head h // rep: group the query heads instead of materialising repeated K/V.
-    qg = q.float().unflatten(-2, (hkv, rep))  # [..., Tq, Hkv, rep, D]
-    scores = torch.einsum("...qgrd,...kgd->...grqk", qg, k.float()) * (1.0 / math.sqrt(d))
+    # The contractions "...qgrd,...kgd->...grqk" and "...grqk,...kgd->...qgrd" as the batched GEMMs that
+    # torch.einsum runs for them (the same permutes, reshapes and bmm operand layouts, so the same bits forward
+    # and backward; tests/models/beam/test_numerics.py), without einsum's ~25 extra view ops per call.
+    qg = q.float().unflatten(-2, (hkv, rep)).permute(*b, n + 1, n + 2, n, n + 3)  # [..., Hkv, rep, Tq, D]
+    kt = k.float().permute(*b, n + 1, n + 2, n)  # [..., Hkv, D, Tk]
+    scores = torch.bmm(qg.reshape(-1, rep * tq, d), kt.reshape(-1, d, tk)).view(*lead, hkv, rep, tq, tk)
+    scores = scores * (1.0 / math.sqrt(d))
     scores = scores.masked_fill(~mask.unsqueeze(-3).unsqueeze(-3), float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("...grqk,...kgd->...qgrd", probs, v.float())
+    probs = torch.softmax(scores, dim=-1)  # [..., Hkv, rep, Tq, Tk]
+    pq = probs.permute(*b, n, n + 2, n + 1, n + 3).reshape(-1, tq * rep, tk)  # [B*Hkv, Tq*rep, Tk]
+    vg = v.float().permute(*b, n + 1, n, n + 2).reshape(-1, tk, d)  # [B*Hkv, Tk, D]
+    out = torch.bmm(pq, vg).view(*lead, hkv, tq, rep, d).permute(*b, n + 1, n, n + 2, n + 3)  # [..., Tq, Hkv, rep, D]
     return out.flatten(-3, -2).to(q.dtype)

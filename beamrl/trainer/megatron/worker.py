@@ -307,8 +307,9 @@ class MegatronTrainer(TrainerWorker):
                 tp_rank=ps.get_tensor_model_parallel_rank() if sp else 0,
                 tp_size=ps.get_tensor_model_parallel_world_size() if sp else 1)
             counts += torch.tensor([mismatched, checked])
-        counts = counts.to(self.device)
-        dist.all_reduce(counts)  # the whole trainer world: the counts of different ranks never overlap
+        if dist.get_world_size() > 1:  # the whole trainer world: the counts of different ranks never overlap
+            counts = counts.to(self.device)
+            dist.all_reduce(counts)
         mismatched, checked = counts.tolist()
         return {"replay/route_mismatches": float(mismatched), "replay/routes_checked": float(checked)}
 
@@ -349,8 +350,10 @@ class MegatronTrainer(TrainerWorker):
             keys = sorted({k for d in collected for k in d})
             vec = torch.stack([sum(d[k] for d in collected if k in d).float().reshape(()) for k in keys]) \
                 if keys else torch.zeros(0)
-            vec = vec.to(self.device)
-            dist.all_reduce(vec, group=ps.get_data_parallel_group())
+            dp_group = ps.get_data_parallel_group()
+            if dist.get_world_size(dp_group) > 1:  # one rank: a sum over one rank, without the round trip
+                vec = vec.to(self.device)
+                dist.all_reduce(vec, group=dp_group)
             payload = dict(zip(keys, vec.tolist()))
         return self._from_last_stage(payload)
 

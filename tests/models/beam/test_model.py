@@ -317,3 +317,24 @@ def test_return_hidden_is_what_the_head_reads(cfg, m32):
     assert out.hidden.shape == (2, 7, cfg.hidden_size)
     head = numerics.softcap(torch.nn.functional.linear(out.hidden, m32.lm_head.weight), cfg.final_logit_softcapping)
     assert torch.equal(head, out.logits) and torch.equal(out.logits, plain.logits)
+
+
+def test_moe_uses_the_current_expert_parameters_after_they_are_replaced(cfg):
+    """The MoE layers look their expert Parameters up once; replacing them (load_state_dict(assign=True), a
+    `.to()` that builds new Parameters) must not leave a layer computing with the old ones."""
+    new_sd = random_state_dict(cfg, seed=7, dtype=torch.float32)
+    want = BeamForCausalLM(cfg, dtype=torch.float32, seed=7)
+    ids = torch.randint(1, cfg.vocab_size, (2, 6), generator=torch.Generator().manual_seed(0))
+    model = BeamForCausalLM(cfg, dtype=torch.float32, seed=0)
+    model.load_state_dict(new_sd, assign=True)
+    assert torch.equal(model(ids).logits, want(ids).logits)
+    overwrite = torch.__future__.get_overwrite_module_params_on_conversion()
+    torch.__future__.set_overwrite_module_params_on_conversion(True)
+    try:
+        model.to(torch.bfloat16)  # new Parameter objects
+    finally:
+        torch.__future__.set_overwrite_module_params_on_conversion(overwrite)
+    moe = next(layer.mlp for layer in model.model.layers if layer.is_moe)
+    assert moe._gate_up_params[0] is moe.experts[0].gate_proj.weight
+    assert moe._down_params[-1] is moe.experts[-1].down_proj.weight
+    assert torch.equal(model(ids).logits, want.to(torch.bfloat16)(ids).logits)

@@ -173,21 +173,55 @@ def test_attention_batched_equals_unbatched():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_grouped_expert_outputs_equal_expert_output_per_expert(dtype):
+@pytest.mark.parametrize("inter", [8, 32, 64])
+def test_grouped_expert_outputs_equal_expert_output_per_expert(dtype, inter):
     """The CPU grouped-GEMM path gives every expert's `expert_output` bit for bit, forward and backward; the
-    per-expert counts are odd, so a single SiLU over all rows would round some elements differently."""
+    per-expert counts are odd, so with I = 8 a single SiLU over all rows would round some elements differently
+    (per-expert SiLU); with I a multiple of the vector block one SiLU over all rows rounds as the loop."""
     g = torch.Generator().manual_seed(3)
-    sizes = [5, 0, 13, 1, 7, 0, 9, 3]
-    E, H, I, N = len(sizes), 16, 8, sum(sizes)
+    sizes = [5, 0, 13, 1, 7, 0, 9, 3, 30, 17]
+    E, H, I, N = len(sizes), 16, inter, sum(sizes)
+    assert numerics.silu_rounds_per_row(torch.empty(N, I)) == (I % numerics.SILU_VECTOR_BLOCK == 0)
     x = torch.randn(N, H, generator=g).to(dtype).requires_grad_()
-    gate, up = (torch.randn(E, I, H, generator=g).to(dtype).requires_grad_() for _ in range(2))
+    gate_up = torch.randn(E, 2 * I, H, generator=g).to(dtype).requires_grad_()
     down = torch.randn(E, H, I, generator=g).to(dtype).requires_grad_()
     weight = torch.rand(N, generator=g).requires_grad_()
     gy = torch.randn(N, H, generator=g).to(dtype)
+    gy[::4], gy[1::4] = -0.0, 0.0  # rows with exact zeros of both signs (tokens without loss weight)
     rows, ws = x.split(sizes), weight.split(sizes)
-    want = torch.cat([numerics.expert_output(rows[e], gate[e], up[e], down[e], ws[e]) for e in range(E) if sizes[e]])
-    got = numerics.grouped_expert_outputs(x, sizes, gate, up, down, weight)
+    want = torch.cat([numerics.expert_output(rows[e], gate_up[e, :I], gate_up[e, I:], down[e], ws[e])
+                      for e in range(E) if sizes[e]])
+    got = numerics.grouped_expert_outputs(x, sizes, gate_up, down, weight)
     assert torch.equal(got, want)
-    leaves = (x, gate, up, down, weight)
+    leaves = (x, gate_up, down, weight)
+    bits = lambda t: t.contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32)  # noqa: E731
     for a, b in zip(torch.autograd.grad(got, leaves, gy), torch.autograd.grad(want, leaves, gy)):
-        assert torch.equal(a, b)
+        assert torch.equal(bits(a), bits(b))  # signed zeros too
+
+
+def _einsum_attention(q, k, v, mask):
+    """`numerics.attention` as it was written with torch.einsum (the reference of the bmm form)."""
+    hq, hkv, d = q.shape[-2], k.shape[-2], q.shape[-1]
+    qg = q.float().unflatten(-2, (hkv, hq // hkv))
+    scores = torch.einsum("...qgrd,...kgd->...grqk", qg, k.float()) * (1.0 / math.sqrt(d))
+    scores = scores.masked_fill(~mask.unsqueeze(-3).unsqueeze(-3), float("-inf"))
+    out = torch.einsum("...grqk,...kgd->...qgrd", torch.softmax(scores, dim=-1), v.float())
+    return out.flatten(-3, -2).to(q.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lead", [(), (3,), (2, 5)])
+def test_attention_bmm_form_equals_einsum(dtype, lead):
+    """The explicit bmm form of `numerics.attention` gives einsum's bits, forward and backward (GQA and MHA,
+    prefill and decode-like shapes)."""
+    g = torch.Generator().manual_seed(len(lead))
+    for tq, tk, hkv, rep, d in [(7, 7, 2, 2, 16), (1, 9, 2, 2, 16), (5, 8, 1, 3, 8), (11, 11, 4, 1, 64)]:
+        q = torch.randn(*lead, tq, hkv * rep, d, generator=g).to(dtype).requires_grad_()
+        k, v = (torch.randn(*lead, tk, hkv, d, generator=g).to(dtype).requires_grad_() for _ in range(2))
+        mask = torch.rand(*lead, tq, tk, generator=g) < 0.7
+        mask[..., 0] = True
+        gy = torch.randn(*lead, tq, hkv * rep, d, generator=g).to(dtype)
+        got, want = numerics.attention(q, k, v, mask), _einsum_attention(q, k, v, mask)
+        assert torch.equal(got, want)
+        for a, b in zip(torch.autograd.grad(got, (q, k, v), gy), torch.autograd.grad(want, (q, k, v), gy)):
+            assert torch.equal(a, b)

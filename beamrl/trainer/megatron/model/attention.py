@@ -49,6 +49,34 @@ class BeamCoreAttention(MegatronModule):
         return ops.attention(q, k, v, cu_seqlens, window, backend=self.config.attention_backend_name)
 
 
+class _SplitQGateKV(torch.autograd.Function):
+    """(q [T, g*qpg, D], gate [T, g*qpg, D], k [T, g, D], v [T, g, D]) of the per-group packed projections
+    tokens [T, g, 2*qpg + 2, D], as contiguous tensors. Sliced one by one, autograd would build a zero-filled
+    gradient of all of `tokens` per part (four) and add them; here the four gradients are joined by one `cat`,
+    plus 0 because that addition turned -0 into +0: the same gradient bit for bit."""
+
+    @staticmethod
+    def forward(ctx, tokens, qpg):
+        ctx.qpg = qpg
+        t, g, _, d = tokens.shape
+        q = tokens[:, :, :qpg].reshape(t, g * qpg, d)
+        gate = tokens[:, :, qpg:2 * qpg].reshape(t, g * qpg, d)
+        k = tokens[:, :, 2 * qpg].contiguous()
+        v = tokens[:, :, 2 * qpg + 1].contiguous()
+        # reshape is a view when g == 1: outputs must not alias the input
+        return tuple(x.clone() if x._base is tokens or x is tokens else x for x in (q, gate, k, v))
+
+    @staticmethod
+    def backward(ctx, dq, dgate, dk, dv):
+        qpg = ctx.qpg
+        ref = next(x for x in (dq, dgate, dk, dv) if x is not None)
+        t, d = ref.shape[0], ref.shape[-1]
+        g = (dk if dk is not None else dv).shape[1] if (dk is not None or dv is not None) else ref.shape[1] // qpg
+        parts = [x.reshape(t, g, qpg, d) if x is not None else ref.new_zeros(t, g, qpg, d) for x in (dq, dgate)]
+        parts += [x.unsqueeze(2) if x is not None else ref.new_zeros(t, g, 1, d) for x in (dk, dv)]
+        return torch.cat(parts, dim=2).add_(0.0), None
+
+
 class BeamSelfAttention(MegatronModule):
     """Beam attention for one layer (global 1-based `layer_number`). Input/output `[s, b, h]` (SP-sharded on s
     when sequence parallel: linear_qkv all-gathers, linear_proj reduce-scatters).
@@ -130,10 +158,7 @@ class BeamSelfAttention(MegatronModule):
             tokens = qkv.transpose(0, 1).reshape(b * s, g, 2 * qpg + 2, d)
             cu = torch.arange(b + 1, device=qkv.device, dtype=torch.int64) * s
         T = tokens.shape[0]
-        q = tokens[:, :, :qpg].reshape(T, self.heads, d)
-        gate = tokens[:, :, qpg:2 * qpg].reshape(T, self.heads, d)
-        k = tokens[:, :, 2 * qpg].contiguous()
-        v = tokens[:, :, 2 * qpg + 1].contiguous()
+        q, gate, k, v = _SplitQGateKV.apply(tokens, qpg)
         if self.sliding:
             cos, sin = self._position_terms(packed_seq_params, cu, T)
             q, k = ops.qk_norm_rope(q, k, self.q_layernorm.weight, self.k_layernorm.weight, cos, sin, self.eps,
