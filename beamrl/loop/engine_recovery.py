@@ -3,8 +3,9 @@ the same engine-actor start path, given the current weights (a subset sync throu
 verified: it must serve the trainer's version afterwards) and handed the requests it lost again.
 
 `EngineRecovery` wraps the router's `HealthMonitor` (`beamrl.rollout.health`): `check` runs a health round at a
-call boundary (the start of each step's rollout) over the engines a failed call would not reveal, and `EngineGroup.collect` calls `recover` for an engine whose
-call failed or that failed a health check while a rollout waited on it (every `rollout.health_check_interval_s`).
+call boundary (the start of each step's rollout) over the engines a failed call would not reveal, and
+`EngineGroup.collect` calls `recover` for an engine whose call failed or that failed a health check while a rollout
+waited on it (every `rollout.health_check_interval_s`).
 Every restart attempt counts against `rollout.max_engine_restarts`; one more ends the run with
 `RestartBudgetExceeded`. Successful restarts are counted per step (`take_restarts`, the `engine/restarts` metric).
 """

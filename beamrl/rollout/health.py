@@ -5,8 +5,9 @@ counts as a failure). After `max_failures` consecutive failures the engine is ma
 shut down (best effort) and rebuilt with `factory(index)`; the new engine enters the router healthy. Restarts
 are reported through `on_event` (default: print), never silent. Every restart attempt counts against
 `max_restarts` (None: no limit); one more than that raises `RestartBudgetExceeded`, so repeated failure is a loud
-error, not an endless loop. The RL loop runs `check_once` at call boundaries (on the engines its calls cannot vouch for) and `restart` for an engine whose call
-failed (`beamrl.loop.engine_recovery`); `start` runs the same round in a background thread.
+error, not an endless loop. The RL loop runs `check_once` at call boundaries (on the engines its calls cannot vouch
+for) and `restart` for an engine whose call failed (`beamrl.loop.engine_recovery`); `start` runs the same round in a
+background thread.
 """
 
 from __future__ import annotations

@@ -367,9 +367,9 @@ class WeightSync:
             self.rank_slots.ensure(plan.max_bucket_bytes)
         stream = source.stream()
         if self.ships:
-            t_prepare = time.perf_counter()
             try:
                 transport = self._factory(targets) if subset else self.transport
+                t_prepare = time.perf_counter()
                 issued = self._prepare(transport, targets)
                 t_begin = time.perf_counter()
                 times["prepare_s"] = t_begin - t_prepare
