@@ -7,7 +7,8 @@ groups, reward manager and logger. Three parts, three tables:
 1. **Phases** (the real run under Ray): per GRPO step, the wall time and the CPU time of the driver, the
    trainer actor, the engine actor and everything else (Ray daemons, reward workers) in each phase:
    rollout, rewards, train, sync (which includes the post-sync probe check: it runs inside the trainer's
-   sync call), verify (the driver's other logprob calls), other (driver work
+   sync call; where the last train step's call carries the sync, `TrainerGroup.train_step_then_sync`, the
+   synchronous loop's case, the sync is counted in train), verify (the driver's other logprob calls), other (driver work
    between the calls: packing, advantages, metrics). Medians over the steps after the first. The SFT warm
    start gets the same row per SFT step. CPU time is what survives a loaded machine; wall time does not.
 2. **Inside the train step** (a fresh process holding the same `MegatronTrainer` a trainer actor holds,
@@ -193,7 +194,8 @@ def make_driver_class():
                                                 "generate": "rollout", "score": "verify", "versions": "sync",
                                                 "call_all": "sync"}, self._engine_call)
                 elif name in ("trainer", "reference"):
-                    value = _Timed(value, log, {"train_step": "train", "sync_weights": "sync",
+                    value = _Timed(value, log, {"train_step": "train", "train_step_then_sync": "train",
+                                                "sync_weights": "sync",
                                                 "compute_logprobs": "verify"}, self._trainer_call)
                 elif name == "ctx":  # the run's reward manager and metrics logger live in its RunContext
                     value.rewards = _Timed(value.rewards, log, {"score": "rewards"})
@@ -204,7 +206,10 @@ def make_driver_class():
             return self._grpo_step == CAPTURE_STEP
 
         def _trainer_call(self, name, args, kwargs):
-            if name == "train_step" and self._capturing():
+            if name == "train_step_then_sync" and self._capturing():  # (micro, loss_fn, replay, temperature, ...)
+                self._trainer_call("train_step", args[:2], {"replay": args[2], "temperature": args[3]})
+                self._trainer_call("sync_weights", args[4:], {})
+            elif name == "train_step" and self._capturing():
                 self._plog.payload("train_step arguments (driver -> trainer)", (args, kwargs))
                 _dump(self._capture_dir / "grpo_train_step.pkl", (args, kwargs))
             elif name == "sync_weights" and self._capturing():
@@ -219,6 +224,8 @@ def make_driver_class():
                     _dump(self._capture_dir / "probe_sequences.pkl", seqs)
             elif name == "train_step:result" and self._capturing():
                 self._plog.payload("train_step result (trainer -> driver)", args[0])
+            elif name == "train_step_then_sync:result" and self._capturing():  # (result, CarriedSync)
+                self._plog.payload("train_step result (trainer -> driver)", args[0][0])
 
         def _engine_call(self, name, args, kwargs):
             if name == "generate_async" and self._capturing():

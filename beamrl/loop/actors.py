@@ -91,6 +91,20 @@ class TrainerActor:
 
         return sync_on_rank(self.trainer, self.rank, receivers, engine_names, engine_tp, request)
 
+    def train_step_then_sync(self, micro_batches, *, loss_fn, replay: bool, temperature: float, receivers: list,
+                             engine_names: list[str], engine_tp: list[int], request):
+        """`train_step`, then `sync_weights` of the weights it produced, in one call (the driver's round trip
+        between them saved). The train step's result comes back whatever the sync does: (result, report, None),
+        or (result, None, "<error type>: <message>") when the sync failed, for the driver to handle as a failed
+        `sync_weights` (e.g. restart an engine found dead and sync again)."""
+        result = self.train_step(micro_batches, loss_fn=loss_fn, replay=replay, temperature=temperature)
+        try:
+            report = self.sync_weights(receivers=receivers, engine_names=engine_names, engine_tp=engine_tp,
+                                       request=request)
+        except Exception as exc:  # noqa: BLE001 - reported to the driver with the step's result, never dropped
+            return result, None, f"{type(exc).__name__}: {exc}"
+        return result, report, None
+
     def save_lora_adapter(self, out_dir: str) -> str | None:
         self.trainer.save_lora_adapter(out_dir)  # collective; rank 0 writes
         return out_dir if self.rank == 0 else None

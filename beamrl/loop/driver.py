@@ -18,7 +18,7 @@ from beamrl.loop.checkpoints import RunCheckpoints, published, restore_driver_st
 from beamrl.loop.collect import PendingRollout, RolloutBatch, RolloutCollector
 from beamrl.loop.colocated import ColocatedMemory, engines_stage_memory, trainer_sleeps
 from beamrl.loop.engine_recovery import EngineRecovery
-from beamrl.loop.groups import EngineGroup, TrainerGroup, TrainerRankError
+from beamrl.loop.groups import CarriedSync, EngineGroup, TrainerGroup, TrainerRankError
 from beamrl.loop.log import log
 from beamrl.loop.ray_utils import ActorCallError
 from beamrl.loop.run_dir import plan_start
@@ -28,7 +28,9 @@ from beamrl.loop.setup import (Resources, RunContext, check_launchable, prepare_
 from beamrl.loop.sft import sft_warm_start
 from beamrl.loop.summary import plot_and_summarize
 from beamrl.loop.train import train_on_rollouts
-from beamrl.loop.weight_update import SyncProbe, publish_weights, rank_colocations, resync_engine, sync_probe
+from beamrl.loop.weight_sync import SyncRequest
+from beamrl.loop.weight_update import (SyncProbe, publish_weights, rank_colocations, resync_engine, sync_probe,
+                                       sync_request)
 from beamrl.metrics import keys
 from beamrl.metrics.samples import samples_due
 from beamrl.recipe.schema import Recipe
@@ -136,11 +138,15 @@ class RLDriver:
             last = step + 1 == r.run.num_steps
             pending = self.collector.start(step + 1) if one_step_off and not last else None  # overlaps training
             memory.update(coloc.before_train())
-            metrics = {**batch.metrics, **memory, **self._train(batch)}
+            # Nothing runs between the train step and the sync unless a rollout is in flight (one step off): then
+            # the last train step's call carries the sync too (one round trip fewer).
+            request = self._sync_request(step + 1, coloc.staged) if pending is None else None
+            trained, carried = self._train(batch, request)
+            metrics = {**batch.metrics, **memory, **trained}
             if pending is not None:  # engines must be idle to update: collect step k+1 (it sampled version k)
                 self.collector.collect_early(pending)
             restarts = metrics.get("engine/restarts", 0.0)
-            metrics.update(self._publish(step + 1, coloc.staged))
+            metrics.update(self._publish(step + 1, coloc.staged, carried))
             metrics["engine/restarts"] += restarts
             metrics[keys.TIME_STEP] = time.perf_counter() - t0
             metrics[keys.TOKENS_PER_S] = batch.num_tokens / max(metrics[keys.TIME_STEP], 1e-9)
@@ -155,11 +161,18 @@ class RLDriver:
         self.resources.add(name, group.shutdown)
         return group
 
-    def _train(self, batch: RolloutBatch) -> dict[str, float]:
+    def _train(self, batch: RolloutBatch, then_sync: SyncRequest | None) -> tuple[dict[str, float],
+                                                                                  CarriedSync | None]:
         r = self.recipe
         return train_on_rollouts(batch.rollouts, trainer=self.trainer, reference=self.reference,
                                  trainer_config=r.trainer, algorithm=r.algorithm, temperature=r.rollout.temperature,
-                                 model=self.ctx.model, replay=self.ctx.routing_replay)
+                                 model=self.ctx.model, replay=self.ctx.routing_replay,
+                                 then_sync=(self.engines, then_sync) if then_sync is not None else None)
+
+    def _sync_request(self, version: int, staged: bool) -> SyncRequest:
+        r = self.recipe
+        resume = self.colocated.resume_after_sync if self.colocated is not None else ()
+        return sync_request(version, r.sync, r.timeouts.sync_s, self.probe, staged, resume, self.colocations)
 
     def _resync_engine(self, index: int) -> None:
         """Bring restarted engine `index` to the weights the others serve (`EngineRecovery`'s resync)."""
@@ -167,14 +180,14 @@ class RLDriver:
         resync_engine(self.trainer, self.engines, index, self.version, r.sync, r.timeouts.sync_s, self.probe,
                       colocations=self.colocations)
 
-    def _publish(self, version: int, staged: bool) -> dict[str, float]:
-        """Sync `version` to every engine. An engine that died since the rollout fails the sync (the others roll
-        back): it is restarted at the current version and the sync runs once more."""
+    def _publish(self, version: int, staged: bool, carried: CarriedSync | None = None) -> dict[str, float]:
+        """Sync `version` to every engine (or take the outcome of that sync, `carried` by the train step's call). An
+        engine that died since the rollout fails the sync (the others roll back): it is restarted at the current
+        version and the sync runs once more."""
         r = self.recipe
-        resume = self.colocated.resume_after_sync if self.colocated is not None else ()
+        request = self._sync_request(version, staged)
         try:
-            metrics = publish_weights(self.trainer, self.engines, version, r.sync, r.timeouts.sync_s, self.probe,
-                                      staged=staged, resume_after_sync=resume, colocations=self.colocations)
+            metrics = publish_weights(self.trainer, self.engines, request, carried)
         except ActorCallError as e:
             if isinstance(e, TrainerRankError):
                 raise
@@ -182,8 +195,7 @@ class RLDriver:
             if not dead:
                 raise
             self.engines.recovery.recover({k: f"dead at the weight sync to version {version} ({e})" for k in dead})
-            metrics = publish_weights(self.trainer, self.engines, version, r.sync, r.timeouts.sync_s, self.probe,
-                                      staged=staged, resume_after_sync=resume, colocations=self.colocations)
+            metrics = publish_weights(self.trainer, self.engines, request)
         metrics["engine/restarts"] = float(self.engines.recovery.take_restarts())  # (the rollout's are in the batch)
         self.version = version
         return metrics

@@ -2,9 +2,10 @@
 the same engine-actor start path, given the current weights (a subset sync through the run's sync orchestrator,
 verified: it must serve the trainer's version afterwards) and handed the requests it lost again.
 
-`EngineRecovery` wraps the router's `HealthMonitor` (`beamrl.rollout.health`): `check` runs one health round at a
-call boundary (the start of each step's rollout), and `EngineGroup.collect` calls `recover` for an engine whose
-call failed or that failed a health check while a rollout waited on it (every `rollout.health_check_interval_s`).
+`EngineRecovery` wraps the router's `HealthMonitor` (`beamrl.rollout.health`): `check` runs a health round at a
+call boundary (the start of each step's rollout) over the engines a failed call would not reveal, and
+`EngineGroup.collect` calls `recover` for an engine whose call failed or that failed a health check while a rollout
+waited on it (every `rollout.health_check_interval_s`).
 Every restart attempt counts against `rollout.max_engine_restarts`; one more ends the run with
 `RestartBudgetExceeded`. Successful restarts are counted per step (`take_restarts`, the `engine/restarts` metric).
 """
@@ -36,8 +37,17 @@ class EngineRecovery:
         engines.recovery = self
 
     def check(self) -> None:
-        """One health round over every engine (restarting the dead ones); raises if none is left healthy."""
-        self.monitor.check_once()
+        """At a call boundary (the start of a rollout): a health round over the engines the rollout's own calls
+        cannot vouch for, restarting the dead ones; raises if none is left healthy. Those are the engines the router
+        holds unhealthy (a restart that failed while another engine was healthy) and engines on several nodes (a
+        dead follower need not fail its leader's call: it could hang it). An engine on one node is not asked: the
+        rollout's `generate` is its check (a dead engine fails the call, and `recover` restarts it; one that stops
+        answering is found by the health checks every `interval_s` while the rollout waits on it), which saves a
+        round trip per step."""
+        router, followers = self.engines.router, self.engines.followers
+        suspects = [k for k in range(len(self.engines.names)) if not router.is_healthy(k) or followers[k]]
+        if suspects:
+            self.monitor.check_once(suspects)
         self._require_one()
 
     def recover(self, failed: dict[int, str]) -> None:

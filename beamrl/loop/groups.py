@@ -31,6 +31,27 @@ def shutdown_actors(actors: list, names: list[str]) -> None:
             pass
 
 
+def _sync_wait(request) -> float:
+    """How long the driver waits for a sync's call: pause, begin, the buckets, commit and the probe each have their
+    own limit (`request.timeout`)."""
+    return request.timeout * 4 + 60
+
+
+@dataclass(frozen=True)
+class CarriedSync:
+    """The outcome of a sync that ran at the end of a train step's call (`TrainerGroup.train_step_then_sync`):
+    rank 0's report, or the failure a separate `sync_weights` call would have raised."""
+
+    report_dict: dict | None
+    error: ActorCallError | None
+
+    def report(self) -> dict:
+        """Rank 0's sync report; raises the sync's `ActorCallError` if it failed."""
+        if self.error is not None:
+            raise self.error
+        return self.report_dict
+
+
 class TrainerRankError(ActorCallError):
     """A trainer rank died (or gave no answer within its limit) during a call; names the rank and where it ran."""
 
@@ -133,17 +154,35 @@ class TrainerGroup:
         return self._all("compute_logprobs", None, lambda a: a.compute_logprobs.remote(
             batch, temperature=temperature, return_entropy=return_entropy, replay=replay))[0]
 
-    def train_step(self, micro_batches, loss_fn, replay: bool, temperature: float = 1.0):
-        """One optimizer step over the step's micro-batches: data-parallel rank d trains on the d-th contiguous
-        share (ranks of one model-parallel group get the same share). The loss normaliser inside `loss_fn` is
-        the whole step's, so the sum over DP ranks is the full-batch loss."""
+    def _shares(self, micro_batches) -> list:
         if len(micro_batches) % self.dp_size:
             raise ValueError(f"{len(micro_batches)} micro-batches cannot be split evenly over {self.dp_size} "
                              f"data-parallel ranks")
         per = len(micro_batches) // self.dp_size
-        shares = [micro_batches[d * per:(d + 1) * per] for d in range(self.dp_size)]
+        return [micro_batches[d * per:(d + 1) * per] for d in range(self.dp_size)]
+
+    def train_step(self, micro_batches, loss_fn, replay: bool, temperature: float = 1.0):
+        """One optimizer step over the step's micro-batches: data-parallel rank d trains on the d-th contiguous
+        share (ranks of one model-parallel group get the same share). The loss normaliser inside `loss_fn` is
+        the whole step's, so the sum over DP ranks is the full-batch loss."""
+        shares = self._shares(micro_batches)
         return self._gather([a.train_step.remote(shares[d], loss_fn=loss_fn, replay=replay, temperature=temperature)
                              for a, d in zip(self.actors, self.dp_ranks)], self.timeout, "trainer.train_step")[0]
+
+    def train_step_then_sync(self, micro_batches, loss_fn, replay: bool, temperature: float,
+                             engines: "EngineGroup", request) -> tuple:
+        """`train_step`, then `sync_weights(engines, request)`, in one call to every rank (a round trip fewer).
+        Returns (the step's result, `CarriedSync`): a failed sync does not raise here (the step happened); the
+        caller handles `CarriedSync.report()`'s `ActorCallError` as that of a failed `sync_weights`."""
+        shares = self._shares(micro_batches)
+        out = self._gather([a.train_step_then_sync.remote(
+            shares[d], loss_fn=loss_fn, replay=replay, temperature=temperature, receivers=engines.actors,
+            engine_names=engines.names, engine_tp=engines.tp_sizes, request=request)
+            for a, d in zip(self.actors, self.dp_ranks)], self.timeout + _sync_wait(request), "trainer.train_step")
+        failed = next(((r, err) for r, (_, _, err) in enumerate(out) if err is not None), None)
+        error = None if failed is None else ActorCallError(
+            f"trainer.sync_weights: trainer rank {self._name(failed[0])}: {failed[1]}")  # as `sync_weights` says it
+        return out[0][0], CarriedSync(out[0][1], error)
 
     # Checkpoint calls wait up to `timeout_s` inside the ranks; the actor call gets a minute more.
     def save_checkpoint(self, directory: str, async_save: bool, timeout_s: float) -> None:
@@ -160,8 +199,7 @@ class TrainerGroup:
     def sync_weights(self, engines: "EngineGroup", request) -> dict:
         """One weight sync, verification included (`beamrl.loop.weight_sync.SyncRequest`): every rank runs the
         orchestrator; rank 0's report is returned. A failure raises `ActorCallError` with the engine's words."""
-        wait = request.timeout * 4 + 60  # pause, begin, the buckets, commit and the probe each have their own limit
-        out = self._all("sync_weights", wait, lambda a: a.sync_weights.remote(
+        out = self._all("sync_weights", _sync_wait(request), lambda a: a.sync_weights.remote(
             receivers=engines.actors, engine_names=engines.names, engine_tp=engines.tp_sizes, request=request))
         return out[0]
 
@@ -171,8 +209,7 @@ class TrainerGroup:
 
     def sync_restarted(self, engines: "EngineGroup", index: int, request) -> dict:
         """Bring restarted engine `index` to `request.version` (a subset sync through the same orchestrator)."""
-        wait = request.timeout * 4 + 60
-        return self._all("sync_restarted", wait, lambda a: a.sync_restarted.remote(
+        return self._all("sync_restarted", _sync_wait(request), lambda a: a.sync_restarted.remote(
             receivers=engines.actors, engine_names=engines.names, engine_tp=engines.tp_sizes, index=index,
             request=request))[0]
 

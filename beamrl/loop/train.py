@@ -9,9 +9,10 @@ import time
 import torch
 
 from beamrl.algorithms import AlgorithmConfig, loss_normalizer, token_kl
-from beamrl.loop.groups import TrainerGroup
+from beamrl.loop.groups import CarriedSync, EngineGroup, TrainerGroup
 from beamrl.loop.losses import PolicyLoss
 from beamrl.loop.rollouts import Rollout, build_packed_batch, split_micro_batches
+from beamrl.loop.weight_sync import SyncRequest
 from beamrl.models.beam.config import BeamConfig
 from beamrl.trainer.megatron.config import TrainerConfig
 from beamrl.trainer.protocol import PackedBatch
@@ -30,8 +31,12 @@ def micro_batches(rollouts: list[Rollout], trainer: TrainerConfig, dp_size: int,
 
 def train_on_rollouts(rollouts: list[Rollout], *, trainer: TrainerGroup, reference: TrainerGroup | None,
                       trainer_config: TrainerConfig, algorithm: AlgorithmConfig, temperature: float,
-                      model: BeamConfig, replay: bool) -> dict[str, float]:
-    """Train on one rollout batch in `samples / global_batch_size` optimizer steps; returns the metrics.
+                      model: BeamConfig, replay: bool,
+                      then_sync: tuple[EngineGroup, SyncRequest] | None = None
+                      ) -> tuple[dict[str, float], CarriedSync | None]:
+    """Train on one rollout batch in `samples / global_batch_size` optimizer steps; returns the metrics and, with
+    `then_sync` = (engines, request), the outcome of that weight sync, which the last step's call runs right after
+    it (`TrainerGroup.train_step_then_sync`: one round trip fewer than a separate sync call).
 
     With one step, pi_old is the policy of the train forward itself (no extra pass). With several, the old
     logprobs of every sample are computed first, before the first update."""
@@ -55,7 +60,8 @@ def train_on_rollouts(rollouts: list[Rollout], *, trainer: TrainerGroup, referen
     t1 = time.perf_counter()
     sums: dict[str, float] = {}
     all_toks = 0.0
-    for micro in steps:
+    carried = None
+    for i, micro in enumerate(steps):
         toks = float(sum(mb.num_loss_tokens for mb in micro))
         all_toks += toks
         all_mask = torch.cat([mb.loss_mask for mb in micro])
@@ -63,7 +69,11 @@ def train_on_rollouts(rollouts: list[Rollout], *, trainer: TrainerGroup, referen
                                                      mb.cu_seqlens[1:] - mb.cu_seqlens[:-1])
                              for i, mb in enumerate(micro)])
         normalizer = loss_normalizer(all_mask > 0, all_seq, a.loss_agg)
-        result = trainer.train_step(micro, PolicyLoss(a, normalizer, toks), replay=replay, temperature=temperature)
+        loss = PolicyLoss(a, normalizer, toks)
+        if then_sync is not None and i == len(steps) - 1:
+            result, carried = trainer.train_step_then_sync(micro, loss, replay, temperature, *then_sync)
+        else:
+            result = trainer.train_step(micro, loss, replay=replay, temperature=temperature)
         for k, v in result.as_dict().items():
             sums[k] = sums.get(k, 0.0) + float(v)
     train_s = time.perf_counter() - t1
@@ -77,4 +87,4 @@ def train_on_rollouts(rollouts: list[Rollout], *, trainer: TrainerGroup, referen
                 "throughput/train_tokens_per_s": n_tokens / max(train_s, 1e-9)})
     if kls:
         out["kl"] = sum(kls) / max(all_toks, 1.0)
-    return out
+    return out, carried

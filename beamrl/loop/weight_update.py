@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from beamrl.cluster.placement import Placement
-from beamrl.loop.groups import EngineGroup, TrainerGroup
+from beamrl.loop.groups import CarriedSync, EngineGroup, TrainerGroup
 from beamrl.loop.log import log
 from beamrl.loop.weight_sync import SyncRequest
 from beamrl.protocols.rollout import EngineError
@@ -86,19 +86,16 @@ def resync_engine(trainer: TrainerGroup, engines: EngineGroup, index: int, versi
                           f"at {version}")
 
 
-def publish_weights(trainer: TrainerGroup, engines: EngineGroup, version: int, sync: SyncConfig, timeout: float,
-                    probe: SyncProbe | None, staged: bool = False,
-                    resume_after_sync: tuple[str, ...] = ("kv_cache", "cuda_graph"),
-                    colocations: tuple[tuple[int, ...], ...] = ()) -> dict[str, float]:
-    """Sync the trainer's weights into every engine as `version`, checked (per-bucket checksums, served versions)
-    and, when `probe` is given, verified on the probe sequences, all in one call to the trainer group. With `staged`
-    the engines take back `resume_after_sync` at its end (() when the driver does so after the trainer sleeps).
-    `colocations`: `rank_colocations` of the run's placement. Returns the sync metrics."""
-    report = trainer.sync_weights(engines, sync_request(version, sync, timeout, probe, staged, resume_after_sync,
-                                                        colocations))
+def publish_weights(trainer: TrainerGroup, engines: EngineGroup, request: SyncRequest,
+                    carried: CarriedSync | None = None) -> dict[str, float]:
+    """Sync the trainer's weights into every engine as `request.version` (`sync_request`), checked (per-bucket
+    checksums, served versions) and, when the request has probe sequences, verified on them, all in one call to the
+    trainer group; or take the outcome of that sync when it already ran at the end of the train step's call
+    (`carried`: its failure raises here as the sync call's would). Returns the sync metrics."""
+    report = carried.report() if carried is not None else trainer.sync_weights(engines, request)
     if report["code_path"] not in _announced:
         _announced.add(report["code_path"])
-        log(f"weight sync: {report['code_path']} ({sync.transport}: {report['transport_mode']}, "
+        log(f"weight sync: {report['code_path']} ({request.transport}: {report['transport_mode']}, "
             f"{report['buckets']} buckets, {report['bytes'] / 2**20:.1f} MiB)")
     out = {"time/sync_s": report["seconds"], "sync/bytes": float(report["bytes"]), "sync/gbps": report["gbps"],
            "sync/version": float(report["version"]), "sync/buckets": float(report["buckets"])}

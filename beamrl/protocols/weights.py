@@ -153,6 +153,17 @@ class WeightReceiver(abc.ABC):
         """The weight version the engine serves now (engines also implement `RolloutEngine.weight_version`)."""
         return int(getattr(self, "weight_version"))
 
+    def served_version_after_commit(self, timeout: float) -> int:
+        """The version the engine served right after this receiver's last successful `end_weight_update` (the
+        orchestrator's version check). Here a fresh `served_weight_version`; a proxy whose calls run in issue order
+        reads it together with the commit, in the same round trip."""
+        return self.served_weight_version(timeout)
+
+    #: Whether direct calls and `call_async` calls run on the engine in the order they were issued (a proxy that
+    #: sends every call down one ordered channel). The orchestrator then issues the next call of a sync without
+    #: waiting for the reply to the one before it (the pause before `begin_weight_update`).
+    calls_in_issue_order: bool = False
+
     # -- staged buckets: persistent shared buffers, small messages per bucket (optional) -----------------------
     def staging_supported(self, timeout: float) -> bool:
         """Whether this receiver takes staged buckets (`attach_staging` / `load_staged_bucket`)."""

@@ -7,12 +7,13 @@ call that overruns its timeout has its worker killed (with the worker's process 
 worker that dies (segfault, `os._exit`) costs the calls it was running and is replaced. Async functions run
 up to `max_concurrency` calls at once per worker, each cancelled at its own timeout inside the worker.
 
-A sync worker is sent up to `SYNC_QUEUE_DEPTH` calls at once (one message each, read in order; at most
-`SYNC_QUEUE_BYTES` of them unanswered, so a send never blocks): it runs them one after another and answers each,
-so a batch costs a few pipe round trips instead of one per call. Only the call the worker is running has a
-deadline; the next one's starts when the previous answer arrives, so every call still gets its own `timeout_s`.
-When the running call overruns (or the worker dies), the calls queued behind it never started: they go back to
-the component's queue for the replacement worker.
+Calls travel to a worker in batches: one message holds every call the worker is given at once (an equal share of
+the component's pending calls, up to `SYNC_QUEUE_DEPTH` unanswered calls and `SYNC_QUEUE_BYTES` of unanswered
+messages per sync worker, so a send never blocks behind a call that hangs). A sync worker runs them one after
+another and answers each as it finishes, so a batch costs one message per worker out and one small answer per call
+back. Only the call the worker is running has a deadline; the next one's starts when the previous answer arrives,
+so every call still gets its own `timeout_s`. When the running call overruns (or the worker dies), the calls queued
+behind it never started: they go back to the component's queue for the replacement worker.
 
 `concurrent.futures.ProcessPoolExecutor` cannot cancel a running call or kill one worker, hence this small
 pool of spawn-started processes, each on its own Pipe, all driven by one `multiprocessing.connection.wait`.
@@ -25,6 +26,7 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing as mp
 import os
 import signal
@@ -44,9 +46,11 @@ from beamrl.rewards.worker import worker_main
 # An async call is cancelled by its worker at timeout_s; the parent kills the worker only if no answer came
 # this much later (the event loop is blocked, e.g. by a synchronous sleep inside an `async def`).
 ASYNC_KILL_GRACE_S = 5.0
-# Calls a one-at-a-time worker holds at once (the running one and those queued behind it in its pipe), and the
-# bytes of their messages: well below a pipe's buffer (64 KiB on Linux), so queueing never blocks the sender.
-SYNC_QUEUE_DEPTH = 16
+# Calls a one-at-a-time worker holds at once (the running one and those queued behind it), and the bytes of the
+# messages they came in while any is unanswered: well below a pipe's buffer (64 KiB on Linux), so a send to a busy
+# worker never blocks. An idle worker is reading: it takes one message of up to SYNC_QUEUE_BYTES (or a single call
+# of any size).
+SYNC_QUEUE_DEPTH = 64
 SYNC_QUEUE_BYTES = 32 * 1024
 
 
@@ -114,16 +118,18 @@ class _ComponentWorkers:
     def busy(self) -> bool:
         return any(w.calls for w in self.workers)
 
-    def takes(self, w: "_Worker", nbytes: int) -> bool:
-        """Whether `w` takes another call (of `nbytes` pickled) now: an idle worker always; an async one up to
-        `max_concurrency`; a sync one up to `SYNC_QUEUE_DEPTH` while the messages it has not answered stay within
-        `SYNC_QUEUE_BYTES`, so a send never blocks on a full pipe behind a call that hangs."""
-        if not w.calls:
-            return True
-        if self.plan.max_concurrency > 1:
-            return len(w.calls) < self.plan.max_concurrency
-        return (len(w.calls) < SYNC_QUEUE_DEPTH
-                and sum(call.nbytes for call in w.calls.values()) + nbytes <= SYNC_QUEUE_BYTES)
+    def room(self, w: "_Worker") -> tuple[int, int | None]:
+        """How many more calls `w` takes now, and within how many bytes of message: an idle worker up to
+        `SYNC_QUEUE_DEPTH` calls in `SYNC_QUEUE_BYTES` (or one call of any size: it is reading); an async one up to
+        `max_concurrency` calls; a busy sync one up to `SYNC_QUEUE_DEPTH` calls while the messages it has not
+        answered stay within `SYNC_QUEUE_BYTES`, so a send never blocks on a full pipe behind a call that hangs (and
+        only once half of both is free again)."""
+        if self.plan.max_concurrency > 1:  # its reader thread reads every message at once: no bound on bytes
+            return self.plan.max_concurrency - len(w.calls), None
+        calls, nbytes = SYNC_QUEUE_DEPTH - len(w.calls), SYNC_QUEUE_BYTES - sum(c.nbytes for c in w.calls.values())
+        if w.calls and (2 * calls < SYNC_QUEUE_DEPTH or 2 * nbytes < SYNC_QUEUE_BYTES):
+            return 0, 0  # refilled once half of it is free: more calls per message, fewer messages
+        return calls, nbytes
 
     def start_next(self, w: "_Worker", now: float) -> None:
         """A sync worker answered its running call: the first queued call starts now, with its own deadline."""
@@ -291,37 +297,77 @@ class RewardWorkerPool:
         return PoolRun(outcomes, {c.plan.name: c.breaker.reason for c in comps if c.breaker.tripped})
 
     def _dispatch(self, c: _ComponentWorkers, tasks: Sequence[RewardTask], results: list) -> None:
+        """Send the component's pending calls to its workers with room, one message per worker: each takes an
+        equal share of what is pending (within its room), so the calls spread over the workers."""
         if c.breaker.tripped:
             why = (f"skipped: the circuit breaker of reward {c.plan.name!r} tripped after {c.plan.breaker_after} "
                    f"consecutive timeouts/crashes in this batch (first: {c.breaker.reason})")
             while c.pending:
                 results[c.pending.popleft()] = CallOutcome("skipped", message=why)
             return
+        tried: set[int] = set()
         while c.pending:
-            i = c.pending[0]
-            try:  # pickled here (what `Connection.send` does), so its size is known before a worker is chosen
-                payload = ForkingPickler.dumps(("call", i, tasks[i].call_kwargs, c.plan.timeout_s))
-            except Exception as e:  # unpicklable sample fields: nothing was written to the pipe
-                c.pending.popleft()
-                results[i] = CallOutcome(
-                    "error", message=f"cannot send the sample to a reward worker: {type(e).__name__}: {e}"
-                )
-                continue
-            free = [w for w in c.workers if w.ready and c.takes(w, len(payload))]
+            free = [(w, room) for w in c.workers if w.ready and id(w) not in tried and (room := c.room(w))[0] > 0]
             if not free:
                 return
-            w = min(free, key=lambda x: len(x.calls))  # spread the calls over the workers
-            c.pending.popleft()
+            w, (calls, nbytes) = max(free, key=lambda x: x[1][0])  # the least loaded worker first
+            tried.add(id(w))
+            share = -(-len(c.pending) // len(free))
+            message = self._message(c, tasks, results, min(share, calls), nbytes, idle=not w.calls)
+            if message is None:  # the next call does not fit this busy worker's pipe: another may take it
+                continue
+            ids, payload = message
+            for _ in ids:
+                c.pending.popleft()
             try:
                 w.conn.send_bytes(payload)
-            except OSError:  # the worker died since the last look: settle it; the task waits for another worker
-                c.pending.appendleft(i)
+            except OSError:  # the worker died since the last look: settle it; the calls wait for another worker
+                c.pending.extendleft(reversed(ids))
                 self._worker_died(c, w, results)
                 continue
             now = time.monotonic()
-            queued = c.plan.max_concurrency == 1 and bool(w.calls)  # a sync worker's next call waits its turn
-            w.calls[i] = _Call(task=i, dispatched=now, deadline=None if queued else c.call_deadline(now),
-                               nbytes=len(payload))
+            sync = c.plan.max_concurrency == 1
+            per, extra = divmod(len(payload), len(ids))
+            for k, i in enumerate(ids):
+                queued = sync and bool(w.calls)  # a sync worker's next call waits its turn (the batch's too)
+                w.calls[i] = _Call(task=i, dispatched=now, deadline=None if queued else c.call_deadline(now),
+                                   nbytes=per + (extra if k == 0 else 0))
+
+    @staticmethod
+    def _message(c: _ComponentWorkers, tasks: Sequence[RewardTask], results: list, n: int, nbytes: int | None,
+                 idle: bool) -> tuple[list[int], bytes] | None:
+        """Up to `n` calls from the front of the component's queue as one pickled message within `nbytes` (an idle
+        worker takes one call of any size); None if not even one call fits. A call whose sample cannot be pickled
+        leaves the queue with an error outcome."""
+        while c.pending:
+            ids = list(itertools.islice(c.pending, n))
+            try:  # pickled here (what `Connection.send` does), so its size is known before it is sent
+                payload = ForkingPickler.dumps(("calls", [(i, tasks[i].call_kwargs) for i in ids], c.plan.timeout_s))
+            except Exception:  # some sample fields are unpicklable: find them, one call at a time
+                RewardWorkerPool._drop_unpicklable(c, tasks, results, ids)
+                continue
+            if nbytes is None or len(payload) <= nbytes or (len(ids) == 1 and idle):
+                return ids, payload
+            if len(ids) == 1:
+                return None
+            n = max(1, len(ids) * nbytes // len(payload))  # fewer calls: strictly fewer each time
+        return None
+
+    @staticmethod
+    def _drop_unpicklable(c: _ComponentWorkers, tasks: Sequence[RewardTask], results: list, ids: list[int]) -> None:
+        """The calls among `ids` whose samples cannot be pickled get an error outcome and leave the queue."""
+        bad = 0
+        for i in ids:
+            try:
+                ForkingPickler.dumps(tasks[i].call_kwargs)
+            except Exception as e:  # nothing was written to the pipe
+                c.pending.remove(i)
+                results[i] = CallOutcome(
+                    "error", message=f"cannot send the sample to a reward worker: {type(e).__name__}: {e}"
+                )
+                bad += 1
+        if not bad:
+            raise RewardPoolError(f"reward {c.plan.name!r}: a batch of calls could not be pickled, yet each call can")
 
     def _collect(self, c: _ComponentWorkers, w: _Worker, results: list) -> None:
         """Read what `w` sent; handle its death (all of its data is read first)."""

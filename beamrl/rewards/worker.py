@@ -1,7 +1,8 @@
 """The body of a reward worker process: load one component's function, then answer calls until told to stop.
 
-Protocol over a Pipe (parent -> worker): ("call", task_id, call_kwargs, timeout_s) or None (stop).
-Worker -> parent: ("ready", error_or_None) once, then ("result", task_id, CallOutcome) per call.
+Protocol over a Pipe (parent -> worker): ("calls", [(task_id, call_kwargs), ...], timeout_s), a batch of calls in
+one message, or None (stop). Worker -> parent: ("ready", error_or_None) once, then ("result", task_id, CallOutcome)
+per call, sent as soon as that call finishes (the parent times the next call of a batch from this answer).
 
 With max_concurrency 1 calls run one at a time (the parent kills the worker when one overruns). Otherwise
 the function is async and up to max_concurrency calls run at once on one event loop; each is cancelled at its
@@ -36,8 +37,9 @@ def _serve_one_at_a_time(conn: Connection, ref: str) -> None:
             return
         if msg is None:
             return
-        _, task_id, call_kwargs, _timeout_s = msg
-        conn.send(("result", task_id, invoke(ref, call_kwargs)))
+        _, calls, _timeout_s = msg
+        for task_id, call_kwargs in calls:  # in order, each answered at once
+            conn.send(("result", task_id, invoke(ref, call_kwargs)))
 
 
 async def _serve_concurrently(conn: Connection, ref: str) -> None:
@@ -64,10 +66,11 @@ async def _serve_concurrently(conn: Connection, ref: str) -> None:
         msg = await inbox.get()
         if msg is None:
             return
-        _, task_id, call_kwargs, timeout_s = msg
-        task = asyncio.create_task(answer(task_id, call_kwargs, timeout_s))
-        running.add(task)
-        task.add_done_callback(running.discard)
+        _, calls, timeout_s = msg
+        for task_id, call_kwargs in calls:
+            task = asyncio.create_task(answer(task_id, call_kwargs, timeout_s))
+            running.add(task)
+            task.add_done_callback(running.discard)
 
 
 def worker_main(conn: Connection, ref: str, max_concurrency: int, parent_pid: int) -> None:

@@ -49,8 +49,8 @@ class RolloutConfig(Section):
     deterministic: bool = False
     attention_backend: Literal[ATTENTION_BACKENDS] | None = None  # type: ignore[valid-type]
     # Fault tolerance (docs/rl-loop.md): a dead engine is restarted, resynced and its requests re-issued; restart
-    # attempts over the whole run beyond this budget end the run. Engines are health-checked at the start of each
-    # step's rollout and every `health_check_interval_s` while a rollout waits on them.
+    # attempts over the whole run beyond this budget end the run. Engines are health-checked every
+    # `health_check_interval_s` while a rollout waits on them (and, when on several nodes, at its start).
     max_engine_restarts: int = Field(3, ge=0)
     health_check_interval_s: float = Field(30.0, gt=0)
 

@@ -5,8 +5,9 @@ counts as a failure). After `max_failures` consecutive failures the engine is ma
 shut down (best effort) and rebuilt with `factory(index)`; the new engine enters the router healthy. Restarts
 are reported through `on_event` (default: print), never silent. Every restart attempt counts against
 `max_restarts` (None: no limit); one more than that raises `RestartBudgetExceeded`, so repeated failure is a loud
-error, not an endless loop. The RL loop runs `check_once` at call boundaries and `restart` for an engine whose call
-failed (`beamrl.loop.engine_recovery`); `start` runs the same round in a background thread.
+error, not an endless loop. The RL loop runs `check_once` at call boundaries (on the engines its calls cannot vouch
+for) and `restart` for an engine whose call failed (`beamrl.loop.engine_recovery`); `start` runs the same round in a
+background thread.
 """
 
 from __future__ import annotations
@@ -62,11 +63,12 @@ class HealthMonitor:
         except Exception:  # noqa: BLE001 - any failure to answer is "unhealthy"
             return False
 
-    def check_once(self) -> list[bool]:
-        """One round over all engines (restarting as needed); returns each engine's health before restarts."""
+    def check_once(self, indices: list[int] | None = None) -> list[bool]:
+        """One round over all engines, or over engines `indices` (restarting as needed); returns each checked
+        engine's health before restarts."""
         states = []
-        for i, engine in enumerate(self.router.engines):
-            ok = self._healthy(engine)
+        for i in range(len(self.router.engines)) if indices is None else indices:
+            ok = self._healthy(self.router.engines[i])
             states.append(ok)
             if ok:
                 self.failures[i] = 0

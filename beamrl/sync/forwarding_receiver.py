@@ -18,7 +18,12 @@ from beamrl.protocols.weights import PendingCall, WeightReceiver
 
 
 class ForwardingReceiver(WeightReceiver):
-    """Forwards each `WeightReceiver` method by name with its arguments; failures raise `WeightSyncError`."""
+    """Forwards each `WeightReceiver` method by name with its arguments; failures raise `WeightSyncError`.
+    `end_weight_update` also reads the version served after the commit, issued right behind it (one round trip;
+    `served_version_after_commit` returns it)."""
+
+    calls_in_issue_order = True  # every call, direct or `call_async`, travels down the one ordered channel
+    _after_commit: int | BaseException | None = None  # what the read behind the last commit found
 
     @abc.abstractmethod
     def _submit(self, method: str, timeout: float, *args: Any) -> PendingCall:
@@ -56,7 +61,23 @@ class ForwardingReceiver(WeightReceiver):
         self._forward("update_weight_version", timeout, new_version)
 
     def end_weight_update(self, new_version: int, timeout: float) -> None:
-        self._forward("end_weight_update", timeout, new_version)
+        self._after_commit = None
+        commit = self._submit("end_weight_update", timeout, new_version)
+        served = self._submit("served_weight_version", timeout)  # runs right after the commit, on the engine
+        commit.wait(timeout)  # a failed commit raises; the read behind it is dropped unread (it must not wait on
+        # an engine that just failed, and nothing depends on it)
+        try:
+            self._after_commit = int(served.wait(timeout))
+        except Exception as exc:  # the version check (served_version_after_commit) reports it
+            self._after_commit = exc
+
+    def served_version_after_commit(self, timeout: float) -> int:
+        after, self._after_commit = self._after_commit, None
+        if after is None:  # no commit since the last check: ask now
+            return self.served_weight_version(timeout)
+        if isinstance(after, BaseException):
+            raise after
+        return after
 
     def abort_weight_update(self, reason: str, timeout: float) -> str:
         return self._forward("abort_weight_update", timeout, reason)

@@ -5,7 +5,8 @@
 
 1. **plan** (every rank): the export's layout -> buckets (`plan_buckets`, cached per layout); the manifest.
 2. **pause** the engines (`abort_all`; running requests come back with finish_reason 'abort' and are resubmitted
-   by the RL loop), and on colocated GPUs resume their weight memory (`staged_memory`).
+   by the RL loop), and on colocated GPUs resume their weight memory (`staged_memory`). Engines that run calls in
+   issue order (the Ray and pipe proxies) get `begin` right behind the pause, without a round trip between them.
 3. **begin**: the manifest goes to every engine, which refuses a stale version or a layout that does not match
    its weights before anything is applied.
 4. **buckets**: the export streams (a collective on a multi-rank trainer: every rank iterates it); on the shipping
@@ -17,7 +18,8 @@
 5. **agree** (`source.finish`): every trainer rank learns whether the export shipped, so a failure on the shipping
    rank never leaves the other ranks waiting in a collective.
 6. **finalize**: every engine commits (checks every bucket arrived with intact bytes) and serves the new version.
-7. **version**: every engine must report it.
+7. **version**: every engine must report it (a proxy reads it right behind its commit, in the same round trip:
+   `served_version_after_commit`).
 8. **verify** (the first sync, then every `probe.every`-th): every engine scores the probe sequences; the largest
    |engine - trainer| logprob must be within `probe.tolerance` (the trainer's side, `source.logprobs`, is a
    collective too).
@@ -37,7 +39,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from beamrl.protocols.weights import WeightReceiver, WeightSyncError
-from beamrl.sync.calls import run_concurrently
+from beamrl.sync.calls import ReceiverCallError, check_reply, run_concurrently
 from beamrl.sync.export import ExportSource
 from beamrl.sync.packing import pack_bucket
 from beamrl.sync.plan import DEFAULT_BUCKET_BYTES, BucketPlan, plan_buckets
@@ -245,17 +247,38 @@ class WeightSync:
                           f"{type(exc).__name__}: {exc}")
 
     # ----------------------------------------------------------------------------------------------- the steps
-    def _prepare(self, transport: WeightTransport, targets: Sequence[WeightReceiver]) -> float:
-        """Connect, pause the engines and (colocated GPUs) resume their weight memory; returns the seconds."""
-        t0 = time.perf_counter()
+    def _prepare(self, transport: WeightTransport, targets: Sequence[WeightReceiver]) -> list[tuple[str, list]]:
+        """Connect, pause the engines and (colocated GPUs) resume their weight memory. Where every engine runs
+        calls in issue order (`calls_in_issue_order`: the Ray and pipe proxies) the pause is only issued: the
+        session's `begin` goes out behind it at once, and `_settle` checks the replies afterwards (one round trip
+        instead of two). Returns the calls to settle (what, [(engine, pending call)]); [] when all were waited for."""
         self._require_healthy(transport)
         transport.connect(self.timeouts.connect)
-        if targets:
-            self._each("abort_all (pause)", targets, lambda e: e.abort_all(self.timeouts.call), self.timeouts.call)
-            if self.staged_memory:
-                self._each("resume_memory(weights)", targets,
-                           lambda e: e.resume_memory(["weights"], self.timeouts.call), self.timeouts.call)
-        return time.perf_counter() - t0
+        if not targets:
+            return []
+        steps = [("abort_all (pause)", "abort_all", ())]
+        if self.staged_memory:
+            steps.append(("resume_memory(weights)", "resume_memory", (["weights"],)))
+        if not all(e.calls_in_issue_order for e in targets):
+            for what, method, args in steps:
+                self._each(what, targets, lambda e: getattr(e, method)(*args, self.timeouts.call), self.timeouts.call)
+            return []
+        return [(what, [(self._label(e, i), e.call_async(method, self.timeouts.call, *args))
+                        for i, e in enumerate(targets)]) for what, method, args in steps]
+
+    def _settle(self, issued: list[tuple[str, list]]) -> None:
+        """Wait for the replies of calls `_prepare` issued; the first step with a failure raises
+        `ReceiverCallError` naming every engine that failed it."""
+        deadline = time.monotonic() + self.timeouts.call
+        for what, calls in issued:
+            failures: dict[str, str] = {}
+            for label, call in calls:
+                try:
+                    check_reply(call.wait(max(deadline - time.monotonic(), 1e-3)))
+                except WeightSyncError as exc:
+                    failures[label] = str(exc)
+            if failures:
+                raise ReceiverCallError(what, failures)
 
     def _ship(self, plan: BucketPlan, stream, transport: WeightTransport, version: int,
               t_begin: float) -> tuple[int, int]:
@@ -346,9 +369,14 @@ class WeightSync:
         if self.ships:
             try:
                 transport = self._factory(targets) if subset else self.transport
-                times["prepare_s"] = self._prepare(transport, targets)
+                t_prepare = time.perf_counter()
+                issued = self._prepare(transport, targets)
                 t_begin = time.perf_counter()
-                transport.begin(plan.manifest(new_version, source.mode), self.timeouts.call)
+                times["prepare_s"] = t_begin - t_prepare
+                try:
+                    transport.begin(plan.manifest(new_version, source.mode), self.timeouts.call)
+                finally:  # the pause went out first: its failure is the one to report
+                    self._settle(issued)
                 if self.rank_slots is None:
                     count, nbytes = self._ship(plan, stream, transport, new_version, t_begin)
             except Exception as exc:
@@ -420,7 +448,7 @@ class WeightSync:
         served: dict[str, int] = {}
 
         def read(label: str, e: WeightReceiver) -> None:
-            served[label] = e.served_weight_version(self.timeouts.call)
+            served[label] = e.served_version_after_commit(self.timeouts.call)
 
         labels = [self._label(e, i) for i, e in enumerate(engines)]
         run_concurrently("served_weight_version", [(lb, (lambda lb=lb, e=e: read(lb, e)))

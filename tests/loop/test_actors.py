@@ -9,7 +9,7 @@ import pytest
 from beamrl.loop.actors import TrainerActor
 
 
-@pytest.mark.parametrize("method", ["compute_logprobs", "train_step", "sync_weights"])
+@pytest.mark.parametrize("method", ["compute_logprobs", "train_step", "sync_weights", "train_step_then_sync"])
 def test_trainer_rank_flags_are_keyword_only(method):
     params = list(inspect.signature(getattr(TrainerActor.__ray_actor_class__, method)).parameters.values())[1:]
     positional = [p.name for p in params if p.kind is not inspect.Parameter.KEYWORD_ONLY]

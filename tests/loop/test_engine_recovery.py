@@ -15,9 +15,10 @@ class _Engines:
     """What EngineRecovery uses of an `EngineGroup`: its router and names, and the restart of engine k (failing
     `failures` times first)."""
 
-    def __init__(self, failures: int):
-        self.names = ["e0"]
-        self.router = EngineRouter([FakeEngine(preset("tiny"), name="e0")])
+    def __init__(self, failures: int, num_engines: int = 1):
+        self.names = [f"e{k}" for k in range(num_engines)]
+        self.router = EngineRouter([FakeEngine(preset("tiny"), name=n) for n in self.names])
+        self.followers: list[list] = [[] for _ in self.names]  # engine k's other node processes
         self.failures, self.starts, self.stopped, self.recovery = failures, 0, [], None
 
     def restart_engine(self, k: int) -> None:
@@ -54,3 +55,20 @@ def test_past_the_budget_the_run_ends_loudly():
     with pytest.raises(RestartBudgetExceeded, match="rollout.max_engine_restarts=2"):
         rec.recover({0: "actor died"})
     assert engines.starts == 2 and synced == []
+
+
+def test_the_rollout_boundary_check_asks_only_engines_a_failed_call_would_not_reveal():
+    """`check` (the start of every rollout) health-checks the engines the router holds unhealthy and engines on
+    several nodes; a healthy single-node engine is not asked (its `generate` is the check), saving a round trip."""
+    engines = _Engines(failures=0, num_engines=3)
+    asked = []
+    for k, e in enumerate(engines.router.engines):
+        e.health = lambda timeout, k=k: asked.append(k) or True
+    engines.followers[2] = ["node1"]
+    rec, logs, synced = _recovery(engines, budget=3)
+    rec.check()
+    assert asked == [2] and engines.starts == 0
+    engines.router.set_healthy(1, False)  # e.g. its restart failed while another engine was healthy
+    engines.router.engines[1].health = lambda timeout: False
+    rec.check()
+    assert asked == [2, 2] and engines.starts == 1 and synced == [1] and engines.router.is_healthy(1)

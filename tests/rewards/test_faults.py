@@ -170,20 +170,81 @@ def test_calls_queued_on_a_sync_worker_keep_their_own_timeout_and_outlive_a_hang
 
 def test_a_sync_worker_queues_calls_only_within_the_depth_and_byte_bounds():
     """Queued calls must fit the pipe (a send that blocks behind a hanging call would hang the trainer): an idle
-    worker takes any call, a busy sync worker only while its unanswered messages stay within the bounds."""
+    worker takes a full message (or one call of any size), a busy sync worker more only while its unanswered
+    messages stay within the bounds, and only once half of them is free again."""
     from beamrl.rewards.plan import ComponentPlan
     from beamrl.rewards.pool import SYNC_QUEUE_BYTES, SYNC_QUEUE_DEPTH, _Call, _ComponentWorkers, _Worker
 
     sync = _ComponentWorkers(ComponentPlan("s", f"{M}:slow", False, 5.0, 1, 1, 3))
     w = _Worker(proc=None, conn=None, started=0.0)
-    assert sync.takes(w, 10 * SYNC_QUEUE_BYTES)  # idle: one call of any size (the worker is reading)
-    w.calls[0] = _Call(0, 0.0, 1.0, nbytes=SYNC_QUEUE_BYTES // 2)
-    assert sync.takes(w, SYNC_QUEUE_BYTES // 2) and not sync.takes(w, SYNC_QUEUE_BYTES // 2 + 1)
-    for i in range(1, SYNC_QUEUE_DEPTH):
+    assert sync.room(w) == (SYNC_QUEUE_DEPTH, SYNC_QUEUE_BYTES)  # idle
+    w.calls[0] = _Call(0, 0.0, 1.0, nbytes=SYNC_QUEUE_BYTES // 4)
+    assert sync.room(w) == (SYNC_QUEUE_DEPTH - 1, SYNC_QUEUE_BYTES * 3 // 4)
+    w.calls[0].nbytes = SYNC_QUEUE_BYTES // 2 + 1
+    assert sync.room(w) == (0, 0)  # less than half of the bytes free
+    w.calls[0].nbytes = 1
+    for i in range(1, SYNC_QUEUE_DEPTH // 2 + 1):
         w.calls[i] = _Call(i, 0.0, None, nbytes=1)
-    assert not sync.takes(w, 1)  # the depth bound
+    assert sync.room(w) == (0, 0)  # less than half of the depth free
     concurrent = _ComponentWorkers(ComponentPlan("a", f"{M}:async_len", True, 5.0, 1, 4, 3))
     w = _Worker(proc=None, conn=None, started=0.0, calls={i: _Call(i, 0.0, 1.0) for i in range(3)})
-    assert concurrent.takes(w, 10 * SYNC_QUEUE_BYTES)  # async workers: up to max_concurrency calls, as before
-    w.calls[3] = _Call(3, 0.0, 1.0)
-    assert not concurrent.takes(w, 1)
+    assert concurrent.room(w) == (1, None)  # async workers: up to max_concurrency calls, any size (always read)
+
+
+def _piped_pool(num_workers, max_concurrency=1):
+    """A pool of `num_workers` stand-in workers (ready, reading the other ends of real pipes), for `_dispatch`."""
+    import multiprocessing as mp
+
+    from beamrl.rewards.plan import ComponentPlan
+    from beamrl.rewards.pool import RewardWorkerPool, _Worker
+
+    plan = ComponentPlan("s", f"{M}:slow", max_concurrency > 1, 5.0, num_workers, max_concurrency, 3)
+    pool = RewardWorkerPool([plan])
+    c = pool._components["s"]
+    ends = []
+    for _ in range(num_workers):
+        parent, child = mp.Pipe(duplex=True)
+        c.workers.append(_Worker(proc=None, conn=parent, started=0.0, ready=True))
+        ends.append(child)
+    return pool, c, ends
+
+
+def _messages(end):
+    out = []
+    while end.poll():
+        out.append(end.recv())
+    return out
+
+
+def test_a_batch_reaches_each_sync_worker_as_one_message_and_only_its_first_call_is_timed():
+    """64 calls over 3 idle sync workers: one message per worker with an equal share, every call once, in order;
+    on each worker only the first call runs (has a deadline), the others start as the one before them answers."""
+    from beamrl.rewards.pool import RewardTask
+
+    pool, c, ends = _piped_pool(3)
+    tasks = [RewardTask("s", {"completion": str(i)}) for i in range(64)]
+    c.pending.extend(range(64))
+    pool._dispatch(c, tasks, [None] * 64)
+    messages = [_messages(e) for e in ends]
+    assert [len(m) for m in messages] == [1, 1, 1]
+    sent = [[i for i, _ in m[0][1]] for m in messages]
+    assert sorted(len(ids) for ids in sent) == [21, 21, 22] and sorted(sum(sent, [])) == list(range(64))
+    assert all(ids == sorted(ids) for ids in sent) and not c.pending
+    for w, ids in zip(c.workers, sent):
+        assert list(w.calls) == ids
+        assert [w.calls[i].deadline is not None for i in ids] == [True] + [False] * (len(ids) - 1)
+
+
+def test_an_unpicklable_sample_fails_only_its_own_call_in_a_batch():
+    from beamrl.rewards.pool import RewardTask
+
+    pool, c, ends = _piped_pool(1)
+    tasks = [RewardTask("s", {"completion": "a"}), RewardTask("s", {"completion": lambda: 0}),
+             RewardTask("s", {"completion": "b"})]
+    c.pending.extend(range(3))
+    results = [None] * 3
+    pool._dispatch(c, tasks, results)
+    (message,) = _messages(ends[0])
+    assert [i for i, _ in message[1]] == [0, 2]
+    assert results[1].status == "error" and "cannot send the sample to a reward worker" in results[1].message
+    assert results[0] is None and results[2] is None

@@ -6,7 +6,7 @@ subset sync (one restarted engine, current version), and the progress lines."""
 import pytest
 import torch
 
-from beamrl.models.beam import preset
+from beamrl.models.beam import BeamForCausalLM, preset
 from beamrl.protocols.weights import WeightSyncError
 from beamrl.sync.export import StateDictSource
 from beamrl.sync.local_receiver import model_receiver
@@ -202,3 +202,77 @@ def test_the_probe_runs_on_the_first_sync_then_every_nth(hosted_engine, trainer_
     assert [r.verified for r in reports] == [True, False, False, True, False, False, True]
     assert [r.version for r in reports] == list(range(v0 + 1, v0 + 8)) and hosted_engine.weight_version == v0 + 7
     assert all(r.max_abs_logprob_diff <= 1e-4 for r in reports if r.verified)
+
+
+class _OrderedProxy:
+    """Builds a `ForwardingReceiver` in front of an in-process receiver that logs when each call is issued and
+    when its reply is waited for (calls run at once, so in issue order, as on the Ray and pipe proxies)."""
+
+    @staticmethod
+    def around(inner, events):
+        from beamrl.protocols.weights import PendingCall
+        from beamrl.sync.forwarding_receiver import ForwardingReceiver
+
+        class _Logged(PendingCall):
+            def __init__(self, method, result=None, error=None):
+                super().__init__(result, error)
+                self.method = method
+
+            def wait(self, timeout):
+                events.append(("wait", self.method))
+                return super().wait(timeout)
+
+        class Proxy(ForwardingReceiver):
+            name = inner.name
+            tp_size = 1
+
+            def _submit(self, method, timeout, *args):
+                events.append(("issue", method))
+                try:
+                    return _Logged(method, result=getattr(inner, method)(*args, timeout))
+                except WeightSyncError as exc:
+                    return _Logged(method, error=exc)
+
+        return Proxy()
+
+
+def test_a_proxy_gets_begin_behind_the_pause_and_the_version_read_behind_the_commit(trainer_model):
+    """Where calls run in issue order, the pause's reply is not waited for before `begin` goes out, and the version
+    check's read goes out right behind the commit: two round trips fewer per sync, every check kept."""
+    engine = BeamForCausalLM(preset("tiny"), dtype=torch.float32, seed=0).eval()
+    events = []
+    proxy = _OrderedProxy.around(model_receiver(engine, name="eng"), events)
+    perturb(trainer_model, seed=3)
+    sync = WeightSync(transport_factory("colocated", None), [proxy], bucket_bytes=64 * 1024, timeouts=TIMEOUTS,
+                      progress=None)
+    try:
+        report = sync.sync(StateDictSource.of_model(trainer_model, unit_size=25))
+    finally:
+        sync.close()
+    assert report.version == 1 == proxy.served_weight_version(5)
+    issued = [m for kind, m in events if kind == "issue"]
+    assert issued.count("served_weight_version") == 2 and issued.count("abort_all") == 1  # (one read is this test's)
+    pos = {e: events.index(e) for e in [("issue", "abort_all"), ("wait", "abort_all"), ("issue", "begin_weight_update"),
+                                         ("issue", "end_weight_update"), ("wait", "end_weight_update"),
+                                         ("issue", "served_weight_version")]}
+    assert pos[("issue", "begin_weight_update")] < pos[("wait", "abort_all")]
+    assert pos[("issue", "served_weight_version")] < pos[("wait", "end_weight_update")]
+
+
+def test_a_refused_pause_still_fails_the_sync_when_begin_went_out_behind_it(trainer_model):
+    engine = BeamForCausalLM(preset("tiny"), dtype=torch.float32, seed=0).eval()
+    inner = model_receiver(engine, name="eng")
+
+    def refuse(timeout):
+        raise WeightSyncError("eng: cannot pause")
+
+    inner.abort_all = refuse
+    proxy = _OrderedProxy.around(inner, [])
+    sync = WeightSync(transport_factory("colocated", None), [proxy], bucket_bytes=64 * 1024, timeouts=TIMEOUTS,
+                      progress=None)
+    try:
+        with pytest.raises(WeightSyncError, match="abort_all \\(pause\\) failed on 1 engine.*cannot pause"):
+            sync.sync(StateDictSource.of_model(trainer_model, unit_size=25))
+    finally:
+        sync.close()
+    assert proxy.served_weight_version(5) == 0  # nothing was committed
