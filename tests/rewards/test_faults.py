@@ -69,8 +69,9 @@ def test_hanging_component_costs_the_others_nothing_and_the_batch_about_one_time
         assert res.scores("hang") == [0.0] * 64  # on_error="zero"
         assert "did not return within 2 s" in res.breaker_trips["hang"]
         assert res.totals == [a + (0.0 if r else 1.0) + 0.0 + 0.5 for a, r in zip(match, raises)]
-        # About one per-call timeout (plus restarting the hung workers), far from the 60 s batch timeout.
-        assert wall < 20.0, f"a batch took {wall:.1f} s; the hanging component's per-call timeout is 2 s"
+        # Bounded by the per-call timeouts (about one, plus restarting the hung workers: ~5 s idle), not by the 60 s
+        # batch timeout. The bound leaves room for a loaded 2-core machine (a helper saw 20 s at load 22).
+        assert wall < 45.0, f"a batch took {wall:.1f} s; the hanging component's per-call timeout is 2 s"
     # Once per batch: the trip (naming the component and its first failure), then the retry, then the trip.
     assert len(notices) == 3, notices
     assert all("'hang'" in n and "did not return within 2 s" in n and "tripped after 3" in n for n in notices[::2])
