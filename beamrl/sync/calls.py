@@ -11,7 +11,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from beamrl.protocols.weights import WeightSyncError
+from beamrl.protocols.weights import PendingCall, WeightSyncError
 
 
 class ReceiverCallError(WeightSyncError):
@@ -29,6 +29,19 @@ def check_reply(reply: object) -> None:
         raise WeightSyncError(str(reply[1]))
     if isinstance(reply, dict) and reply.get("success") is False:
         raise WeightSyncError(str(reply.get("message", reply)))
+
+
+def wait_replies(what: str, pending: Sequence[tuple[str, PendingCall]], deadline: float) -> None:
+    """Wait for calls issued without waiting (`WeightReceiver.call_async`), until `deadline` (time.monotonic) at most;
+    every engine whose call failed or did not answer is named in one `ReceiverCallError`."""
+    failures: dict[str, str] = {}
+    for label, call in pending:
+        try:
+            check_reply(call.wait(max(deadline - time.monotonic(), 1e-3)))
+        except WeightSyncError as exc:
+            failures[label] = str(exc)
+    if failures:
+        raise ReceiverCallError(what, failures)
 
 
 def run_concurrently(what: str, calls: Sequence[tuple[str, Callable[[], object]]], timeout: float,

@@ -39,7 +39,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from beamrl.protocols.weights import WeightReceiver, WeightSyncError
-from beamrl.sync.calls import ReceiverCallError, check_reply, run_concurrently
+from beamrl.sync.calls import run_concurrently, wait_replies
 from beamrl.sync.export import ExportSource
 from beamrl.sync.packing import pack_bucket
 from beamrl.sync.plan import DEFAULT_BUCKET_BYTES, BucketPlan, plan_buckets
@@ -271,14 +271,7 @@ class WeightSync:
         `ReceiverCallError` naming every engine that failed it."""
         deadline = time.monotonic() + self.timeouts.call
         for what, calls in issued:
-            failures: dict[str, str] = {}
-            for label, call in calls:
-                try:
-                    check_reply(call.wait(max(deadline - time.monotonic(), 1e-3)))
-                except WeightSyncError as exc:
-                    failures[label] = str(exc)
-            if failures:
-                raise ReceiverCallError(what, failures)
+            wait_replies(what, calls, deadline)
 
     def _ship(self, plan: BucketPlan, stream, transport: WeightTransport, version: int,
               t_begin: float) -> tuple[int, int]:

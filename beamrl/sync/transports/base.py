@@ -27,7 +27,7 @@ import torch
 from beamrl.protocols.checksum import bucket_checksum
 from beamrl.protocols.manifest import FULL, BucketLayout, SyncManifest
 from beamrl.protocols.weights import UNHEALTHY, PendingCall, WeightReceiver, WeightSyncError
-from beamrl.sync.calls import ReceiverCallError, check_reply, run_concurrently
+from beamrl.sync.calls import ReceiverCallError, run_concurrently, wait_replies
 from beamrl.sync.packing import BucketChecksum, bucket_views
 
 #: Packing views cached per staging slot (a few plans' worth: full and adapter layouts alternate in a LoRA run).
@@ -132,17 +132,6 @@ class ReceiverTransport(WeightTransport):
         self._touched = True
         return [(label, r.call_async(method, timeout, *args)) for label, r in zip(self.labels, self.receivers)]
 
-    @staticmethod
-    def _wait(what: str, pending: list[tuple[str, PendingCall]], deadline: float) -> None:
-        failures: dict[str, str] = {}
-        for label, call in pending:
-            try:
-                check_reply(call.wait(max(deadline - time.monotonic(), 1e-3)))
-            except WeightSyncError as exc:
-                failures[label] = str(exc)
-        if failures:
-            raise ReceiverCallError(what, failures)
-
     def mark_unhealthy(self, engine: str, reason: str) -> None:
         """Record that `engine` must not serve until restarted (e.g. a failed post-sync verification)."""
         self.unhealthy.setdefault(engine, reason)
@@ -206,7 +195,7 @@ class ReceiverTransport(WeightTransport):
         """Wait for the receivers' calls on `slot` (host) and for their copies out of it (device)."""
         pending, slot.pending = slot.pending, []
         if pending:
-            self._wait(f"bucket {slot.last_bucket}", pending, time.monotonic() + timeout)
+            wait_replies(f"bucket {slot.last_bucket}", pending, time.monotonic() + timeout)
         if self.device.type == "cuda":
             stream = torch.cuda.current_stream(self.device)
             for ev in slot.receiver_events:
