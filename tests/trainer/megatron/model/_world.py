@@ -9,11 +9,19 @@ from __future__ import annotations
 import os
 import time
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from beamrl.net import reserve_port
+
+
+def _cpu_only() -> None:
+    """These worlds run Megatron through the CPU compat layer, which refuses to activate where CUDA is present (it
+    would redirect every CUDA call): on a GPU machine the test is skipped, not failed."""
+    if torch.cuda.is_available():
+        pytest.skip("CPU-only: Megatron on gloo through beamrl.compat.megatron_cpu, which never runs where CUDA is")
 
 
 def init_megatron(rank: int, world: int, port: int, *, tp: int = 1, ep: int = 1, pp: int = 1, vpp=None,
@@ -39,6 +47,7 @@ def init_megatron(rank: int, world: int, port: int, *, tp: int = 1, ep: int = 1,
 def world1(**layout) -> None:
     """(Re)initialise a 1-process world in this process with the given layout (tp=ep=pp=1). Port 0: the only
     rank hosts the store, so the OS picks the port as it binds."""
+    _cpu_only()
     init_megatron(0, 1, 0, **layout)
 
 
@@ -55,6 +64,7 @@ def _child(rank, fn, world, port, args):
 
 def spawn(fn, world: int, *args, timeout: float = 90.0) -> None:
     """Run `fn(rank, world, port, *args)` on `world` processes; raise on failure or after `timeout` s."""
+    _cpu_only()
     with reserve_port() as reserved:  # held until the children are done: rank 0's store binds it meanwhile
         ctx = mp.start_processes(_child, args=(fn, world, reserved.port, args), nprocs=world, join=False,
                                  start_method="spawn")
