@@ -120,7 +120,8 @@ class HostStaging:
             else:
                 held = self._buffers.get(index)
                 if held is None or held[1].shape != data.shape or held[1].dtype != data.dtype:
-                    base = pinned_host(data.nbytes)  # exactly sized (`pinned.py`); kept: it holds the registration
+                    # exactly sized (`pinned.py`), shared with the forked writer; kept: it holds the registration
+                    base = pinned_host(data.nbytes, fork_shared=True)
                     held = (base, base.view(data.dtype).view(data.shape))
                 held[1].copy_(data, non_blocking=True)
                 kept[index] = held
