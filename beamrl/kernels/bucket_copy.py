@@ -27,8 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
-_WORDS = 1024  # int32 words per 4 KiB row
-_ROW_BYTES = 4 * _WORDS
+from beamrl.kernels.checksum_rows import WORDS, add_row_checksums, flush_row_checksums
+
+_ROW_BYTES = 4 * WORDS
 #: Launch choices (swept by benchmarks/sync_passes_h200.py): rows per block, the most programs launched
 #: (programs loop over blocks beyond that), warps per program.
 TUNING: dict = {"rows": 8, "programs": 8192, "warps": 4}
@@ -87,13 +88,8 @@ def _bucket_copy_kernel(buf_ptr, table_ptr, n_tensors, out_ptr, rows, P: tl.cons
             start = tl.load(table_ptr + t, mask=t < n_tensors, other=0)
         if GATHER:
             tl.store(buf_ptr + word, v, mask=rmask[:, None])
-        red = tl.sum(v.to(tl.int64), axis=1) % P
-        red = tl.where(red < 0, red + P, red)  # C remainder keeps the dividend's sign; the checksum's is in [0, P)
-        weight = r % PERIOD + 1
-        s_acc += tl.where(rmask, red, 0)
-        w_acc += tl.where(rmask, red * weight, 0)
-    tl.atomic_add(out_ptr, tl.sum(s_acc, axis=0))
-    tl.atomic_add(out_ptr + 1, tl.sum(w_acc, axis=0))
+        s_acc, w_acc = add_row_checksums(v, r, rmask, s_acc, w_acc, P, PERIOD)
+    flush_row_checksums(out_ptr, s_acc, w_acc)
 
 
 class CopyPlan:
@@ -158,6 +154,6 @@ def copy_with_checksum(rows: torch.Tensor, plan: CopyPlan, out: torch.Tensor, ga
     block = int(TUNING["rows"])
     grid = (max(1, min(triton.cdiv(n_rows, block), int(TUNING["programs"]))),)
     _bucket_copy_kernel[grid](rows.view(torch.int32), plan.table, plan.n_tensors, out, n_rows, P=p, PERIOD=period,
-                              WORDS=_WORDS, ROWS=block, GATHER=gather, ALIGNED=plan.aligned,
+                              WORDS=WORDS, ROWS=block, GATHER=gather, ALIGNED=plan.aligned,
                               num_warps=int(TUNING["warps"]))
     return out

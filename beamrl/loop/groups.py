@@ -178,7 +178,8 @@ class TrainerGroup:
         out = self._gather([a.train_step_then_sync.remote(
             shares[d], loss_fn=loss_fn, replay=replay, temperature=temperature, receivers=engines.actors,
             engine_names=engines.names, engine_tp=engines.tp_sizes, request=request)
-            for a, d in zip(self.actors, self.dp_ranks)], self.timeout + _sync_wait(request), "trainer.train_step")
+            for a, d in zip(self.actors, self.dp_ranks)], self.timeout + _sync_wait(request),
+            "trainer.train_step_then_sync")
         failed = next(((r, err) for r, (_, _, err) in enumerate(out) if err is not None), None)
         error = None if failed is None else ActorCallError(
             f"trainer.sync_weights: trainer rank {self._name(failed[0])}: {failed[1]}")  # as `sync_weights` says it

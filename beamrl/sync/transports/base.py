@@ -268,6 +268,7 @@ class ReceiverTransport(WeightTransport):
         deadline = time.monotonic() + timeout
         for slot in self._slots_in_bucket_order():  # the earliest bucket's failure is the one reported
             self._wait_slot(slot, max(deadline - time.monotonic(), 1e-3))
+        self._before_commit()
         self._touched = True
         try:
             self._call_all("end_weight_update", lambda r: r.end_weight_update(manifest.version, timeout), timeout)
@@ -277,6 +278,9 @@ class ReceiverTransport(WeightTransport):
             self.manifest = None
             raise
         self.manifest = None
+
+    def _before_commit(self) -> None:
+        """After every bucket's engine calls were waited for, before the commit (a transport's own last check)."""
 
     def abort(self, reason: str, timeout: float) -> None:
         """Ask every engine to abort its session; mark those that stop serving or do not answer unhealthy."""

@@ -117,14 +117,9 @@ class ColocatedTransport(ReceiverTransport):
         if self._mode == "per_rank" and slot.last_bucket in self.keep.outstanding():
             self.keep.release(slot.last_bucket)  # every engine replied: the slot may be packed again
 
-    def finalize(self, timeout: float) -> None:
+    def _before_commit(self) -> None:
         if self._mode == "per_rank":
-            self._require_session("finalize")
-            deadline = time.monotonic() + timeout
-            for slot in self._slots_in_bucket_order():  # the earliest bucket's failure is the one reported
-                self._wait_slot(slot, max(deadline - time.monotonic(), 1e-3))
             self.keep.check_finished()
-        super().finalize(timeout)
 
     def abort(self, reason: str, timeout: float) -> None:
         try:

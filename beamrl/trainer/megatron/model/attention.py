@@ -57,21 +57,22 @@ class _SplitQGateKV(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, tokens, qpg):
-        ctx.qpg = qpg
+        ctx.qpg, ctx.shape = qpg, tokens.shape
         t, g, _, d = tokens.shape
         q = tokens[:, :, :qpg].reshape(t, g * qpg, d)
         gate = tokens[:, :, qpg:2 * qpg].reshape(t, g * qpg, d)
         k = tokens[:, :, 2 * qpg].contiguous()
         v = tokens[:, :, 2 * qpg + 1].contiguous()
-        # reshape is a view when g == 1: outputs must not alias the input
+        # reshape is a view when g == 1; a view of `tokens` itself is cloned. In the model `tokens` is already a
+        # view of the projection's output, so the parts may share that memory, as plain slicing would (nothing
+        # modifies them in place).
         return tuple(x.clone() if x._base is tokens or x is tokens else x for x in (q, gate, k, v))
 
     @staticmethod
     def backward(ctx, dq, dgate, dk, dv):
         qpg = ctx.qpg
-        ref = next(x for x in (dq, dgate, dk, dv) if x is not None)
-        t, d = ref.shape[0], ref.shape[-1]
-        g = (dk if dk is not None else dv).shape[1] if (dk is not None or dv is not None) else ref.shape[1] // qpg
+        t, g, _, d = ctx.shape
+        ref = next(x for x in (dq, dgate, dk, dv) if x is not None)  # dtype and device of the zero parts
         parts = [x.reshape(t, g, qpg, d) if x is not None else ref.new_zeros(t, g, qpg, d) for x in (dq, dgate)]
         parts += [x.unsqueeze(2) if x is not None else ref.new_zeros(t, g, 1, d) for x in (dk, dv)]
         return torch.cat(parts, dim=2).add_(0.0), None
