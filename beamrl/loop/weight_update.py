@@ -17,7 +17,7 @@ from beamrl.loop.groups import CarriedSync, EngineGroup, TrainerGroup
 from beamrl.loop.log import log
 from beamrl.loop.weight_sync import SyncRequest
 from beamrl.protocols.rollout import EngineError
-from beamrl.sync.config import SyncConfig
+from beamrl.sync.config import SyncConfig, buckets_from_every_rank
 
 #: Probe length: the last tokens of each probe sample (its answer and the end of its prompt). Short, so the probe
 #: pass (a trainer forward + an engine prefill of two sequences) costs far less than a step.
@@ -55,12 +55,10 @@ _announced: set[str] = set()
 
 def rank_colocations(placement: Placement, transport: str) -> tuple[tuple[int, ...], ...]:
     """Per engine, the trainer rank on each of its TP ranks' devices, when colocated engines must take their
-    buckets from every trainer rank: an engine of TP > 1 (its ranks are on several devices), or a layout of several
-    nodes (an engine on another node than trainer rank 0 cannot open rank 0's buffers). () otherwise: rank 0 ships
-    every bucket (the native engine's staged slots, or one flattened bucket)."""
-    if transport != "colocated" or placement.mode != "colocated":
-        return ()
-    if placement.num_nodes == 1 and all(e.tp == 1 for e in placement.engines):
+    buckets from every trainer rank (`sync.config.buckets_from_every_rank`). () otherwise: rank 0 ships every
+    bucket (the native engine's staged slots, or one flattened bucket)."""
+    if not buckets_from_every_rank(transport, placement.mode, placement.num_nodes,
+                                   [e.tp for e in placement.engines]):
         return ()
     return tuple(tuple(e.shares_with_trainer) for e in placement.engines)
 

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 from beamrl.dtypes import torch_dtype
 from beamrl.models.beam.weights import expected_tensors
+from beamrl.sync.config import buckets_from_every_rank
 
 if TYPE_CHECKING:
     from beamrl.models.beam.config import BeamConfig
@@ -117,7 +118,7 @@ def estimate_sync_time(r: "Recipe", config: "BeamConfig") -> SyncTimeEstimate:
     transport = r.sync.transport
     if transport == "colocated":
         transfer = total / (rates.colocated * gb)
-        if r.placement.mode == "colocated" and (ro.engine_tp > 1 or r.cluster.num_nodes > 1):
+        if buckets_from_every_rank(transport, r.placement.mode, r.cluster.num_nodes, [ro.engine_tp]):
             spread = rates.inter_node if r.cluster.num_nodes > 1 else rates.intra_node
             transfer += total / (spread * gb)  # rank 0's packed bucket to every trainer rank's slot
     elif transport == "distributed":

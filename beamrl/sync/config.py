@@ -21,3 +21,12 @@ class SyncConfig(Section):
     @property
     def bucket_bytes(self) -> int:
         return self.bucket_mb << 20
+
+
+def buckets_from_every_rank(transport: str, placement_mode: str, num_nodes: int, engine_tps: list[int]) -> bool:
+    """Whether colocated engines take their buckets from every trainer rank (per-rank buckets, docs/colocated.md):
+    an engine of TP > 1 (its ranks are on several devices), or a layout of several nodes (an engine on another node
+    than trainer rank 0 cannot open rank 0's buffers). Otherwise rank 0 ships every bucket. The one rule for the
+    run (`loop.weight_update.rank_colocations`) and the sync-time model (`recipe.sync_time`)."""
+    return (transport == "colocated" and placement_mode == "colocated"
+            and (num_nodes > 1 or any(tp > 1 for tp in engine_tps)))
