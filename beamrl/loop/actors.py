@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import ray
 import torch
 
+from beamrl.loop.wire import Wire
+
 
 @dataclass(frozen=True)
 class TrainerRankSpec:
@@ -70,7 +72,9 @@ class TrainerActor:
         self.trainer.set_routing_replay(replay)
         return self.trainer.compute_logprobs(batch, temperature=temperature, return_entropy=return_entropy)
 
-    def train_step(self, micro_batches, *, loss_fn, replay: bool, temperature: float):
+    def train_step(self, step, *, replay: bool, temperature: float):
+        """One optimizer step; `step` is the `Wire` of (micro-batches, loss function) (`beamrl.loop.wire`)."""
+        micro_batches, loss_fn = step.open()
         self.trainer.set_routing_replay(replay)
         return self.trainer.train_step(micro_batches, loss_fn, temperature=temperature)
 
@@ -91,13 +95,13 @@ class TrainerActor:
 
         return sync_on_rank(self.trainer, self.rank, receivers, engine_names, engine_tp, request)
 
-    def train_step_then_sync(self, micro_batches, *, loss_fn, replay: bool, temperature: float, receivers: list,
+    def train_step_then_sync(self, step, *, replay: bool, temperature: float, receivers: list,
                              engine_names: list[str], engine_tp: list[int], request):
         """`train_step`, then `sync_weights` of the weights it produced, in one call (the driver's round trip
         between them saved). The train step's result comes back whatever the sync does: (result, report, None),
         or (result, None, "<error type>: <message>") when the sync failed, for the driver to handle as a failed
         `sync_weights` (e.g. restart an engine found dead and sync again)."""
-        result = self.train_step(micro_batches, loss_fn=loss_fn, replay=replay, temperature=temperature)
+        result = self.train_step(step, replay=replay, temperature=temperature)
         try:
             report = self.sync_weights(receivers=receivers, engine_names=engine_names, engine_tp=engine_tp,
                                        request=request)
@@ -194,6 +198,10 @@ class EngineActor:
     def call(self, method: str, *args, **kwargs):
         """Forward one protocol call (`generate`, `score`, `health`, `begin_weight_update`, ...)."""
         return getattr(self.engine, method)(*args, **kwargs)
+
+    def generate(self, requests, *, timeout: float) -> Wire:
+        """The rollout's call: `requests` and the results cross as `Wire`s (`beamrl.loop.wire`)."""
+        return Wire(self.engine.generate(requests.open(), timeout))
 
     def weight_version(self) -> int:
         return self.engine.weight_version

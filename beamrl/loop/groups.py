@@ -10,6 +10,7 @@ import ray
 from beamrl.cluster.placement import sync_rank_offsets
 from beamrl.loop.actors import EngineActor, TrainerActor, TrainerRankSpec
 from beamrl.loop.ray_utils import ActorCallError, ray_get
+from beamrl.loop.wire import Wire
 from beamrl.protocols.rollout import EngineError, GenerateRequest, GenerateResult
 from beamrl.rollout.router import EngineRouter
 
@@ -166,7 +167,7 @@ class TrainerGroup:
         share (ranks of one model-parallel group get the same share). The loss normaliser inside `loss_fn` is
         the whole step's, so the sum over DP ranks is the full-batch loss."""
         shares = self._shares(micro_batches)
-        return self._gather([a.train_step.remote(shares[d], loss_fn=loss_fn, replay=replay, temperature=temperature)
+        return self._gather([a.train_step.remote(Wire((shares[d], loss_fn)), replay=replay, temperature=temperature)
                              for a, d in zip(self.actors, self.dp_ranks)], self.timeout, "trainer.train_step")[0]
 
     def train_step_then_sync(self, micro_batches, loss_fn, replay: bool, temperature: float,
@@ -176,7 +177,7 @@ class TrainerGroup:
         caller handles `CarriedSync.report()`'s `ActorCallError` as that of a failed `sync_weights`."""
         shares = self._shares(micro_batches)
         out = self._gather([a.train_step_then_sync.remote(
-            shares[d], loss_fn=loss_fn, replay=replay, temperature=temperature, receivers=engines.actors,
+            Wire((shares[d], loss_fn)), replay=replay, temperature=temperature, receivers=engines.actors,
             engine_names=engines.names, engine_tp=engines.tp_sizes, request=request)
             for a, d in zip(self.actors, self.dp_ranks)], self.timeout + _sync_wait(request),
             "trainer.train_step_then_sync")
@@ -258,8 +259,8 @@ class EngineHandle:
         return self.group.names[self.index]
 
     def generate(self, requests: list[GenerateRequest], timeout: float) -> list[GenerateResult]:
-        return ray_get(self.group.nodes[self.index][0].call.remote("generate", requests=requests, timeout=timeout),
-                       timeout + 30, f"{self.name}.generate")
+        return ray_get(self.group.nodes[self.index][0].generate.remote(Wire(requests), timeout=timeout),
+                       timeout + 30, f"{self.name}.generate").open()
 
     def health(self, timeout: float) -> bool:
         return self.group.engine_health(self.index, timeout)
@@ -388,8 +389,8 @@ class EngineGroup:
         plan = self.router.assign([pending.requests[p] for p in positions], [pending.keys[p] for p in positions])
         for e, idx in sorted(plan.items()):
             mine = [positions[i] for i in idx]
-            ref = self.nodes[e][0].call.remote("generate", requests=[pending.requests[p] for p in mine],
-                                               timeout=pending.timeout)
+            ref = self.nodes[e][0].generate.remote(Wire([pending.requests[p] for p in mine]),
+                                                   timeout=pending.timeout)
             pending.inflight[ref] = (e, mine, time.monotonic() + pending.timeout + 30)
 
     def collect(self, pending: "PendingGenerate") -> list[list[GenerateResult]]:
@@ -424,7 +425,7 @@ class EngineGroup:
         for ref in ready:
             e, positions, _ = pending.inflight.pop(ref)
             try:
-                out = ray_get(ref, 30, f"{self.names[e]}.generate")
+                out = ray_get(ref, 30, f"{self.names[e]}.generate").open()
             except ActorCallError as err:
                 failed[e] = (str(err), positions)
                 continue
