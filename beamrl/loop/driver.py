@@ -140,13 +140,13 @@ class RLDriver:
             memory.update(coloc.before_train())
             # Nothing runs between the train step and the sync unless a rollout is in flight (one step off): then
             # the last train step's call carries the sync too (one round trip fewer).
-            request = self._sync_request(step + 1, coloc.staged) if pending is None else None
-            trained, carried = self._train(batch, request)
+            request = self._sync_request(step + 1, coloc.staged)
+            trained, carried = self._train(batch, request if pending is None else None)
             metrics = {**batch.metrics, **memory, **trained}
             if pending is not None:  # engines must be idle to update: collect step k+1 (it sampled version k)
                 self.collector.collect_early(pending)
             restarts = metrics.get("engine/restarts", 0.0)
-            metrics.update(self._publish(step + 1, coloc.staged, carried))
+            metrics.update(self._publish(request, carried))
             metrics["engine/restarts"] += restarts
             metrics[keys.TIME_STEP] = time.perf_counter() - t0
             metrics[keys.TOKENS_PER_S] = batch.num_tokens / max(metrics[keys.TIME_STEP], 1e-9)
@@ -180,12 +180,12 @@ class RLDriver:
         resync_engine(self.trainer, self.engines, index, self.version, r.sync, r.timeouts.sync_s, self.probe,
                       colocations=self.colocations)
 
-    def _publish(self, version: int, staged: bool, carried: CarriedSync | None = None) -> dict[str, float]:
-        """Sync `version` to every engine (or take the outcome of that sync, `carried` by the train step's call). An
-        engine that died since the rollout fails the sync (the others roll back): it is restarted at the current
-        version and the sync runs once more."""
+    def _publish(self, request: SyncRequest, carried: CarriedSync | None = None) -> dict[str, float]:
+        """Sync `request.version` to every engine (or take the outcome of that sync, `carried` by the train step's
+        call). An engine that died since the rollout fails the sync (the others roll back): it is restarted at the
+        current version and the sync runs once more."""
         r = self.recipe
-        request = self._sync_request(version, staged)
+        version = request.version
         try:
             metrics = publish_weights(self.trainer, self.engines, request, carried)
         except ActorCallError as e:
@@ -205,7 +205,7 @@ class RLDriver:
         directory = self.checkpoints.load_for_resume(self.trainer, run.resume_dir)
         truncate_step_files(run.out_dir, step_of(directory))  # again: a damaged checkpoint sends it further back
         step, version = restore_driver_state(run.data, directory)
-        self._publish(version, staged=False)  # engines start from the initial weights: bring them to the checkpoint
+        self._publish(self._sync_request(version, staged=False))  # engines start from the initial weights
         log(f"resumed from {directory} (the newest complete checkpoint) at step {step}")
         return step
 

@@ -7,7 +7,9 @@ call boundary (the start of each step's rollout) over the engines a failed call 
 `EngineGroup.collect` calls `recover` for an engine whose call failed or that failed a health check while a rollout
 waited on it (every `rollout.health_check_interval_s`).
 Every restart attempt counts against `rollout.max_engine_restarts`; one more ends the run with
-`RestartBudgetExceeded`. Successful restarts are counted per step (`take_restarts`, the `engine/restarts` metric).
+`RestartBudgetExceeded`. A restart that fails while no engine is healthy is tried again after a growing pause
+(`RETRY_DELAYS_S`), so a transient cause (a port still held, a node short of memory for a moment) does not burn
+the budget in seconds. Successful restarts are counted per step (`take_restarts`, the `engine/restarts` metric).
 """
 
 from __future__ import annotations
@@ -19,20 +21,24 @@ from beamrl.loop.groups import EngineGroup, EngineHandle
 from beamrl.protocols.rollout import EngineError
 from beamrl.rollout.health import HealthConfig, HealthMonitor
 
+# Pause before the n-th retry of a restart that failed while no engine was healthy (the last one repeats).
+RETRY_DELAYS_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
+
 
 class EngineRecovery:
     """Restarts and resyncs `engines`' dead engines. `resync(k)` brings restarted engine k to the trainer's current
     weight version and checks it serves it (the driver's: it owns the trainer and the version)."""
 
     def __init__(self, engines: EngineGroup, resync: Callable[[int], None], *, max_restarts: int,
-                 interval_s: float, health_timeout_s: float, log: Callable[[str], None]):
-        self.engines, self.resync, self.log = engines, resync, log
+                 interval_s: float, health_timeout_s: float, log: Callable[[str], None],
+                 sleep: Callable[[float], None] = time.sleep):
+        self.engines, self.resync, self.log, self.sleep = engines, resync, log, sleep
         self.interval_s, self.health_timeout_s = interval_s, health_timeout_s
         # One failed check is enough: a caller only asks after a failed call or a missed health answer.
         self.monitor = HealthMonitor(engines.router, self._rebuild,
                                      HealthConfig(interval=interval_s, timeout=health_timeout_s, max_failures=1,
                                                   max_restarts=max_restarts),
-                                     on_event=lambda msg: log(f"rollout: {msg}"))
+                                     on_event=lambda msg: log(f"rollout: {msg}"), describe=self._describe)
         self._restarts = 0
         engines.recovery = self
 
@@ -53,15 +59,22 @@ class EngineRecovery:
     def recover(self, failed: dict[int, str]) -> None:
         """Engines `failed` (index -> what went wrong) failed a call: restart each (their requests are re-issued
         by the caller, to whichever engines are healthy then). A restart that fails while no engine is healthy is
-        tried again at once, each try counting against the budget (a transient start failure must not end a run
-        that has restarts left); with another engine healthy the next health round tries again."""
+        tried again after a pause (`RETRY_DELAYS_S`), each try counting against the budget (a transient start
+        failure must not end a run that has restarts left); with another engine healthy the next health round tries
+        again. The monitor logs each failed restart with its error; this logs the retry."""
         for k, reason in sorted(failed.items()):
             reason = " ".join(reason.strip().splitlines()[0].split())  # Ray's death notices run to many lines
             self.log(f"rollout: engine {k} ({self.engines.names[k]}) failed: {reason}; restarting it")
-            while not self.monitor.restart(k, reason) and not self._any_healthy():
-                reason = f"its restart failed ({self.monitor.last_error.get(k)})"
-                self.log(f"rollout: engine {k} ({self.engines.names[k]}): {reason}; no engine is healthy, trying "
-                         f"again")
+            retries = 0
+            while not self.monitor.restart(k, f"its restart failed ({self.monitor.last_error.get(k)})" if retries
+                                           else reason) and not self._any_healthy():
+                delay = RETRY_DELAYS_S[min(retries, len(RETRY_DELAYS_S) - 1)]
+                retries += 1
+                budget = self.monitor.config.max_restarts
+                self.log(f"rollout: no engine is healthy: restarting engine {k} ({self.engines.names[k]}) again in "
+                         f"{delay:g} s (retry {retries}; {self.monitor.attempts} of "
+                         f"{'unlimited' if budget is None else budget} restarts used, rollout.max_engine_restarts)")
+                self.sleep(delay)
         self._require_one()
 
     def _any_healthy(self) -> bool:
@@ -74,7 +87,6 @@ class EngineRecovery:
 
     def _rebuild(self, k: int) -> EngineHandle:
         """The monitor's factory: start engine k again (the monitor shut it down) and resync it."""
-        t0 = time.perf_counter()
         self.engines.restart_engine(k)
         try:
             self.resync(k)
@@ -82,9 +94,12 @@ class EngineRecovery:
             self.engines.stop_engine(k)  # an engine on stale weights must not serve
             raise
         self._restarts += 1
-        self.log(f"rollout: {self.engines.names[k]} restarted (node pids {self.engines.pids(k)}) and synced in "
-                 f"{time.perf_counter() - t0:.1f} s")
         return EngineHandle(self.engines, k)
+
+    def _describe(self, k: int) -> str:
+        """The monitor's "restarted" event (its time includes the resync), completed: which engine, its new
+        processes."""
+        return f"{self.engines.names[k]} (node pids {self.engines.pids(k)}) serves the trainer's weights"
 
     def take_restarts(self) -> int:
         """Successful restarts since the last call (the step's `engine/restarts`)."""

@@ -45,11 +45,13 @@ class HealthMonitor:
     """Checks every engine of `router`; restarts dead ones with `factory(index) -> RolloutEngine`."""
 
     def __init__(self, router: EngineRouter, factory: Callable[[int], RolloutEngine],
-                 config: HealthConfig = HealthConfig(), on_event: Callable[[str], None] = print) -> None:
+                 config: HealthConfig = HealthConfig(), on_event: Callable[[str], None] = print,
+                 describe: Callable[[int], str] | None = None) -> None:
         self.router = router
         self.factory = factory
         self.config = config
         self.on_event = on_event
+        self.describe = describe  # more about a restarted engine for its one "restarted" event (pids, sync)
         self.failures = [0] * len(router.engines)
         self.restarts = [0] * len(router.engines)
         self.attempts = 0  # restart attempts, successful or not (what the budget counts)
@@ -108,7 +110,9 @@ class HealthMonitor:
         self.failures[index] = 0
         self.restarts[index] += 1
         self.last_error.pop(index, None)
-        self.on_event(f"engine {index} restarted in {time.monotonic() - t0:.1f} s (restart #{self.restarts[index]})")
+        more = f": {self.describe(index)}" if self.describe is not None else ""
+        self.on_event(f"engine {index} restarted in {time.monotonic() - t0:.1f} s (restart #{self.restarts[index]})"
+                      f"{more}")
         return True
 
     def start(self) -> None:

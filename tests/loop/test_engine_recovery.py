@@ -33,20 +33,27 @@ class _Engines:
         return []
 
 
-def _recovery(engines, budget):
+def _recovery(engines, budget, pauses=None):
     logs, synced = [], []
     rec = EngineRecovery(engines, synced.append, max_restarts=budget, interval_s=60, health_timeout_s=1,
-                         log=logs.append)
+                         log=logs.append, sleep=(pauses if pauses is not None else []).append)
     return rec, logs, synced
 
 
-def test_a_failed_restart_of_the_only_engine_is_tried_again_within_the_budget():
-    engines = _Engines(failures=1)
-    rec, logs, synced = _recovery(engines, budget=3)
+def test_a_failed_restart_of_the_only_engine_is_tried_again_within_the_budget_after_growing_pauses():
+    engines = _Engines(failures=2)
+    pauses = []
+    rec, logs, synced = _recovery(engines, budget=4, pauses=pauses)
     rec.recover({0: "actor died"})
-    assert engines.starts == 2 and synced == [0] and engines.router.is_healthy(0)
-    assert rec.take_restarts() == 1 and rec.monitor.attempts == 2
-    assert any("trying again" in line and "a transient start failure" in line for line in logs)
+    assert engines.starts == 3 and synced == [0] and engines.router.is_healthy(0)
+    assert rec.take_restarts() == 1 and rec.monitor.attempts == 3
+    assert pauses == [1.0, 2.0]  # not back to back: a transient cause gets time to clear
+    # each failure is logged once (the monitor's line, with the error), each retry once (with its pause)
+    assert sum("a transient start failure" in line for line in logs) == 2
+    retries = [line for line in logs if "again in" in line]
+    assert len(retries) == 2 and "again in 2 s (retry 2; 2 of 4 restarts used" in retries[1]
+    done = [line for line in logs if "restarted in" in line]
+    assert len(done) == 1 and "e0 (node pids []) serves the trainer's weights" in done[0]
 
 
 def test_past_the_budget_the_run_ends_loudly():
