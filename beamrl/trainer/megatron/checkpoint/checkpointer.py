@@ -108,7 +108,7 @@ class Checkpointer:
         dist.barrier()
         p.costs["publish_s"] = time.perf_counter() - t0
         p.costs["total_s"] = time.perf_counter() - p.started
-        p.costs["step_waited_s"] = p.costs["blocking_s"] if p.costs["async"] else p.costs["total_s"]
+        p.costs["step_waited_s"] = step_waited_s(p.costs)
         if dist.get_rank() == 0:
             p.costs.update(_write_costs(stats, sum(e["size"] for e in files.values())))
             _log(_describe_costs(p.write.directory, p.costs))
@@ -186,6 +186,12 @@ class Checkpointer:
         return bool(t.item())
 
 
+def step_waited_s(costs: dict) -> float:
+    """How long `save` held the training step: the wait for the previous save to complete, then this save's
+    staging (async) or all of it (sync)."""
+    return costs["previous_save_wait_s"] + (costs["blocking_s"] if costs["async"] else costs["total_s"])
+
+
 def _write_costs(stats: list[dict], total_bytes: int) -> dict:
     """The writers' costs summed over ranks (rank 0's view; other ranks' `last_costs` lack them)."""
     return {"bytes": total_bytes, "data_files": sum(s["files"] for s in stats),
@@ -196,8 +202,10 @@ def _write_costs(stats: list[dict], total_bytes: int) -> dict:
 def _describe_costs(directory: Path, c: dict) -> str:
     gb = c["bytes"] / 1e9
     rate = f"{gb / c['write_wall_s']:.2f} GB/s" if c["write_wall_s"] > 0 else "-"
+    previous = c["previous_save_wait_s"]
+    of_which = f", {previous:.1f} s of it for the previous save to complete" if previous >= 0.05 else ""
     return (f"checkpoint {directory}: {gb:.2f} GB in {c['total_s']:.1f} s ({'async' if c['async'] else 'sync'}, "
-            f"the step waited {c['step_waited_s']:.1f} s): state {c['state_s']:.1f} s, staging "
+            f"the step waited {c['step_waited_s']:.1f} s{of_which}): state {c['state_s']:.1f} s, staging "
             f"{c['staged_from_device_bytes'] / 1e9:.2f} GB from the device {c['stage_s']:.1f} s, plan "
             f"{c['plan_s']:.1f} s, {c['data_files']} data files written in {c['write_wall_s']:.1f} s ({rate}, "
             f"fsync {c['fsync_thread_s']:.1f} s summed over threads); published in {c['publish_s']:.1f} s")
