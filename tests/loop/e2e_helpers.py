@@ -46,7 +46,8 @@ def metrics(out_dir: Path) -> list[dict]:
 
 def kill_after(out_dir: Path, marker: Path, *overrides: str, timeout: float = 900,
                recipe: Path = QUICKSTART) -> None:
-    """Start a run and SIGKILL its whole process group as soon as `marker` exists (a crash mid-run)."""
+    """Start a run and SIGKILL its whole process group as soon as `marker` exists (a crash mid-run). Polled every
+    10 ms: a quickstart step takes ~0.2 s, so a coarser poll can let a short run finish before the kill."""
     p = subprocess.Popen(train_cmd(out_dir, *overrides, recipe=recipe), env=env(), cwd=ROOT,
                          stdout=subprocess.DEVNULL,
                          stderr=subprocess.DEVNULL, start_new_session=True)
@@ -57,7 +58,9 @@ def kill_after(out_dir: Path, marker: Path, *overrides: str, timeout: float = 90
                 raise AssertionError(f"run exited (rc={p.returncode}) before {marker} appeared")
             if time.time() > deadline:
                 raise AssertionError(f"{marker} did not appear within {timeout} s")
-            time.sleep(0.5)
+            time.sleep(0.01)
+        if p.poll() is not None:  # the kill must cut the run, or the test after it checks nothing
+            raise AssertionError(f"the run ended (rc={p.returncode}) before it could be killed at {marker}")
     finally:
         try:
             os.killpg(p.pid, signal.SIGKILL)
