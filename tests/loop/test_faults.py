@@ -81,7 +81,7 @@ def _wait_for(path, proc, timeout=600):
     while not path.exists():
         assert proc.poll() is None, f"run exited (rc={proc.returncode}) before {path} appeared"
         assert time.time() < deadline, f"{path} did not appear within {timeout} s"
-        time.sleep(0.2)
+        time.sleep(0.01)  # steps take well under a second: a coarse poll could miss the window
 
 
 def test_a_killed_trainer_rank_is_one_line_naming_it_and_the_checkpoint_then_resume_continues(tmp_path):
