@@ -4,9 +4,10 @@ batch's tensors stay writable (the trainer writes into them)."""
 import pickle
 
 import numpy as np
+import pytest
 import torch
 
-from beamrl.loop.wire import Wire
+from beamrl.loop.wire import INLINE_MAX_BYTES, Wire
 from beamrl.protocols.rollout import GenerateResult
 from beamrl.trainer.protocol import PackedBatch
 
@@ -26,12 +27,33 @@ def test_a_packed_batch_crosses_bit_for_bit_and_writable():
     assert not torch.equal(out.fields["advantages"], batch.fields["advantages"])
 
 
-def test_results_keep_their_routed_experts_and_the_blob_is_the_whole_payload():
-    res = [GenerateResult([1, 2], [3, 0], [-0.5, -0.25], "stop", 4, np.arange(24, dtype=np.int32).reshape(3, 2, 4),
-                          f"r{i}") for i in range(3)]
+def _results(rows: int) -> list[GenerateResult]:
+    return [GenerateResult([1, 2], [3, 0], [-0.5, -0.25], "stop", 4,
+                           np.arange(rows * 8, dtype=np.int32).reshape(rows, 2, 4) + i, f"r{i}") for i in range(3)]
+
+
+def _crossed(wire: Wire, out_of_band: bool) -> Wire:
+    """`wire` pickled and unpickled as Ray does (protocol 5, out-of-band buffers collected) or in-band."""
+    if not out_of_band:
+        return pickle.loads(pickle.dumps(wire, protocol=5))
+    buffers = []
+    blob = pickle.dumps(wire, protocol=5, buffer_callback=buffers.append)
+    return pickle.loads(blob, buffers=[b.raw() for b in buffers])
+
+
+@pytest.mark.parametrize("rows", [3, 20_000])  # 288 B or 1.9 MB of routed experts: inside the message, out of band
+@pytest.mark.parametrize("out_of_band", [False, True])
+def test_results_keep_their_routed_experts_small_ones_inside_the_message_large_ones_out_of_band(rows, out_of_band):
+    res = _results(rows)
     wire = Wire(res)
-    assert len(pickle.dumps(wire, protocol=5)) < len(wire) + 200  # no second copy of the data around the blob
-    back = pickle.loads(pickle.dumps(wire)).open()
+    large = rows * 8 * 4 * 3 > INLINE_MAX_BYTES
+    buffers = []
+    pickle.dumps(wire, protocol=5, buffer_callback=buffers.append)
+    # small arrays ride in the message (one object for Ray to serialize); large ones stay separate buffers, which
+    # Ray sends out of band without copying them into the message
+    assert len(buffers) == (3 if large else 0)
+    assert len(wire.blob) < 2000 and wire.nbytes >= rows * 8 * 4 * 3
+    back = _crossed(wire, out_of_band).open()
     assert [r.request_id for r in back] == ["r0", "r1", "r2"]
     assert all(np.array_equal(a.routed_experts, b.routed_experts) and a.routed_experts.dtype == b.routed_experts.dtype
                for a, b in zip(res, back))
