@@ -39,7 +39,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from beamrl.protocols.weights import WeightReceiver, WeightSyncError
-from beamrl.sync.calls import run_concurrently, wait_replies
+from beamrl.sync.calls import bounded, run_concurrently, wait_replies
 from beamrl.sync.export import ExportSource
 from beamrl.sync.packing import pack_bucket
 from beamrl.sync.plan import DEFAULT_BUCKET_BYTES, BucketPlan, plan_buckets
@@ -219,7 +219,8 @@ class WeightSync:
 
     def _each(self, what: str, engines: Sequence[WeightReceiver], call: Callable[[WeightReceiver], object],
               timeout: float) -> None:
-        run_concurrently(what, [(self._label(e, i), (lambda e=e: call(e))) for i, e in enumerate(engines)], timeout)
+        run_concurrently(what, [(self._label(e, i), (lambda e=e: call(e))) for i, e in enumerate(engines)], timeout,
+                         bounded_calls=bounded(engines))
 
     def _require_healthy(self, transport: WeightTransport) -> None:
         bad = {**getattr(transport, "unhealthy", {}), **self.unhealthy}
@@ -445,7 +446,8 @@ class WeightSync:
 
         labels = [self._label(e, i) for i, e in enumerate(engines)]
         run_concurrently("served_weight_version", [(lb, (lambda lb=lb, e=e: read(lb, e)))
-                                                   for lb, e in zip(labels, engines)], self.timeouts.call)
+                                                   for lb, e in zip(labels, engines)], self.timeouts.call,
+                         bounded_calls=bounded(engines))
         for label in labels:
             if served[label] != new_version:
                 self.mark_unhealthy(label, f"serves version {served[label]} after a sync to {new_version}")
@@ -462,7 +464,8 @@ class WeightSync:
         labels = [self._label(e, i) for i, e in enumerate(engines)]
         try:
             run_concurrently("score (post-sync probe)", [(lb, (lambda lb=lb, e=e: score(lb, e)))
-                                                         for lb, e in zip(labels, engines)], self.timeouts.verify)
+                                                         for lb, e in zip(labels, engines)], self.timeouts.verify,
+                             bounded_calls=bounded(engines))
         except WeightSyncError as exc:
             for lb in labels:
                 if lb not in scores:

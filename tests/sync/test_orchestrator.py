@@ -259,6 +259,38 @@ def test_a_proxy_gets_begin_behind_the_pause_and_the_version_read_behind_the_com
     assert pos[("issue", "served_weight_version")] < pos[("wait", "end_weight_update")]
 
 
+def test_one_proxied_engine_is_called_from_the_syncing_thread_alone(trainer_model):
+    """A proxy keeps each call's deadline itself (`bounded_calls`): with one engine no call of a sync, probe and
+    commit included, needs a thread of its own (`run_concurrently` runs it in the caller's thread)."""
+    import threading
+
+    engine = BeamForCausalLM(preset("tiny"), dtype=torch.float32, seed=0).eval()
+    threads = set()
+    inner = model_receiver(engine, name="eng")
+    inner.score = lambda seqs, timeout: StateDictSource.of_model(engine).logprobs(seqs)  # as an engine scores
+    proxy = _OrderedProxy.around(inner, [])
+    submit = proxy._submit
+
+    def tracked(method, timeout, *args):
+        threads.add((method, threading.current_thread().name))
+        return submit(method, timeout, *args)
+
+    proxy._submit = tracked
+    perturb(trainer_model, seed=5)
+    source = StateDictSource.of_model(trainer_model, unit_size=25)
+    sync = WeightSync(transport_factory("colocated", None), [proxy], bucket_bytes=64 * 1024, timeouts=TIMEOUTS,
+                      probe=ProbeCheck(PROBES, tolerance=1e-4), progress=None)
+    try:
+        report = sync.sync(source)
+    finally:
+        sync.close()
+    assert report.verified and report.version == 1 == inner.weight_version
+    methods = {m for m, _ in threads}
+    assert {"staging_supported", "attach_staging", "begin_weight_update", "load_staged_bucket", "end_weight_update",
+            "score"} <= methods
+    assert {t for _, t in threads} == {threading.current_thread().name}
+
+
 def test_a_refused_pause_still_fails_the_sync_when_begin_went_out_behind_it(trainer_model):
     engine = BeamForCausalLM(preset("tiny"), dtype=torch.float32, seed=0).eval()
     inner = model_receiver(engine, name="eng")

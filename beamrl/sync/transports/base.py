@@ -27,7 +27,7 @@ import torch
 from beamrl.protocols.checksum import bucket_checksum
 from beamrl.protocols.manifest import FULL, BucketLayout, SyncManifest
 from beamrl.protocols.weights import UNHEALTHY, PendingCall, WeightReceiver, WeightSyncError
-from beamrl.sync.calls import ReceiverCallError, run_concurrently, wait_replies
+from beamrl.sync.calls import ReceiverCallError, bounded, run_concurrently, wait_replies
 from beamrl.sync.packing import BucketChecksum, bucket_views
 
 #: Packing views cached per staging slot (a few plans' worth: full and adapter layouts alternate in a LoRA run).
@@ -119,13 +119,14 @@ class ReceiverTransport(WeightTransport):
         self._slots: list[StagingSlot] = []
         self._shared_slots = False  # whether receivers read the slots directly (staged buckets)
         self._sent_digest: dict[str, str] = {}  # engine label -> the `full` layout it accepted last
+        self._bounded = bounded(self.receivers)  # a single engine's calls then run in the caller's thread
 
     # -- helpers -------------------------------------------------------------------------------------------
     def _call_all(self, what: str, call: Callable[[WeightReceiver], object], timeout: float,
                   extra: Sequence[tuple[str, Callable[[], object]]] = ()) -> None:
         """Call `call(receiver)` on every receiver concurrently (plus `extra` trainer-side calls)."""
         calls = [(label, (lambda r=r: call(r))) for label, r in zip(self.labels, self.receivers)] + list(extra)
-        run_concurrently(what, calls, timeout)
+        run_concurrently(what, calls, timeout, bounded_calls=not extra and self._bounded)
 
     def _issue(self, method: str, timeout: float, *args) -> list[tuple[str, PendingCall]]:
         """Issue `method(*args, timeout)` on every receiver without waiting (pipelined, in issue order)."""
@@ -171,7 +172,7 @@ class ReceiverTransport(WeightTransport):
 
             run_concurrently("attach_staging", [(label, (lambda i=i, r=r: attach(i, r)))
                                                 for i, (label, r) in enumerate(zip(self.labels, self.receivers))],
-                             timeout)
+                             timeout, bounded_calls=self._bounded)
             for s in self._slots:
                 s.receiver_events = [receiver_event(replies[i][s.index], self.device) for i in range(len(self.receivers))]
 
@@ -233,7 +234,8 @@ class ReceiverTransport(WeightTransport):
                 self._sent_digest[label] = manifest.digest
 
         run_concurrently("begin_weight_update", [(label, (lambda label=label, r=r: begin(label, r)))
-                                                 for label, r in zip(self.labels, self.receivers)], timeout)
+                                                 for label, r in zip(self.labels, self.receivers)], timeout,
+                         bounded_calls=self._bounded)
 
     def buffer(self, bucket: BucketLayout, timeout: float) -> PackTarget:
         self._require_session("buffer")
@@ -301,7 +303,7 @@ class ReceiverTransport(WeightTransport):
         try:
             run_concurrently("abort_weight_update", [(label, (lambda label=label, r=r: ask(label, r)))
                                                      for label, r in zip(self.labels, self.receivers)],
-                             max(deadline - time.monotonic(), 1.0), fail_fast=False)
+                             max(deadline - time.monotonic(), 1.0), fail_fast=False, bounded_calls=self._bounded)
         except ReceiverCallError as err:
             for who, msg in err.failures.items():
                 self.mark_unhealthy(who, f"weight sync to version {version} aborted ({reason}) and the engine "

@@ -88,7 +88,7 @@ class ColocatedTransport(ReceiverTransport):
 
             run_concurrently("staging_supported", [(label, (lambda i=i, r=r: ask(i, r)))
                                                    for i, (label, r) in enumerate(zip(self.labels, self.receivers))],
-                             timeout)
+                             timeout, bounded_calls=self._bounded)
             staged = all(answers.values())
         self._mode = "staged" if staged else "flattened_bucket"
 
