@@ -300,7 +300,7 @@ class WeightSync:
                   f"{now - t_begin:.1f} s")
         return now
 
-    def _ship_per_rank(self, plan: BucketPlan, source: ExportSource, stream, transport: WeightTransport | None,
+    def _ship_per_rank(self, plan: BucketPlan, stream, transport: WeightTransport | None,
                        failure: BaseException | None, version: int,
                        t_begin: float) -> tuple[int, int, BaseException | None]:
         """Every rank, in lockstep with the export: the shipping rank packs bucket k into its rank slot, every
@@ -333,8 +333,7 @@ class WeightSync:
                         last_said = self._progress(version, count, len(plan.buckets), nbytes, t_begin, last_said)
             except Exception as exc:  # the export did not match its layout: the rest of it is only followed
                 failure = exc
-        sizes = [len(u) for u in source.units()]
-        for k in plan.completions(counted, sizes, counted.units, spread):
+        for k in plan.completions(counted, counted.units, spread):
             self.rank_slots.spread(plan.buckets[k])
         return count, nbytes, failure
 
@@ -376,7 +375,7 @@ class WeightSync:
             except Exception as exc:
                 failure = exc
         if self.rank_slots is not None:
-            count, nbytes, failure = self._ship_per_rank(plan, source, stream, transport, failure, new_version,
+            count, nbytes, failure = self._ship_per_rank(plan, stream, transport, failure, new_version,
                                                          t_begin)
         for _ in stream:  # the export is collective: finish it whatever happened here
             pass
