@@ -8,7 +8,8 @@
    by the RL loop), and on colocated GPUs resume their weight memory (`staged_memory`). Engines that run calls in
    issue order (the Ray and pipe proxies) get `begin` right behind the pause, without a round trip between them.
 3. **begin**: the manifest goes to every engine, which refuses a stale version or a layout that does not match
-   its weights before anything is applied.
+   its weights before anything is applied. Behind a proxy the pause and `begin` are answered while the first
+   bucket is exported and packed; both answers are taken before it is sent (`_ship`, the transport's `send`).
 4. **buckets**: the export streams (a collective on a multi-rank trainer: every rank iterates it); on the shipping
    rank each completed bucket is packed once (`pack_bucket`) into the buffer the transport gives and sent. Sends
    are pipelined: the next bucket is packed while the engines load this one. With `rank_slots` (colocated buckets
@@ -274,20 +275,30 @@ class WeightSync:
         for what, calls in issued:
             wait_replies(what, calls, deadline)
 
-    def _ship(self, plan: BucketPlan, stream, transport: WeightTransport, version: int,
-              t_begin: float) -> tuple[int, int]:
-        """Pack each completed bucket once into the transport's buffer and send it; returns (buckets, bytes)."""
+    def _ship(self, plan: BucketPlan, stream, transport: WeightTransport, version: int, t_begin: float,
+              issued: list[tuple[str, list]]) -> tuple[int, int]:
+        """Pack each completed bucket once into the transport's buffer and send it; returns (buckets, bytes).
+        `issued`: the pause calls `_prepare` did not wait for. They (and, in the transport, `begin`) are answered
+        while the first bucket is exported and packed, and waited for before it is sent; a failed pause is the
+        failure reported, also when the export failed first."""
         count = nbytes = 0
         last_said = time.perf_counter()
-        for k, tensors in plan.assemble(stream):
-            layout = plan.buckets[k]
-            target = transport.buffer(layout, self.timeouts.bucket)
-            self.pack(target.buffer, layout, tensors, target.views, target.checksum)
-            del tensors
-            transport.send(layout, self.timeouts.bucket)
-            count += 1
-            nbytes += layout.nbytes
-            last_said = self._progress(version, count, len(plan.buckets), nbytes, t_begin, last_said)
+        try:
+            for k, tensors in plan.assemble(stream):
+                layout = plan.buckets[k]
+                target = transport.buffer(layout, self.timeouts.bucket)
+                self.pack(target.buffer, layout, tensors, target.views, target.checksum)
+                del tensors
+                if issued:
+                    self._settle(issued)
+                    issued = []
+                transport.send(layout, self.timeouts.bucket)
+                count += 1
+                nbytes += layout.nbytes
+                last_said = self._progress(version, count, len(plan.buckets), nbytes, t_begin, last_said)
+        finally:
+            if issued:  # failed before the first send
+                self._settle(issued)
         return count, nbytes
 
     def _progress(self, version: int, count: int, total: int, nbytes: int, t_begin: float, last_said: float) -> float:
@@ -368,10 +379,13 @@ class WeightSync:
                 times["prepare_s"] = t_begin - t_prepare
                 try:
                     transport.begin(plan.manifest(new_version, source.mode), self.timeouts.call)
-                finally:  # the pause went out first: its failure is the one to report
+                except BaseException:  # the pause went out first: its failure is the one to report
                     self._settle(issued)
+                    raise
                 if self.rank_slots is None:
-                    count, nbytes = self._ship(plan, stream, transport, new_version, t_begin)
+                    count, nbytes = self._ship(plan, stream, transport, new_version, t_begin, issued)
+                else:
+                    self._settle(issued)
             except Exception as exc:
                 failure = exc
         if self.rank_slots is not None:

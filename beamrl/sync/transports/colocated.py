@@ -132,6 +132,7 @@ class ColocatedTransport(ReceiverTransport):
 
     def send(self, bucket: BucketLayout, timeout: float) -> None:
         self._require_session("send")
+        self._await_begin(timeout)
         slot = self._slot(bucket.index)
         if self._mode == "per_rank":
             self._send_per_rank(slot, bucket, timeout)
