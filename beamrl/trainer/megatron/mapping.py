@@ -297,6 +297,7 @@ class HFExporter:
         self.pp_group = parallel_state.get_pipeline_model_parallel_group()
         self.named = [_TensorRefs(c) for c in chunks]
         self._units = tuple(self._unit_order())
+        self._expert_views: dict[int, tuple] = {}  # EP 1: the current layer's expert views (`_local_experts`)
         self._layouts = {unit: self._unit_layout(unit) for unit in self._units}
 
     def units(self) -> tuple:
@@ -310,6 +311,7 @@ class HFExporter:
     def stream(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """`export_hf_tensors`: every rank must iterate to the end (collectives); tensors on `dst_rank` only."""
         mine = dist.get_rank() == self.dst
+        self._expert_views.clear()  # an export abandoned mid-layer leaves nothing for this one
         for unit in self._units:
             tensors = self.run(unit)
             yield tensors if mine else []
@@ -448,21 +450,33 @@ class HFExporter:
 
     def _experts(self, named, layer, local, j):
         m = f"decoder.layers.{local}.mlp.experts."
-        # Detached before indexing: indexing a parameter would record an autograd node per expert and export.
-        gu = named[m + "gate_up_weight"].detach()[j]
-        dn = named[m + "down_weight"].detach()[j]
-        if self.lay.ep > 1:
-            gu, dn = gu.contiguous(), dn.contiguous()
-            gus = [torch.empty_like(gu) for _ in range(self.lay.ep)]
-            dns = [torch.empty_like(dn) for _ in range(self.lay.ep)]
-            dist.all_gather(gus, gu, group=self.ep_group)
-            dist.all_gather(dns, dn, group=self.ep_group)
-        else:
-            gus, dns = [gu], [dn]
         inter = self.beam.moe_intermediate_size
         names = self._layouts[("experts", layer, j)]  # per EP rank r: expert r * E_local + j's gate, up, down
+        if self.lay.ep == 1:
+            gate, up, down = self._local_experts(named, m, layer, j, inter)
+            return [(names[0][0], gate[j].contiguous()), (names[1][0], up[j].contiguous()),
+                    (names[2][0], down[j].contiguous())]
+        # Detached before indexing: indexing a parameter would record an autograd node per expert and export.
+        gu = named[m + "gate_up_weight"].detach()[j].contiguous()
+        dn = named[m + "down_weight"].detach()[j].contiguous()
+        gus = [torch.empty_like(gu) for _ in range(self.lay.ep)]
+        dns = [torch.empty_like(dn) for _ in range(self.lay.ep)]
+        dist.all_gather(gus, gu, group=self.ep_group)
+        dist.all_gather(dns, dn, group=self.ep_group)
         out = []
         for r in range(self.lay.ep):
             gate, up, down = names[3 * r][0], names[3 * r + 1][0], names[3 * r + 2][0]
-            out += [(gate, gus[r][:inter].contiguous()), (up, gus[r][inter:].contiguous()), (down, dns[r].contiguous())]
+            out += [(gate, gus[r][:inter].contiguous()), (up, gus[r][inter:].contiguous()), (down, dns[r])]
         return out
+
+    def _local_experts(self, named, m: str, layer: int, j: int, inter: int) -> tuple:
+        """EP 1: (gate, up, down) views of every expert of `layer`, made at its first slot (three calls for the
+        layer instead of a handful of tensor ops per expert) and dropped after its last; never kept from one export
+        to the next (the weights, or a parameter's `.data`, change in between)."""
+        views = self._expert_views.get(layer)
+        if views is None or j == 0:
+            gu, dn = named[m + "gate_up_weight"].detach(), named[m + "down_weight"].detach()
+            views = self._expert_views[layer] = (gu[:, :inter].unbind(0), gu[:, inter:].unbind(0), dn.unbind(0))
+        if j == len(views[2]) - 1:
+            del self._expert_views[layer]
+        return views

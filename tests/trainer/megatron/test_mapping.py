@@ -86,11 +86,17 @@ def test_a_kept_exporter_reads_the_weights_as_they_are_when_it_runs():
     load_hf_weights(model, loaded)
     _assert_bit_exact(config, loaded, {n: t.clone() for unit in exporter.stream() for n, t in unit})
 
-    router = model.decoder.layers[1].mlp.router
+    router, experts = model.decoder.layers[1].mlp.router, model.decoder.layers[1].mlp.experts
     swapped = torch.randn_like(router.weight)
     router.weight.data = swapped  # as hf_gradients swaps every parameter's data
     router.expert_bias = torch.arange(config.num_experts, dtype=torch.float32)  # a new buffer object
+    gate_up = torch.randn_like(experts.gate_up_weight)
+    experts.gate_up_weight.data = gate_up
     now = {n: t for unit in exporter.stream() for n, t in unit}
+    inter = config.moe_intermediate_size
+    last = config.num_experts - 1
+    assert torch.equal(now["model.layers.1.mlp.experts.0.gate_proj.weight"], gate_up[0, :inter])
+    assert torch.equal(now[f"model.layers.1.mlp.experts.{last}.up_proj.weight"], gate_up[last, inter:])
     assert torch.equal(now["model.layers.1.mlp.gate.weight"], swapped)
     assert torch.equal(now["model.layers.1.mlp.gate.e_score_correction_bias"], router.expert_bias)
     assert not torch.equal(now["model.layers.1.mlp.gate.weight"], first["model.layers.1.mlp.gate.weight"])
