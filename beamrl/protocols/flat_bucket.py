@@ -153,6 +153,22 @@ class FlatBucket(TensorListing):
     def device(self) -> torch.device:
         return self.buffer.device
 
+    @property
+    def on_cuda(self) -> bool:
+        """Whether the bytes are on a CUDA device (what crosses to an SGLang server are then CUDA-IPC handles)."""
+        return self.buffer.is_cuda
+
+    def rank_payloads(self, tp_size: int) -> list:
+        """What each of an engine's `tp_size` TP ranks deserializes (SGLang's `flattened_bucket`): here the one
+        buffer for every rank (a bucket with a copy per rank, `beamrl.sync.rank_payload.RankedFlatBucket`,
+        gives each rank its own)."""
+        return [self.buffer] * tp_size
+
+    def checkable_copies(self) -> list[tuple[str, torch.Tensor]]:
+        """(where, bytes) of every copy of the bucket a receiver can read and checksum: here the one buffer
+        (where: '', nothing to add to an error message)."""
+        return [("", self.buffer)]
+
     def __len__(self) -> int:
         return len(self.metas)
 

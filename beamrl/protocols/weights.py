@@ -164,6 +164,11 @@ class WeightReceiver(abc.ABC):
     #: waiting for the reply to the one before it (the pause before `begin_weight_update`).
     calls_in_issue_order: bool = False
 
+    #: Whether every blocking call returns or raises within its `timeout` (plus its channel's slack) by itself: a
+    #: proxy whose calls are `PendingCall` waits. A caller may then make such a call in its own thread, where it
+    #: would otherwise start a thread per call to keep its deadline (`beamrl.sync.calls.run_concurrently`).
+    bounded_calls: bool = False
+
     # -- staged buckets: persistent shared buffers, small messages per bucket (optional) -----------------------
     def staging_supported(self, timeout: float) -> bool:
         """Whether this receiver takes staged buckets (`attach_staging` / `load_staged_bucket`)."""

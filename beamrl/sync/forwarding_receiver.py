@@ -23,6 +23,7 @@ class ForwardingReceiver(WeightReceiver):
     `served_version_after_commit` returns it)."""
 
     calls_in_issue_order = True  # every call, direct or `call_async`, travels down the one ordered channel
+    bounded_calls = True  # every call is a `PendingCall` wait with the call's timeout
     _after_commit: int | BaseException | None = None  # what the read behind the last commit found
 
     @abc.abstractmethod

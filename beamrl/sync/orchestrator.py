@@ -8,7 +8,8 @@
    by the RL loop), and on colocated GPUs resume their weight memory (`staged_memory`). Engines that run calls in
    issue order (the Ray and pipe proxies) get `begin` right behind the pause, without a round trip between them.
 3. **begin**: the manifest goes to every engine, which refuses a stale version or a layout that does not match
-   its weights before anything is applied.
+   its weights before anything is applied. Behind a proxy the pause and `begin` are answered while the first
+   bucket is exported and packed; both answers are taken before it is sent (`_ship`, the transport's `send`).
 4. **buckets**: the export streams (a collective on a multi-rank trainer: every rank iterates it); on the shipping
    rank each completed bucket is packed once (`pack_bucket`) into the buffer the transport gives and sent. Sends
    are pipelined: the next bucket is packed while the engines load this one. With `rank_slots` (colocated buckets
@@ -39,7 +40,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from beamrl.protocols.weights import WeightReceiver, WeightSyncError
-from beamrl.sync.calls import run_concurrently, wait_replies
+from beamrl.sync.calls import bounded, run_concurrently, wait_replies
 from beamrl.sync.export import ExportSource
 from beamrl.sync.packing import pack_bucket
 from beamrl.sync.plan import DEFAULT_BUCKET_BYTES, BucketPlan, plan_buckets
@@ -219,7 +220,8 @@ class WeightSync:
 
     def _each(self, what: str, engines: Sequence[WeightReceiver], call: Callable[[WeightReceiver], object],
               timeout: float) -> None:
-        run_concurrently(what, [(self._label(e, i), (lambda e=e: call(e))) for i, e in enumerate(engines)], timeout)
+        run_concurrently(what, [(self._label(e, i), (lambda e=e: call(e))) for i, e in enumerate(engines)], timeout,
+                         bounded_calls=bounded(engines))
 
     def _require_healthy(self, transport: WeightTransport) -> None:
         bad = {**getattr(transport, "unhealthy", {}), **self.unhealthy}
@@ -273,20 +275,30 @@ class WeightSync:
         for what, calls in issued:
             wait_replies(what, calls, deadline)
 
-    def _ship(self, plan: BucketPlan, stream, transport: WeightTransport, version: int,
-              t_begin: float) -> tuple[int, int]:
-        """Pack each completed bucket once into the transport's buffer and send it; returns (buckets, bytes)."""
+    def _ship(self, plan: BucketPlan, stream, transport: WeightTransport, version: int, t_begin: float,
+              issued: list[tuple[str, list]]) -> tuple[int, int]:
+        """Pack each completed bucket once into the transport's buffer and send it; returns (buckets, bytes).
+        `issued`: the pause calls `_prepare` did not wait for. They (and, in the transport, `begin`) are answered
+        while the first bucket is exported and packed, and waited for before it is sent; a failed pause is the
+        failure reported, also when the export failed first."""
         count = nbytes = 0
         last_said = time.perf_counter()
-        for k, tensors in plan.assemble(stream):
-            layout = plan.buckets[k]
-            target = transport.buffer(layout, self.timeouts.bucket)
-            self.pack(target.buffer, layout, tensors, target.views, target.checksum)
-            del tensors
-            transport.send(layout, self.timeouts.bucket)
-            count += 1
-            nbytes += layout.nbytes
-            last_said = self._progress(version, count, len(plan.buckets), nbytes, t_begin, last_said)
+        try:
+            for k, tensors in plan.assemble(stream):
+                layout = plan.buckets[k]
+                target = transport.buffer(layout, self.timeouts.bucket)
+                self.pack(target.buffer, layout, tensors, target.views, target.checksum)
+                del tensors
+                if issued:
+                    self._settle(issued)
+                    issued = []
+                transport.send(layout, self.timeouts.bucket)
+                count += 1
+                nbytes += layout.nbytes
+                last_said = self._progress(version, count, len(plan.buckets), nbytes, t_begin, last_said)
+        finally:
+            if issued:  # failed before the first send
+                self._settle(issued)
         return count, nbytes
 
     def _progress(self, version: int, count: int, total: int, nbytes: int, t_begin: float, last_said: float) -> float:
@@ -299,7 +311,7 @@ class WeightSync:
                   f"{now - t_begin:.1f} s")
         return now
 
-    def _ship_per_rank(self, plan: BucketPlan, source: ExportSource, stream, transport: WeightTransport | None,
+    def _ship_per_rank(self, plan: BucketPlan, stream, transport: WeightTransport | None,
                        failure: BaseException | None, version: int,
                        t_begin: float) -> tuple[int, int, BaseException | None]:
         """Every rank, in lockstep with the export: the shipping rank packs bucket k into its rank slot, every
@@ -332,8 +344,7 @@ class WeightSync:
                         last_said = self._progress(version, count, len(plan.buckets), nbytes, t_begin, last_said)
             except Exception as exc:  # the export did not match its layout: the rest of it is only followed
                 failure = exc
-        sizes = [len(u) for u in source.units()]
-        for k in plan.completions(counted, sizes, counted.units, spread):
+        for k in plan.completions(counted, counted.units, spread):
             self.rank_slots.spread(plan.buckets[k])
         return count, nbytes, failure
 
@@ -368,14 +379,17 @@ class WeightSync:
                 times["prepare_s"] = t_begin - t_prepare
                 try:
                     transport.begin(plan.manifest(new_version, source.mode), self.timeouts.call)
-                finally:  # the pause went out first: its failure is the one to report
+                except BaseException:  # the pause went out first: its failure is the one to report
                     self._settle(issued)
+                    raise
                 if self.rank_slots is None:
-                    count, nbytes = self._ship(plan, stream, transport, new_version, t_begin)
+                    count, nbytes = self._ship(plan, stream, transport, new_version, t_begin, issued)
+                else:
+                    self._settle(issued)
             except Exception as exc:
                 failure = exc
         if self.rank_slots is not None:
-            count, nbytes, failure = self._ship_per_rank(plan, source, stream, transport, failure, new_version,
+            count, nbytes, failure = self._ship_per_rank(plan, stream, transport, failure, new_version,
                                                          t_begin)
         for _ in stream:  # the export is collective: finish it whatever happened here
             pass
@@ -445,7 +459,8 @@ class WeightSync:
 
         labels = [self._label(e, i) for i, e in enumerate(engines)]
         run_concurrently("served_weight_version", [(lb, (lambda lb=lb, e=e: read(lb, e)))
-                                                   for lb, e in zip(labels, engines)], self.timeouts.call)
+                                                   for lb, e in zip(labels, engines)], self.timeouts.call,
+                         bounded_calls=bounded(engines))
         for label in labels:
             if served[label] != new_version:
                 self.mark_unhealthy(label, f"serves version {served[label]} after a sync to {new_version}")
@@ -462,7 +477,8 @@ class WeightSync:
         labels = [self._label(e, i) for i, e in enumerate(engines)]
         try:
             run_concurrently("score (post-sync probe)", [(lb, (lambda lb=lb, e=e: score(lb, e)))
-                                                         for lb, e in zip(labels, engines)], self.timeouts.verify)
+                                                         for lb, e in zip(labels, engines)], self.timeouts.verify,
+                             bounded_calls=bounded(engines))
         except WeightSyncError as exc:
             for lb in labels:
                 if lb not in scores:

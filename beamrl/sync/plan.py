@@ -51,13 +51,17 @@ def beam_atomic_group(name: str) -> str | None:
 @dataclass(frozen=True)
 class BucketPlan:
     """Buckets of one export layout. `slots[i]` = (bucket, position in the bucket) of the export's i-th tensor,
-    `specs[i]` its spec; `ready[i]` lists the tensors whose fused group is complete once tensor i has arrived."""
+    `specs[i]` its spec; `ready[i]` lists the tensors whose fused group is complete once tensor i has arrived.
+    `arrived[u]`: tensors exported before unit u (u = 0 .. units); `done_at[b]`: the export index of bucket b's last
+    tensor (what `completions` follows, worked out once per layout: a 501B export has ~38K tensors)."""
 
     buckets: tuple[BucketLayout, ...]
     specs: tuple[TensorSpec, ...]
     slots: tuple[tuple[int, int], ...]
     ready: tuple[tuple[int, ...], ...]
     bucket_bytes: int
+    arrived: tuple[int, ...]
+    done_at: tuple[int, ...]
     _manifests: dict[str, SyncManifest] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -109,16 +113,15 @@ class BucketPlan:
             raise WeightSyncError(f"export ended after {i} of the {n} tensors of its layout (next: {self.specs[i].name!r})")
 
 
-    def completions(self, stream: Iterable[NamedTensors], unit_sizes: list[int], units_done: int = 0,
+    def completions(self, stream: Iterable[NamedTensors], units_done: int = 0,
                     next_bucket: int = 0) -> Iterator[int]:
         """The bucket indices `assemble` would yield, at the same points of the stream (after the unit that
-        completes them), from the unit sizes alone: what a trainer rank that holds no tensors (or the shipping
-        rank after `assemble` failed, from `units_done` units and `next_bucket` on) iterates to stay in lockstep
-        with the buckets of a collective export (`beamrl.sync.rank_slots`). Reads the units, never their tensors."""
-        done_at = [-1] * len(self.buckets)  # the export index of each bucket's last tensor
-        for i, (b, _pos) in enumerate(self.slots):
-            done_at[b] = max(done_at[b], i)
-        arrived = sum(unit_sizes[:units_done])
+        completes them), from the layout's unit sizes alone: what a trainer rank that holds no tensors (or the
+        shipping rank after `assemble` failed, from `units_done` units and `next_bucket` on) iterates to stay in
+        lockstep with the buckets of a collective export (`beamrl.sync.rank_slots`). Reads the units, never their
+        tensors."""
+        done_at, units = self.done_at, len(self.arrived) - 1
+        arrived = self.arrived[units_done]
 
         def ready() -> Iterator[int]:
             nonlocal next_bucket
@@ -128,9 +131,9 @@ class BucketPlan:
 
         yield from ready()
         for j, _unit in enumerate(stream, start=units_done):
-            if j >= len(unit_sizes):
-                raise WeightSyncError(f"export yielded unit {j} after the last unit of its layout ({len(unit_sizes)})")
-            arrived += unit_sizes[j]
+            if j >= units:
+                raise WeightSyncError(f"export yielded unit {j} after the last unit of its layout ({units})")
+            arrived = self.arrived[j + 1]
             yield from ready()
         if next_bucket != len(self.buckets):
             raise WeightSyncError(f"export ended with bucket {next_bucket} of {len(self.buckets)} incomplete")
@@ -142,6 +145,7 @@ def plan_buckets(units: Iterable[Iterable[TensorSpec]], bucket_bytes: int = DEFA
     appears twice, before any engine is touched."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+    units = [list(unit) for unit in units]
     specs = [s for unit in units for s in unit]
     if not specs:
         raise WeightSyncError("weight export has zero tensors; refusing to run an empty weight sync")
@@ -185,5 +189,12 @@ def plan_buckets(units: Iterable[Iterable[TensorSpec]], bucket_bytes: int = DEFA
         for pos, i in enumerate(ordered):
             slots[i] = (b, pos)
     ready = [tuple(last_of[i]) if i in last_of else (() if i in grouped else (i,)) for i in range(len(specs))]
-    return BucketPlan(tuple(layouts), tuple(specs), tuple(slots), tuple(ready), bucket_bytes)
+    arrived = [0]
+    for unit in units:
+        arrived.append(arrived[-1] + len(unit))
+    done_at = [-1] * len(layouts)
+    for i, (b, _pos) in enumerate(slots):
+        done_at[b] = i  # ascending i: the last one stays
+    return BucketPlan(tuple(layouts), tuple(specs), tuple(slots), tuple(ready), bucket_bytes, tuple(arrived),
+                      tuple(done_at))
 

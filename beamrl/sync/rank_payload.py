@@ -280,6 +280,21 @@ class RankedFlatBucket(FlatBucket):
             return [_CudaTensorByUUID(e) for e in self.entries]
         return self.rank_buffers()
 
+    def rank_payloads(self, tp_size: int) -> list:
+        """Each TP rank's own entry (`payload_tensors`); a CPU entry is a file mapping, which SGLang's serializer
+        cannot share by file descriptor, so each rank gets a copy of its own entry (CPU rehearsal only; on GPU the
+        trainer rank's handle passes through)."""
+        return [b.clone() if isinstance(b, torch.Tensor) else b for b in self.payload_tensors()]
+
+    def checkable_copies(self) -> list[tuple[str, torch.Tensor]]:
+        """Every TP rank's copy, from its trainer rank (a corrupted copy on one trainer rank is refused, naming
+        it). None on GPU: each entry is on its TP rank's device, which the engine's adapter process does not open
+        (the payload passes the trainer rank's handle through); the post-sync probe is the check there."""
+        if self.on_cuda:
+            return []
+        return [(f" (the copy for engine TP rank {r}, from trainer rank {e.rank})", self.rank_buffer(r))
+                for r, e in enumerate(self.entries)]
+
     @property
     def buffer(self) -> torch.Tensor:  # type: ignore[override]
         return self.rank_buffer(0)

@@ -29,29 +29,19 @@ import torch.distributed as dist
 
 from beamrl.protocols.manifest import BucketLayout
 from beamrl.sync.rank_payload import Colocation, PayloadError, SharedBuffer, gather_handles, payload_entries
+from beamrl.sync.staging import SenderSlot
 
 
-class RankSlot:
-    """One persistent slot of this rank: its buffer, its handle, and (on the shipping rank) the transport's
-    bookkeeping of the slot (the sender side of `beamrl.sync.staging.StagingSlot`, which the transport reuses)."""
+class RankSlot(SenderSlot):
+    """One persistent slot of this rank: its shared buffer and its handle; on the shipping rank the transport keeps
+    its sender-side bookkeeping here too (`SenderSlot`; no receiver events: the engines' reply is the copy-done
+    signal)."""
+
+    kind = "rank slot"
 
     def __init__(self, index: int, capacity: int, device: torch.device, rank: int) -> None:
-        self.index, self.capacity = index, capacity
-        self.buffer = SharedBuffer.allocate(capacity, device)
+        super().__init__(index, capacity, SharedBuffer.allocate(capacity, device))
         self.handle = SharedBuffer.of(self.buffer, rank, index)
-        self.pending: list = []  # the engines' calls still reading the slot (shipping rank)
-        self.receiver_events: list = []  # none: the engines' reply is the copy-done signal
-        self.views: dict[int, tuple] = {}  # id(layout) -> (layout, packing views) (`pack_bucket`)
-        self.last_bucket: int | None = None
-
-    def payload(self, nbytes: int) -> torch.Tensor:
-        if nbytes > self.capacity:
-            raise ValueError(f"rank slot {self.index} holds {self.capacity} bytes, bucket needs {nbytes}")
-        return self.buffer[:nbytes]
-
-    def close(self) -> None:
-        self.views.clear()
-        self.pending.clear()
 
 
 class RankSlots:

@@ -80,39 +80,60 @@ class SlotHandle:
         return OpenedSlot(self.index, self.capacity, buffer, None, local=False)
 
 
-class StagingSlot:
-    """The sender's side of one slot: its buffer, its checksum trailer, its events, and the receivers' calls
-    still running on it (`pending`: waited for before the slot is packed again)."""
+class SenderSlot:
+    """What a transport keeps for each buffer it packs buckets into (the sender's side; `StagingSlot`, and the
+    per-rank `beamrl.sync.rank_slots.RankSlot`): the buffer of `capacity` payload bytes, the receivers' calls still
+    reading it (`pending`: waited for before the slot is packed again), what to wait on for their copies out of it
+    on the device (`receiver_events`), the packing views per bucket layout and the bucket it last held."""
 
-    def __init__(self, index: int, capacity: int, device: torch.device | str, shared: bool = True) -> None:
-        self.index, self.capacity = index, int(capacity)
-        self.device = torch.device(device)
-        size = _trailer_offset(self.capacity) + TRAILER_BYTES
-        self.path: str | None = None
-        self.sender_event = None
-        if self.device.type == "cuda":
-            self.buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
-            if shared:
-                self.sender_event = torch.cuda.Event(interprocess=True)
-        elif shared:
-            self.path = str(_shm_dir() / f"beamrl-sync-{os.getpid()}-{uuid.uuid4().hex[:12]}-{index}")
-            self.buffer = torch.from_file(self.path, shared=True, size=size, dtype=torch.uint8)
-            self._finalizer = weakref.finalize(self, _unlink, self.path)
-        else:
-            self.buffer = torch.empty(size, dtype=torch.uint8)
-        self.trailer = self.buffer[_trailer_offset(self.capacity):].view(torch.int64)
-        # the packer writes the bucket's checksum into the trailer (`pack_bucket`, one pass with the copy on CUDA)
-        self.packed = BucketChecksum(self.buffer[:_trailer_offset(self.capacity)], self.trailer)
+    #: names the slot in errors
+    kind = "slot"
+
+    def __init__(self, index: int, capacity: int, buffer: torch.Tensor) -> None:
+        self.index, self.capacity, self.buffer = index, int(capacity), buffer
         self.pending: list = []  # PendingCall of every receiver's call on this slot
         self.receiver_events: list = []  # per receiver: what to wait on before packing again (GPU)
         self.views: dict[int, tuple] = {}  # id(layout) -> (layout, packing views) (`pack_bucket`)
         self.last_bucket: int | None = None
-        self.in_flight = None  # a transport's own work still reading the slot (the distributed broadcast)
 
     def payload(self, nbytes: int) -> torch.Tensor:
         if nbytes > self.capacity:
-            raise ValueError(f"staging slot {self.index} holds {self.capacity} bytes, bucket needs {nbytes}")
+            raise ValueError(f"{self.kind} {self.index} holds {self.capacity} bytes, bucket needs {nbytes}")
         return self.buffer[:nbytes]
+
+    def close(self) -> None:
+        self.views.clear()
+        self.pending.clear()
+        self.receiver_events.clear()
+
+
+class StagingSlot(SenderSlot):
+    """The sender's side of one staging slot: a `SenderSlot` whose buffer the receivers open once (shared memory or
+    CUDA IPC), with the bucket's checksum trailer and, on GPU, the sender's interprocess event."""
+
+    kind = "staging slot"
+
+    def __init__(self, index: int, capacity: int, device: torch.device | str, shared: bool = True) -> None:
+        capacity = int(capacity)
+        self.device = torch.device(device)
+        size = _trailer_offset(capacity) + TRAILER_BYTES
+        self.path: str | None = None
+        self.sender_event = None
+        if self.device.type == "cuda":
+            buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
+            if shared:
+                self.sender_event = torch.cuda.Event(interprocess=True)
+        elif shared:
+            self.path = str(_shm_dir() / f"beamrl-sync-{os.getpid()}-{uuid.uuid4().hex[:12]}-{index}")
+            buffer = torch.from_file(self.path, shared=True, size=size, dtype=torch.uint8)
+            self._finalizer = weakref.finalize(self, _unlink, self.path)
+        else:
+            buffer = torch.empty(size, dtype=torch.uint8)
+        super().__init__(index, capacity, buffer)
+        self.trailer = self.buffer[_trailer_offset(self.capacity):].view(torch.int64)
+        # the packer writes the bucket's checksum into the trailer (`pack_bucket`, one pass with the copy on CUDA)
+        self.packed = BucketChecksum(self.buffer[:_trailer_offset(self.capacity)], self.trailer)
+        self.in_flight = None  # a transport's own work still reading the slot (the distributed broadcast)
 
     def checked(self, nbytes: int) -> torch.Tensor:
         """The bytes both sides checksum for a bucket of `nbytes` (whole rows of the slot)."""
@@ -131,9 +152,7 @@ class StagingSlot:
     def close(self) -> None:
         if self.path is not None:
             self._finalizer()
-        self.views.clear()
-        self.pending.clear()
-        self.receiver_events.clear()
+        super().close()
 
 
 class OpenedSlot:

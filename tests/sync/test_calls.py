@@ -63,3 +63,46 @@ def test_true_reply_is_success_and_timeout_must_be_positive():
     run_concurrently("op", [("e", lambda: (True, "Success"))], timeout=1)
     with pytest.raises(ValueError, match="timeout"):
         run_concurrently("op", [("e", lambda: None)], timeout=0)
+
+
+def _thread_of_each(calls, **kwargs):
+    seen = {}
+
+    def call(who):
+        seen[who] = threading.current_thread()
+
+    run_concurrently("op", [(who, lambda who=who: call(who)) for who in calls], timeout=5, **kwargs)
+    return seen
+
+
+def test_a_single_call_that_keeps_its_own_deadline_runs_in_the_callers_thread():
+    """One engine behind a proxy (`bounded_calls`): no thread per call; several calls, or a call that cannot keep a
+    deadline by itself, still get their threads."""
+    me = threading.current_thread()
+    assert _thread_of_each(["e0"], bounded_calls=True) == {"e0": me}
+    assert _thread_of_each(["e0"])["e0"] is not me
+    assert all(t is not me for t in _thread_of_each(["e0", "e1"], bounded_calls=True).values())
+
+
+@pytest.mark.parametrize("who,fn,message", [
+    ("raises", lambda: (_ for _ in ()).throw(RuntimeError("CUDA out of memory")), "RuntimeError: CUDA out of memory"),
+    ("says-no", lambda: (False, "Failed to update parameter online"), "Failed to update parameter online"),
+    ("times-out", lambda: (_ for _ in ()).throw(WeightSyncError("times-out: no reply within 5 s")),
+     "times-out: no reply within 5 s"),
+])
+def test_a_call_in_the_callers_thread_fails_as_a_threaded_one_does(who, fn, message):
+    errors = []
+    for bounded_calls in (True, False):
+        with pytest.raises(ReceiverCallError) as info:
+            run_concurrently("begin_weight_update", [(who, fn)], timeout=60, bounded_calls=bounded_calls)
+        errors.append((info.value.failures, str(info.value)))
+    assert errors[0] == errors[1] and errors[0][0] == {who: message}
+
+
+def test_a_single_call_without_its_own_deadline_still_times_out():
+    gate = threading.Event()
+    t0 = time.monotonic()
+    with pytest.raises(ReceiverCallError, match="no reply to end_weight_update within 0.5 s"):
+        run_concurrently("end_weight_update", [("engine-0", lambda: gate.wait(30))], 0.5)
+    gate.set()
+    assert time.monotonic() - t0 < 20

@@ -11,8 +11,9 @@ import torch
 from beamrl.models.beam import preset
 from beamrl.models.beam.model import BeamForCausalLM
 from beamrl.protocols.manifest import SyncManifest
-from beamrl.protocols.weights import WeightSyncError
+from beamrl.protocols.weights import PendingCall, WeightSyncError
 from beamrl.sync.export import StateDictSource
+from beamrl.sync.forwarding_receiver import ForwardingReceiver
 from beamrl.sync.local_receiver import LocalWeightReceiver
 from beamrl.sync.orchestrator import SyncTimeouts, WeightSync
 from beamrl.sync.packing import pack_session
@@ -85,14 +86,43 @@ def test_receiver_that_does_not_know_the_digest_refuses_it_and_is_sent_the_full_
     assert not fresh.in_session and fresh.weight_version == 0
     assert all(torch.equal(p, snapshot[n]) for n, p in engine.named_parameters())
 
-    # The sender's side: an engine restarted behind the same proxy no longer holds the layout.
-    sync = _sync(RecordingReceiver(_model(0)), staged=False)  # SGLang's payloads: no slots to re-share
+
+
+class _Proxy(ForwardingReceiver):
+    """A proxy in front of an in-process receiver (`inner`, replaceable: a restart behind the same proxy): calls run
+    when issued, so in issue order, and `begin` is only issued by the transport, its answer taken later."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    name = property(lambda self: self.inner.name)
+    weight_version = property(lambda self: self.inner.weight_version)
+    tp_size = 1
+
+    def _submit(self, method, timeout, *args):
+        try:
+            return PendingCall(result=getattr(self.inner, method)(*args, timeout))
+        except WeightSyncError as exc:
+            return PendingCall(error=exc)
+
+
+@pytest.mark.parametrize("proxied", [False, True])
+def test_an_engine_restarted_behind_the_same_proxy_is_sent_the_full_manifest(proxied):
+    """The sender's side: an engine restarted behind the same proxy no longer holds the layout; it refuses the
+    digest and gets the full manifest, whether `begin` was waited for (threads) or only issued (a proxy)."""
+    trainer, engine = _model(1), _model(0)
+    first = RecordingReceiver(_model(0))
+    receiver = _Proxy(first) if proxied else first
+    sync = _sync(receiver, staged=False)  # SGLang's payloads: no slots to re-share
     try:
         sync.sync(StateDictSource.of_model(trainer))
         restarted = RecordingReceiver(engine, name="eng")
         restarted.weight_version = 1
-        sync.transport.receivers[0] = restarted
-        sync.engines[0] = restarted
+        if proxied:
+            receiver.inner = restarted
+        else:
+            sync.transport.receivers[0] = restarted
+            sync.engines[0] = restarted
         perturb(trainer, seed=5)
         report = sync.sync(StateDictSource.of_model(trainer))
     finally:
@@ -159,9 +189,10 @@ def test_the_reference_crosses_to_an_engine_in_its_own_process(tiny_checkpoint):
     from beamrl.sync.process_receiver import HostedEngine
 
     class RecordingHosted(HostedEngine):
-        def begin_weight_update(self, manifest, timeout):
-            self.offered = [*getattr(self, "offered", []), manifest]
-            super().begin_weight_update(manifest, timeout)
+        def _submit(self, method, timeout, *args):  # every call to the child, issued or waited for
+            if method == "begin_weight_update":
+                self.offered = [*getattr(self, "offered", []), args[0]]
+            return super()._submit(method, timeout, *args)
 
     cfg = NativeEngineConfig(model_path=tiny_checkpoint, dtype="float32", device="cpu", name="hosted")
     engine = RecordingHosted(NativeEngine, (cfg,), name="hosted")

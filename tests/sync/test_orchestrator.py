@@ -245,6 +245,8 @@ def test_a_proxy_gets_begin_behind_the_pause_and_the_version_read_behind_the_com
     perturb(trainer_model, seed=3)
     sync = WeightSync(transport_factory("colocated", None), [proxy], bucket_bytes=64 * 1024, timeouts=TIMEOUTS,
                       progress=None)
+    pack = sync.pack
+    sync.pack = lambda *args: (events.append(("pack", None)), pack(*args))[1]
     try:
         report = sync.sync(StateDictSource.of_model(trainer_model, unit_size=25))
     finally:
@@ -253,10 +255,67 @@ def test_a_proxy_gets_begin_behind_the_pause_and_the_version_read_behind_the_com
     issued = [m for kind, m in events if kind == "issue"]
     assert issued.count("served_weight_version") == 2 and issued.count("abort_all") == 1  # (one read is this test's)
     pos = {e: events.index(e) for e in [("issue", "abort_all"), ("wait", "abort_all"), ("issue", "begin_weight_update"),
-                                         ("issue", "end_weight_update"), ("wait", "end_weight_update"),
-                                         ("issue", "served_weight_version")]}
+                                         ("wait", "begin_weight_update"), ("pack", None),
+                                         ("issue", "load_staged_bucket"), ("issue", "end_weight_update"),
+                                         ("wait", "end_weight_update"), ("issue", "served_weight_version")]}
     assert pos[("issue", "begin_weight_update")] < pos[("wait", "abort_all")]
+    # the first bucket is exported and packed while the pause and begin are answered; both are taken before it goes
+    assert pos[("issue", "begin_weight_update")] < pos[("pack", None)] < pos[("wait", "abort_all")]
+    assert pos[("wait", "abort_all")] < pos[("wait", "begin_weight_update")] < pos[("issue", "load_staged_bucket")]
     assert pos[("issue", "served_weight_version")] < pos[("wait", "end_weight_update")]
+
+
+def test_a_refused_begin_behind_a_proxy_fails_the_sync_before_any_bucket_goes_out(trainer_model):
+    """`begin` is only issued to a proxy; its refusal (here: a stale version) is still taken before the first bucket
+    is sent, named as the refusal of `begin_weight_update`, and the engine keeps its weights and version."""
+    engine = BeamForCausalLM(preset("tiny"), dtype=torch.float32, seed=0).eval()
+    before = {n: p.detach().clone() for n, p in engine.named_parameters()}
+    events = []
+    inner = model_receiver(engine, name="eng", initial_version=5)
+    proxy = _OrderedProxy.around(inner, events)
+    perturb(trainer_model, seed=4)
+    sync = WeightSync(transport_factory("colocated", None), [proxy], bucket_bytes=64 * 1024, timeouts=TIMEOUTS,
+                      initial_version=2, progress=None)
+    try:
+        with pytest.raises(WeightSyncError, match="begin_weight_update failed on 1 engine.*stale weight version"):
+            sync.sync(StateDictSource.of_model(trainer_model, unit_size=25))
+    finally:
+        sync.close()
+    assert ("issue", "load_staged_bucket") not in events and ("issue", "abort_weight_update") in events
+    assert inner.weight_version == 5 and not inner.in_session
+    assert all(torch.equal(p, before[n]) for n, p in engine.named_parameters())
+
+
+def test_one_proxied_engine_is_called_from_the_syncing_thread_alone(trainer_model):
+    """A proxy keeps each call's deadline itself (`bounded_calls`): with one engine no call of a sync, probe and
+    commit included, needs a thread of its own (`run_concurrently` runs it in the caller's thread)."""
+    import threading
+
+    engine = BeamForCausalLM(preset("tiny"), dtype=torch.float32, seed=0).eval()
+    threads = set()
+    inner = model_receiver(engine, name="eng")
+    inner.score = lambda seqs, timeout: StateDictSource.of_model(engine).logprobs(seqs)  # as an engine scores
+    proxy = _OrderedProxy.around(inner, [])
+    submit = proxy._submit
+
+    def tracked(method, timeout, *args):
+        threads.add((method, threading.current_thread().name))
+        return submit(method, timeout, *args)
+
+    proxy._submit = tracked
+    perturb(trainer_model, seed=5)
+    source = StateDictSource.of_model(trainer_model, unit_size=25)
+    sync = WeightSync(transport_factory("colocated", None), [proxy], bucket_bytes=64 * 1024, timeouts=TIMEOUTS,
+                      probe=ProbeCheck(PROBES, tolerance=1e-4), progress=None)
+    try:
+        report = sync.sync(source)
+    finally:
+        sync.close()
+    assert report.verified and report.version == 1 == inner.weight_version
+    methods = {m for m, _ in threads}
+    assert {"staging_supported", "attach_staging", "begin_weight_update", "load_staged_bucket", "end_weight_update",
+            "score"} <= methods
+    assert {t for _, t in threads} == {threading.current_thread().name}
 
 
 def test_a_refused_pause_still_fails_the_sync_when_begin_went_out_behind_it(trainer_model):

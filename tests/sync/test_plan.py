@@ -185,17 +185,17 @@ def test_completions_follow_assemble_from_the_unit_sizes_alone(state_dict, seed)
     and the shipping rank can resume following them after `assemble` stopped mid-stream."""
     units = shuffled_units(state_dict, seed)
     plan = plan_buckets([specs_of(u) for u in units], bucket_bytes=64 * 1024)
-    sizes = [len(u) for u in units]
+    assert plan.arrived == tuple(sum(len(u) for u in units[:j]) for j in range(len(units) + 1))
     shipped = _when_yielded(units, plan.assemble)
     assert len(shipped) == len(plan.buckets) > 4
-    assert _when_yielded([[] for _ in units], lambda s: plan.completions(s, sizes)) == shipped
+    assert _when_yielded([[] for _ in units], lambda s: plan.completions(s)) == shipped
     # resume after unit j with the buckets already seen: the rest, at the same points
     j = len(units) // 2
     seen = sum(1 for _, at in shipped if at < j)  # assemble stopped inside unit j: its buckets are still due
-    rest = _when_yielded(units[j:], lambda s: plan.completions(s, sizes, units_done=j, next_bucket=seen))
+    rest = _when_yielded(units[j:], lambda s: plan.completions(s, units_done=j, next_bucket=seen))
     assert [(k, at + j) for k, at in rest] == shipped[seen:]
     with pytest.raises(WeightSyncError, match="incomplete"):
-        list(plan.completions(iter([[]] * (len(units) - 1)), sizes))
+        list(plan.completions(iter([[]] * (len(units) - 1))))
 
 
 def test_the_plans_manifest_is_built_once_per_mode_and_carries_each_syncs_version(state_dict):

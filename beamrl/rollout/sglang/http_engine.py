@@ -176,10 +176,7 @@ class SGLangHTTPEngine(RolloutEngine, WeightReceiver):
         self._in_session = True
 
     def _load_flat_bucket(self, bucket, timeout: float) -> None:
-        from beamrl.sync.rank_payload import RankedFlatBucket
-
-        cuda = bucket.on_cuda if isinstance(bucket, RankedFlatBucket) else bucket.device.type == "cuda"
-        if not cuda:
+        if not bucket.on_cuda:
             # SGLang's serializer shares a CPU tensor through a file descriptor that only processes of the
             # sender's multiprocessing family can fetch; the server's scheduler cannot (it dies on the payload).
             raise WeightSyncError(

@@ -134,21 +134,15 @@ def flattened_bucket_payloads(bucket, tp_size: int, as_str: bool, buffers: list 
     `FlattenedTensorMetadata`, so the engine rebuilds exactly our layout (FlatBucket is byte-compatible with
     `FlattenedTensorBucket`). `as_str`: base64 strings for the HTTP JSON body, raw bytes in-process.
     `buffers`: one packed copy of the bucket per TP rank (entry r on engine rank r's device, packed by the trainer
-    rank sharing it: `beamrl.sync.rank_payload`); None: a `RankedFlatBucket`'s entries, else every rank gets
-    `bucket.buffer`."""
+    rank sharing it: `beamrl.sync.rank_payload`); None: the bucket's own (`FlatBucket.rank_payloads`: a
+    `RankedFlatBucket`'s entries, else `bucket.buffer` for every rank)."""
     from sglang.srt.utils.common import MultiprocessingSerializer
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
 
     import torch
 
-    from beamrl.sync.rank_payload import RankedFlatBucket
-
-    if buffers is None and isinstance(bucket, RankedFlatBucket):
-        # A CPU entry is a file mapping, which SGLang's serializer cannot share by file descriptor: each TP rank
-        # gets a copy of its own entry (CPU rehearsal only; on GPU the trainer rank's handle passes through).
-        buffers = [b.clone() if isinstance(b, torch.Tensor) else b for b in bucket.payload_tensors()]
     if buffers is None:
-        buffers = [bucket.buffer] * tp_size
+        buffers = bucket.rank_payloads(tp_size)
     if len(buffers) != tp_size:
         raise ValueError(f"bucket {bucket.index}: {len(buffers)} per-rank buffers for an engine of TP {tp_size}")
     for r, b in enumerate(buffers):

@@ -33,7 +33,6 @@ from beamrl.models.beam.weights import expected_tensors
 from beamrl.protocols.flat_bucket import FlatBucket, aligned_order
 from beamrl.protocols.manifest import FULL, BucketLayout, SyncManifest
 from beamrl.protocols.weights import ROLLED_BACK, UNHEALTHY, UNTOUCHED, WeightSyncError
-from beamrl.sync.rank_payload import RankedFlatBucket
 from beamrl.sync.receive_session import ManifestCache, ReceiveSession
 
 
@@ -86,19 +85,13 @@ class SGLangSyncGuard:
             raise WeightSyncError(f"{self.engine}: a bucket must carry its index and checksum")
         session.expect(bucket.index)
         session.check_layout(bucket.index, bucket.metas)
-        if not isinstance(bucket, RankedFlatBucket):
-            session.check_checksum(bucket.index, bucket.buffer, bucket.checksum)
-            return
-        if bucket.on_cuda:
-            # Each TP rank's entry is on that rank's GPU, which this adapter process does not open (the payload
-            # passes the trainer rank's handle through); the post-sync probe is the check there.
-            return
-        for r, entry in enumerate(bucket.entries):  # every TP rank's own copy, from its trainer rank
+        for where, copy in bucket.checkable_copies():  # a per-rank bucket: every TP rank's own copy (on CPU)
             try:
-                session.check_checksum(bucket.index, bucket.rank_buffer(r), bucket.checksum)
+                session.check_checksum(bucket.index, copy, bucket.checksum)
             except WeightSyncError as exc:
-                raise WeightSyncError(f"{exc} (the copy for engine TP rank {r}, from trainer rank {entry.rank})") \
-                    from None
+                if not where:
+                    raise
+                raise WeightSyncError(f"{exc}{where}") from None
 
     def tensor_bucket_loaded(self, bucket: FlatBucket) -> None:
         self._applied.append(bucket.index)

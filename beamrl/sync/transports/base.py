@@ -27,7 +27,7 @@ import torch
 from beamrl.protocols.checksum import bucket_checksum
 from beamrl.protocols.manifest import FULL, BucketLayout, SyncManifest
 from beamrl.protocols.weights import UNHEALTHY, PendingCall, WeightReceiver, WeightSyncError
-from beamrl.sync.calls import ReceiverCallError, run_concurrently, wait_replies
+from beamrl.sync.calls import ReceiverCallError, bounded, check_reply, run_concurrently, wait_replies
 from beamrl.sync.packing import BucketChecksum, bucket_views
 
 #: Packing views cached per staging slot (a few plans' worth: full and adapter layouts alternate in a LoRA run).
@@ -69,7 +69,9 @@ class WeightTransport(abc.ABC):
 
     @abc.abstractmethod
     def begin(self, manifest: SyncManifest, timeout: float) -> None:
-        """Open the engines' weight-update session for `manifest` (engines paused and idle)."""
+        """Open the engines' weight-update session for `manifest` (engines paused and idle). It may return before
+        the engines answered (`ReceiverTransport`: where their calls run in issue order); `send` and `finalize` then
+        wait for the answers first, so no bucket goes out before every engine accepted the manifest."""
 
     @abc.abstractmethod
     def buffer(self, bucket: BucketLayout, timeout: float) -> PackTarget:
@@ -119,13 +121,15 @@ class ReceiverTransport(WeightTransport):
         self._slots: list[StagingSlot] = []
         self._shared_slots = False  # whether receivers read the slots directly (staged buckets)
         self._sent_digest: dict[str, str] = {}  # engine label -> the `full` layout it accepted last
+        self._bounded = bounded(self.receivers)  # a single engine's calls then run in the caller's thread
+        self._opening: list[tuple[str, WeightReceiver, bool, PendingCall]] = []  # begin calls not yet answered
 
     # -- helpers -------------------------------------------------------------------------------------------
     def _call_all(self, what: str, call: Callable[[WeightReceiver], object], timeout: float,
                   extra: Sequence[tuple[str, Callable[[], object]]] = ()) -> None:
         """Call `call(receiver)` on every receiver concurrently (plus `extra` trainer-side calls)."""
         calls = [(label, (lambda r=r: call(r))) for label, r in zip(self.labels, self.receivers)] + list(extra)
-        run_concurrently(what, calls, timeout)
+        run_concurrently(what, calls, timeout, bounded_calls=not extra and self._bounded)
 
     def _issue(self, method: str, timeout: float, *args) -> list[tuple[str, PendingCall]]:
         """Issue `method(*args, timeout)` on every receiver without waiting (pipelined, in issue order)."""
@@ -171,7 +175,7 @@ class ReceiverTransport(WeightTransport):
 
             run_concurrently("attach_staging", [(label, (lambda i=i, r=r: attach(i, r)))
                                                 for i, (label, r) in enumerate(zip(self.labels, self.receivers))],
-                             timeout)
+                             timeout, bounded_calls=self._bounded)
             for s in self._slots:
                 s.receiver_events = [receiver_event(replies[i][s.index], self.device) for i in range(len(self.receivers))]
 
@@ -216,9 +220,16 @@ class ReceiverTransport(WeightTransport):
         """Open every engine's session. An engine that accepted this `full` layout before gets it by digest only
         (`SyncManifest.reference`; a 501B layout is ~38K tensors, pickled to every engine every step); one that
         refuses the reference (e.g. restarted behind the same proxy) is sent the full manifest, whose checks then
-        decide."""
+        decide. Where every engine runs calls in issue order the calls are only issued (the trainer packs the first
+        bucket meanwhile); `_await_begin` takes the answers before anything else goes to the engines."""
         self._touched = True
         reference = manifest.reference() if manifest.mode == FULL else None
+        if all(r.calls_in_issue_order for r in self.receivers):
+            for label, r in zip(self.labels, self.receivers):
+                by_digest = reference is not None and self._sent_digest.get(label) == manifest.digest
+                self._opening.append((label, r, by_digest, r.call_async("begin_weight_update", timeout,
+                                                                        reference if by_digest else manifest)))
+            return
 
         def begin(label: str, r: WeightReceiver) -> None:
             if reference is not None and self._sent_digest.get(label) == manifest.digest:
@@ -233,7 +244,39 @@ class ReceiverTransport(WeightTransport):
                 self._sent_digest[label] = manifest.digest
 
         run_concurrently("begin_weight_update", [(label, (lambda label=label, r=r: begin(label, r)))
-                                                 for label, r in zip(self.labels, self.receivers)], timeout)
+                                                 for label, r in zip(self.labels, self.receivers)], timeout,
+                         bounded_calls=self._bounded)
+
+    def _await_begin(self, timeout: float) -> None:
+        """The engines' answers to the `begin_weight_update` calls `_begin_engines` issued (none: returns at once),
+        with the same fallback and the same failure as the waited path: an engine refusing the digest-only manifest
+        gets the full one; every refusal is named in one `ReceiverCallError`. Called before the first bucket is sent
+        and at `finalize`."""
+        opening, self._opening = self._opening, []
+        if not opening:
+            return
+        manifest = self._require_session("begin")
+        deadline = time.monotonic() + timeout
+        failures: dict[str, str] = {}
+        for label, r, by_digest, call in opening:
+            try:
+                check_reply(call.wait(max(deadline - time.monotonic(), 1e-3)))
+                if manifest.mode == FULL:
+                    self._sent_digest[label] = manifest.digest
+                continue
+            except WeightSyncError as err:
+                if not by_digest:
+                    failures[label] = str(err)
+                    continue
+                log.info("%s refused the manifest by digest (%s); sending it in full", label, err)
+                self._sent_digest.pop(label, None)
+            try:  # nothing else was issued to this engine since: the session opens now or is refused
+                check_reply(r.begin_weight_update(manifest, max(deadline - time.monotonic(), 1e-3)))
+                self._sent_digest[label] = manifest.digest
+            except WeightSyncError as err:
+                failures[label] = str(err)
+        if failures:
+            raise ReceiverCallError("begin_weight_update", failures)
 
     def buffer(self, bucket: BucketLayout, timeout: float) -> PackTarget:
         self._require_session("buffer")
@@ -266,6 +309,7 @@ class ReceiverTransport(WeightTransport):
     def finalize(self, timeout: float) -> None:
         manifest = self._require_session("finalize")
         deadline = time.monotonic() + timeout
+        self._await_begin(timeout)
         for slot in self._slots_in_bucket_order():  # the earliest bucket's failure is the one reported
             self._wait_slot(slot, max(deadline - time.monotonic(), 1e-3))
         self._before_commit()
@@ -287,6 +331,12 @@ class ReceiverTransport(WeightTransport):
         version = self.manifest.version if self.manifest is not None else None
         log.error("weight sync to version %s aborted: %s", version, reason)
         deadline = time.monotonic() + timeout
+        for _, _, _, call in self._opening:  # begin calls never waited for: their answers are behind us now
+            try:
+                call.wait(max(deadline - time.monotonic(), 1e-3))
+            except WeightSyncError:
+                pass
+        self._opening = []
         for slot in self._slots:  # let calls in flight finish (their failures are what we are handling)
             try:
                 self._wait_slot(slot, max(deadline - time.monotonic(), 1e-3))
@@ -301,7 +351,7 @@ class ReceiverTransport(WeightTransport):
         try:
             run_concurrently("abort_weight_update", [(label, (lambda label=label, r=r: ask(label, r)))
                                                      for label, r in zip(self.labels, self.receivers)],
-                             max(deadline - time.monotonic(), 1.0), fail_fast=False)
+                             max(deadline - time.monotonic(), 1.0), fail_fast=False, bounded_calls=self._bounded)
         except ReceiverCallError as err:
             for who, msg in err.failures.items():
                 self.mark_unhealthy(who, f"weight sync to version {version} aborted ({reason}) and the engine "

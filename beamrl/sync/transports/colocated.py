@@ -88,7 +88,7 @@ class ColocatedTransport(ReceiverTransport):
 
             run_concurrently("staging_supported", [(label, (lambda i=i, r=r: ask(i, r)))
                                                    for i, (label, r) in enumerate(zip(self.labels, self.receivers))],
-                             timeout)
+                             timeout, bounded_calls=self._bounded)
             staged = all(answers.values())
         self._mode = "staged" if staged else "flattened_bucket"
 
@@ -132,6 +132,7 @@ class ColocatedTransport(ReceiverTransport):
 
     def send(self, bucket: BucketLayout, timeout: float) -> None:
         self._require_session("send")
+        self._await_begin(timeout)
         slot = self._slot(bucket.index)
         if self._mode == "per_rank":
             self._send_per_rank(slot, bucket, timeout)

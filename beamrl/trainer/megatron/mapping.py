@@ -115,6 +115,12 @@ def _shard(t: torch.Tensor, dim: int, rank: int, world: int) -> torch.Tensor:
     return t.narrow(dim, rank * size, size)
 
 
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    """`torch.cat(parts)`, without the copy when there is one part (TP 1: the export reads it before the weights
+    change again)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
 def _qkv_rows(config: BeamConfig, q, g, k, v, groups: range) -> torch.Tensor:
     d, qpg = config.head_dim, config.num_queries_per_kv
     parts = []
@@ -234,27 +240,50 @@ def _source_for(c: BeamConfig, name: str, layers: list, lay: _Layout, hf, strict
 def export_hf_tensors(model_chunks: Sequence, *, dst_rank: int = 0) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Stream full HF-named tensors, one list per export unit (`export_hf_layout` gives the same units without
     data); no size budget: bucketing is the weight sync's job. Yields on `dst_rank` only (other ranks get empty
-    lists and must keep iterating). Tensors are CPU-resident only if the model is; FP32 router/bias kept."""
-    chunks = [unwrap(c) for c in (model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks])]
-    ex = _Exporter(chunks, dst_rank)
-    mine = dist.get_rank() == dst_rank
-    for unit in ex.units():
-        tensors = ex.run(unit)
-        yield tensors if mine else []
+    lists and must keep iterating). Tensors are CPU-resident only if the model is; FP32 router/bias kept.
+    A caller that exports the same chunks again and again (the trainer: every weight sync) keeps an `HFExporter`."""
+    yield from HFExporter(model_chunks, dst_rank).stream()
 
 
 def export_hf_layout(model_chunks: Sequence) -> list[list[tuple[str, tuple[int, ...], torch.dtype]]]:
     """(name, shape, dtype) of every tensor `export_hf_tensors` yields, per unit and in the same order; the same on
     every rank, and no communication (the weight sync's manifest is built from it before the export runs)."""
-    chunks = [unwrap(c) for c in (model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks])]
-    ex = _Exporter(chunks, dst_rank=0)
-    return [[(n, tuple(shape), dtype) for n, shape, dtype in ex.unit_layout(unit)] for unit in ex.units()]
+    return HFExporter(model_chunks, dst_rank=0).layout()
 
 
-class _Exporter:
-    """Runs one export unit on every rank: gather TP/EP shards on the owning stage, broadcast over PP."""
+class _TensorRefs:
+    """A chunk's base tensors by Megatron name, looked up when read. Each name is kept as (module, attribute), so a
+    parameter whose `.data` was swapped (`hf_gradients`, LoRA's `merged_base_weights`), a reassigned buffer or a
+    storage released and resumed (trainer sleep) is read as it is now, never as it was when the table was made.
+    LoRA adapter parameters are left out (`lora_mapping.py` maps them)."""
 
-    def __init__(self, chunks: list[BeamGPTModel], dst_rank: int):
+    def __init__(self, chunk: BeamGPTModel) -> None:
+        self._where: dict[str, tuple[torch.nn.Module, str]] = {}
+        for prefix, module in chunk.named_modules():
+            dot = prefix + "." if prefix else ""
+            for attr, p in module._parameters.items():
+                if p is not None and not getattr(p, "is_lora_adapter", False):
+                    self._where.setdefault(dot + attr, (module, attr))
+            for attr, b in module._buffers.items():
+                if b is not None:
+                    self._where.setdefault(dot + attr, (module, attr))
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        module, attr = self._where[name]
+        return getattr(module, attr)
+
+
+class HFExporter:
+    """The HF export of fixed model chunks at the current parallel layout: per unit, gather TP/EP shards on the
+    owning stage, broadcast over PP (module docstring, "Export").
+
+    What does not change between exports is worked out once: the units, their layouts (names, shapes, dtypes), the
+    stage owning each layer, where each Megatron tensor lives (`_TensorRefs`). `stream()` reads every tensor when
+    it runs, so one exporter serves every weight sync of a trainer (`MegatronTrainer.export_hf`); build a new one
+    for other chunks or another parallel layout."""
+
+    def __init__(self, model_chunks: Sequence, dst_rank: int = 0):
+        chunks = [unwrap(c) for c in (model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks])]
         self.chunks = chunks
         self.cfg = chunks[0].config
         self.beam: BeamConfig = self.cfg.beam
@@ -266,10 +295,28 @@ class _Exporter:
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.ep_group = parallel_state.get_expert_model_parallel_group()
         self.pp_group = parallel_state.get_pipeline_model_parallel_group()
-        self.named = [_tensors(c) for c in chunks]
+        self.named = [_TensorRefs(c) for c in chunks]
+        self._units = tuple(self._unit_order())
+        self._expert_views: dict[int, tuple] = {}  # EP 1: the current layer's expert views (`_local_experts`)
+        self._layouts = {unit: self._unit_layout(unit) for unit in self._units}
 
-    # units: (kind, layer, expert slot)
-    def units(self):
+    def units(self) -> tuple:
+        """The export units in order: (kind, layer, expert slot)."""
+        return self._units
+
+    def layout(self) -> list[list[tuple[str, tuple[int, ...], torch.dtype]]]:
+        """`export_hf_layout`: (name, shape, dtype) per tensor, per unit."""
+        return [[(n, tuple(shape), dtype) for n, shape, dtype in self._layouts[unit]] for unit in self._units]
+
+    def stream(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """`export_hf_tensors`: every rank must iterate to the end (collectives); tensors on `dst_rank` only."""
+        mine = dist.get_rank() == self.dst
+        self._expert_views.clear()  # an export abandoned mid-layer leaves nothing for this one
+        for unit in self._units:
+            tensors = self.run(unit)
+            yield tensors if mine else []
+
+    def _unit_order(self):
         c = self.beam
         yield ("embed", None, None)
         for layer in range(c.num_hidden_layers):
@@ -303,6 +350,9 @@ class _Exporter:
 
     def unit_layout(self, unit) -> list[tuple[str, tuple, torch.dtype]]:
         """What a unit produces, in the order `run` returns it, known on every rank (PP receivers, sync layout)."""
+        return self._layouts[unit]
+
+    def _unit_layout(self, unit) -> list[tuple[str, tuple, torch.dtype]]:
         kind, layer, j = unit
         c = self.beam
         if kind == "embed":
@@ -367,7 +417,7 @@ class _Exporter:
         c = self.beam
         m, p = f"decoder.layers.{local}.", f"model.layers.{layer}."
         d, qpg = c.head_dim, c.num_queries_per_kv
-        packed = torch.cat(self._tp_parts(named[m + "self_attention.linear_qkv.weight"]))
+        packed = _cat(self._tp_parts(named[m + "self_attention.linear_qkv.weight"]))
         per_group = packed.view(c.num_key_value_heads, (2 * qpg + 2) * d, c.hidden_size)
         q = per_group[:, :qpg * d].reshape(-1, c.hidden_size)
         g = per_group[:, qpg * d:2 * qpg * d].reshape(-1, c.hidden_size)
@@ -388,8 +438,8 @@ class _Exporter:
     def _dense(self, named, layer, local, j):
         m, p = f"decoder.layers.{local}.mlp.", f"model.layers.{layer}.mlp."
         parts = self._tp_parts(named[m + "linear_fc1.weight"])
-        gate = torch.cat([t.chunk(2)[0] for t in parts])
-        up = torch.cat([t.chunk(2)[1] for t in parts])
+        gate = _cat([t.chunk(2)[0] for t in parts])
+        up = _cat([t.chunk(2)[1] for t in parts])
         return [(p + "gate_proj.weight", gate), (p + "up_proj.weight", up),
                 (p + "down_proj.weight", self._tp_cat(named[m + "linear_fc2.weight"], 1))]
 
@@ -399,22 +449,34 @@ class _Exporter:
                 (p + "e_score_correction_bias", named[m + "expert_bias"].detach().float())]
 
     def _experts(self, named, layer, local, j):
-        c = self.beam
-        m, p = f"decoder.layers.{local}.mlp.experts.", f"model.layers.{layer}.mlp.experts."
-        gu = named[m + "gate_up_weight"][j].detach().contiguous()
-        dn = named[m + "down_weight"][j].detach().contiguous()
-        if self.lay.ep > 1:
-            gus = [torch.empty_like(gu) for _ in range(self.lay.ep)]
-            dns = [torch.empty_like(dn) for _ in range(self.lay.ep)]
-            dist.all_gather(gus, gu, group=self.ep_group)
-            dist.all_gather(dns, dn, group=self.ep_group)
-        else:
-            gus, dns = [gu], [dn]
-        e_local, I = c.num_experts // self.lay.ep, c.moe_intermediate_size
+        m = f"decoder.layers.{local}.mlp.experts."
+        inter = self.beam.moe_intermediate_size
+        names = self._layouts[("experts", layer, j)]  # per EP rank r: expert r * E_local + j's gate, up, down
+        if self.lay.ep == 1:
+            gate, up, down = self._local_experts(named, m, layer, j, inter)
+            return [(names[0][0], gate[j].contiguous()), (names[1][0], up[j].contiguous()),
+                    (names[2][0], down[j].contiguous())]
+        # Detached before indexing: indexing a parameter would record an autograd node per expert and export.
+        gu = named[m + "gate_up_weight"].detach()[j].contiguous()
+        dn = named[m + "down_weight"].detach()[j].contiguous()
+        gus = [torch.empty_like(gu) for _ in range(self.lay.ep)]
+        dns = [torch.empty_like(dn) for _ in range(self.lay.ep)]
+        dist.all_gather(gus, gu, group=self.ep_group)
+        dist.all_gather(dns, dn, group=self.ep_group)
         out = []
         for r in range(self.lay.ep):
-            e = r * e_local + j
-            out += [(p + f"{e}.gate_proj.weight", gus[r][:I].contiguous()),
-                    (p + f"{e}.up_proj.weight", gus[r][I:].contiguous()),
-                    (p + f"{e}.down_proj.weight", dns[r])]
+            gate, up, down = names[3 * r][0], names[3 * r + 1][0], names[3 * r + 2][0]
+            out += [(gate, gus[r][:inter].contiguous()), (up, gus[r][inter:].contiguous()), (down, dns[r])]
         return out
+
+    def _local_experts(self, named, m: str, layer: int, j: int, inter: int) -> tuple:
+        """EP 1: (gate, up, down) views of every expert of `layer`, made at its first slot (three calls for the
+        layer instead of a handful of tensor ops per expert) and dropped after its last; never kept from one export
+        to the next (the weights, or a parameter's `.data`, change in between)."""
+        views = self._expert_views.get(layer)
+        if views is None or j == 0:
+            gu, dn = named[m + "gate_up_weight"].detach(), named[m + "down_weight"].detach()
+            views = self._expert_views[layer] = (gu[:, :inter].unbind(0), gu[:, inter:].unbind(0), dn.unbind(0))
+        if j == len(views[2]) - 1:
+            del self._expert_views[layer]
+        return views

@@ -128,6 +128,7 @@ class MegatronTrainer(TrainerWorker):
         self._replay_enabled = False
         self._record_enabled = False
         self._step = 0
+        self._hf_exporters: dict = {}  # dst rank -> mapping.HFExporter of these chunks (`export_hf`)
         from beamrl.trainer.megatron.checkpoint.checkpointer import Checkpointer
 
         self._checkpointer = Checkpointer(self)
@@ -464,9 +465,16 @@ class MegatronTrainer(TrainerWorker):
         """Stream full HF tensors, one list per export unit (`mapping.export_hf_tensors`). Collective: every rank
         must iterate to the end; the lists hold tensors on `dst_rank` only (other ranks get empty lists)."""
         self._require_awake("export_hf")
+        yield from self._hf_exporter(dst_rank).stream()
+
+    def _hf_exporter(self, dst_rank: int):
+        """The export's fixed part, worked out once per destination rank (the chunks and the parallel layout of a
+        trainer never change; every tensor is still read when an export runs: `mapping.HFExporter`)."""
         from beamrl.trainer.megatron import mapping
 
-        yield from mapping.export_hf_tensors(self.models, dst_rank=dst_rank)
+        if dst_rank not in self._hf_exporters:
+            self._hf_exporters[dst_rank] = mapping.HFExporter(self.models, dst_rank)
+        return self._hf_exporters[dst_rank]
 
     # ------------------------------------------------------------------------------------------------ LoRA
     @property
@@ -523,9 +531,7 @@ class MegatronTrainer(TrainerWorker):
 
     def export_hf_layout(self) -> list[list[tuple[str, tuple[int, ...], torch.dtype]]]:
         """(name, shape, dtype) per unit of `export_hf`, the same on every rank, without communication."""
-        from beamrl.trainer.megatron import mapping
-
-        return mapping.export_hf_layout(self.models)
+        return self._hf_exporter(0).layout()
 
     def save_checkpoint(self, directory: str | Path, async_save: bool = False) -> Path:
         """Write a distributed checkpoint to `directory` (absent or empty; docs/checkpoints.md). With `async_save`
@@ -556,7 +562,7 @@ class MegatronTrainer(TrainerWorker):
             self.finalize_checkpoint(blocking=True)  # a save in flight is completed, not abandoned
         finally:
             RouterReplay.clear_global_router_replay_instances()
-            self.chunks, self.optimizer, self.scheduler = [], None, None
+            self.chunks, self.optimizer, self.scheduler, self._hf_exporters = [], None, None, {}
             destroy_parallel()
 
 

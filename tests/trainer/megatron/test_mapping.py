@@ -68,6 +68,41 @@ def test_layout_announces_exactly_what_the_export_yields():
                                  torch.float32) in yielded[4]
 
 
+def test_a_kept_exporter_reads_the_weights_as_they_are_when_it_runs():
+    """The trainer keeps one `HFExporter` for every weight sync: each export must read the weights as they are then,
+    after a checkpoint load (in-place copies), a parameter whose `.data` was swapped (`hf_gradients`, LoRA's
+    merged export) and a buffer that was reassigned (a device move replaces buffers)."""
+    world1()
+    from beamrl.trainer.megatron.mapping import HFExporter, load_hf_weights
+    from beamrl.trainer.megatron.model import build_beam_gpt_model
+
+    config = preset("tiny")
+    model = build_beam_gpt_model(config, params_dtype=torch.float32)
+    load_hf_weights(model, random_state_dict(config, seed=SEED, dtype=torch.float32))
+    exporter = HFExporter(model)
+    first = {n: t.clone() for unit in exporter.stream() for n, t in unit}
+
+    loaded = random_state_dict(config, seed=SEED + 1, dtype=torch.float32)  # a checkpoint load
+    load_hf_weights(model, loaded)
+    _assert_bit_exact(config, loaded, {n: t.clone() for unit in exporter.stream() for n, t in unit})
+
+    router, experts = model.decoder.layers[1].mlp.router, model.decoder.layers[1].mlp.experts
+    swapped = torch.randn_like(router.weight)
+    router.weight.data = swapped  # as hf_gradients swaps every parameter's data
+    router.expert_bias = torch.arange(config.num_experts, dtype=torch.float32)  # a new buffer object
+    gate_up = torch.randn_like(experts.gate_up_weight)
+    experts.gate_up_weight.data = gate_up
+    now = {n: t for unit in exporter.stream() for n, t in unit}
+    inter = config.moe_intermediate_size
+    last = config.num_experts - 1
+    assert torch.equal(now["model.layers.1.mlp.experts.0.gate_proj.weight"], gate_up[0, :inter])
+    assert torch.equal(now[f"model.layers.1.mlp.experts.{last}.up_proj.weight"], gate_up[last, inter:])
+    assert torch.equal(now["model.layers.1.mlp.gate.weight"], swapped)
+    assert torch.equal(now["model.layers.1.mlp.gate.e_score_correction_bias"], router.expert_bias)
+    assert not torch.equal(now["model.layers.1.mlp.gate.weight"], first["model.layers.1.mlp.gate.weight"])
+    assert exporter.layout() == [[(n, tuple(t.shape), t.dtype) for n, t in unit] for unit in exporter.stream()]
+
+
 def test_missing_tensor_is_named():
     world1()
     from beamrl.trainer.megatron.mapping import MappingError, load_hf_weights
