@@ -2,9 +2,6 @@
 paths), and the RL phase summary (overlap of a one-step-off run) is computed from the logged metrics."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -32,10 +29,9 @@ def test_rl_phases_overlap_from_the_unoverlapped_first_rollout():
 
 
 @pytest.mark.slow
-def test_cpu_smoke_run_of_all_four_stages(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
-    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "two_gpu_h200.py"), "--smoke", "--out",
-                        str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
+def test_cpu_smoke_run_of_all_four_stages(two_gpu_smoke):
+    """(The run is the session's `two_gpu_smoke` fixture, tests/benchmarks/conftest.py.)"""
+    tmp_path, p = two_gpu_smoke.out, two_gpu_smoke.proc
     logs = "".join((tmp_path / f"{s}.log").read_text()[-2000:] for s in ("sync", "teardown", "rl", "trainer")
                    if (tmp_path / f"{s}.log").exists())
     assert p.returncode == 0, p.stdout[-3000:] + logs

@@ -1,7 +1,8 @@
 """Rank functions of the checkpoint tests (run through `beamrl.trainer.megatron.launch`, 2 processes).
 
-Everything runs in one launch per optimizer kind (trainers are rebuilt in the same processes, as in
-`_equivalence.run_layouts`), on `_equivalence`'s tiny Beam, micro-batches and loss, in float32.
+Everything runs in one launch (`every_run`: trainers are rebuilt in the same processes, as in
+`_equivalence.run_layouts`, so the process start-up and the Megatron import are paid once), on `_equivalence`'s
+tiny Beam, micro-batches and loss, in float32 unless noted.
 
 BF16 with the non-distributed optimizer (`bf16_non_distributed`): see there.
 
@@ -348,3 +349,25 @@ def _misfiled_optimizer_state(t) -> list[str]:
                 if entries.get((slot, key)) is not tensor:
                     problems.append(f"{slot}.{key} ({name})")
     return problems
+
+
+# Every run of test_checkpoint.py, in this order (the distributed-optimizer resharding first, as when it had a launch
+# of its own): name -> (rank function, arguments after the run's own checkpoint directory).
+RUNS = {
+    "distributed": (reshard, (True, list(TARGETS), True)),
+    "non_distributed": (reshard, (False, ["pp2"])),
+    "bf16_resume": (bf16_resume, ()),
+    "bf16_non_distributed": (bf16_non_distributed, ()),
+    "dp_sharded_save": (dp_sharded_save, ()),
+}
+
+
+def every_run(base: str) -> dict[str, dict]:
+    """Each of `RUNS` one after the other, its checkpoint at `<base>/<name>/ckpt` (a folder of its own: the damaged
+    copies are written next to the checkpoint)."""
+    out = {}
+    for name, (fn, args) in RUNS.items():
+        directory = Path(base) / name / "ckpt"
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        out[name] = fn(str(directory), *args)
+    return out

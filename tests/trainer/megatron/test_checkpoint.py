@@ -2,7 +2,8 @@
 they resume at TP1 x EP2, PP2 and EP1 x DP2 with the next 3 losses of an uninterrupted run at that layout, the
 same layout resumes bit for bit, and damaged files are named before anything is loaded; in bf16 with the
 non-distributed optimizer, each parameter's state is stored under its own key, resumes bit for bit and reshards
-unchanged. See `_checkpoint_runs.py` for how the comparisons are built."""
+unchanged. See `_checkpoint_runs.py` for how the comparisons are built; all of them run in one 2-process launch
+(the `runs` fixture)."""
 
 import json
 
@@ -25,11 +26,18 @@ def _max_gap(a, b):
 
 
 @pytest.fixture(scope="module")
-def distributed(tmp_path_factory):
+def runs(tmp_path_factory):
+    """Every run of this module in one 2-process launch (`R.every_run`): per rank, run name -> its results, and the
+    folder holding each run's `<name>/ckpt`."""
+    base = tmp_path_factory.mktemp("checkpoints")
+    return base, launch(R.every_run, 2, (str(base),), timeout_s=900)
+
+
+@pytest.fixture(scope="module")
+def distributed(runs):
     """The distributed optimizer: every target layout, plus the damaged-copy loads."""
-    directory = tmp_path_factory.mktemp("dist-opt") / "ckpt"
-    ranks = launch(R.reshard, 2, (str(directory), True, list(R.TARGETS), True), timeout_s=900)
-    return directory, ranks[0], ranks
+    base, ranks = runs
+    return base / "distributed" / "ckpt", ranks[0]["distributed"], [r["distributed"] for r in ranks]
 
 
 def test_same_layout_resume_is_bit_exact(distributed):
@@ -98,24 +106,24 @@ def test_damaged_files_are_named_before_loading(distributed):
     assert any(".metadata" in p for p in check(directory.parent / "ckpt-metadata", full=False))
 
 
-def test_non_distributed_optimizer_reshards(tmp_path):
-    out = launch(R.reshard, 2, (str(tmp_path / "ckpt"), False, ["pp2"]), timeout_s=600)[0]
+def test_non_distributed_optimizer_reshards(runs):
+    out = runs[1][0]["non_distributed"]
     assert out["same"]["losses"] == out["saver"]
     r = out["pp2"]
     assert _max_gap(r["resumed"]["losses"], r["reference"]) <= TOL
     assert _max_gap(r["weights_only"]["losses"], r["reference"]) > 100 * TOL
 
 
-def test_bf16_resume_restores_the_fp32_main_copies_exactly(tmp_path):
-    out = launch(R.bf16_resume, 2, (str(tmp_path / "ckpt"),), timeout_s=600)[0]
+def test_bf16_resume_restores_the_fp32_main_copies_exactly(runs):
+    out = runs[1][0]["bf16_resume"]
     assert out["resumed"] == out["straight"]
     assert out["straight"][0] != out["straight"][2]
 
 
-def test_bf16_non_distributed_optimizer_resumes_and_reshards_exactly(tmp_path):
+def test_bf16_non_distributed_optimizer_resumes_and_reshards_exactly(runs):
     """Megatron's Float16 optimizer next to Beam's FP32 router: each parameter's state under its own key, a bit-exact
     resume at the same layout, and TP2+SP x EP2 -> TP1 x EP2 moves every weight, main copy and moment unchanged."""
-    out = launch(R.bf16_non_distributed, 2, (str(tmp_path / "ckpt"),), timeout_s=900)[0]
+    out = runs[1][0]["bf16_non_distributed"]
     assert out["labels"] == {"saver": [], "resharded": []}
     assert out["same"] == out["saver"]
     assert out["saver"][0] != out["saver"][-1]
@@ -132,11 +140,11 @@ def test_bf16_non_distributed_optimizer_resumes_and_reshards_exactly(tmp_path):
     assert all(saved[k].abs().sum() > 0 for k in saved if k.startswith("optimizer.state.exp_avg_sq."))
 
 
-def test_distributed_optimizer_state_is_written_by_each_dp_rank(tmp_path):
+def test_distributed_optimizer_state_is_written_by_each_dp_rank(runs):
     """At DP2 each rank writes the optimizer state it owns (no gather onto DP rank 0), and what is written is
     Megatron's fully_reshardable state element for element: checkpoints of either load bit for bit, and one written
     at DP2 reshards to TP2+SP x EP2 unchanged."""
-    out = launch(R.dp_sharded_save, 2, (str(tmp_path / "ckpt"),), timeout_s=900)[0]
+    out = runs[1][0]["dp_sharded_save"]
     ours, megatron = out["written"]["ours"], out["written"]["megatron"]
     assert min(ours) > sum(ours) / 4  # both DP ranks write a share ...
     assert megatron[1] == 0 and sum(megatron) == sum(ours)  # ... where Megatron's gather leaves it all to DP rank 0

@@ -12,9 +12,20 @@ from . import _lora_checkpoint as C
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("distributed_optimizer", [False, True])
-def test_same_layout_resume_is_bit_exact(tmp_path, distributed_optimizer):
-    out = launch(C.runs, 1, ([(str(tmp_path / "ck"), distributed_optimizer)],), timeout_s=300)[0][0]
+OPTIMIZERS = [False, True]  # distributed_optimizer
+
+
+@pytest.fixture(scope="module")
+def same_layout(tmp_path_factory):
+    """Both optimizers' world-1 save + resume, in one launch (one process start-up and Megatron import)."""
+    base = tmp_path_factory.mktemp("lora-same")
+    cases = [(str(base / f"ck-{i}"), d) for i, d in enumerate(OPTIMIZERS)]
+    return launch(C.runs, 1, (cases,), timeout_s=300)[0]
+
+
+@pytest.mark.parametrize("distributed_optimizer", OPTIMIZERS)
+def test_same_layout_resume_is_bit_exact(same_layout, distributed_optimizer):
+    out = same_layout[OPTIMIZERS.index(distributed_optimizer)]
     assert out["base_restored"] and out["got"] == out["want"]
     assert out["got_adapter"].keys() == out["want_adapter"].keys()
     assert all(torch.equal(v, out["want_adapter"][k]) for k, v in out["got_adapter"].items())
