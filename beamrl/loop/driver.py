@@ -10,6 +10,7 @@ rollouts, rewards, dynamic sampling, advantages), `train` (optimizer steps and m
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from beamrl.cluster.report import format_placement
@@ -23,8 +24,8 @@ from beamrl.loop.log import log
 from beamrl.loop.ray_utils import ActorCallError
 from beamrl.loop.run_dir import plan_start
 from beamrl.loop.samples import completion_samples
-from beamrl.loop.setup import (Resources, RunContext, check_launchable, prepare_run, start_engines, start_ray,
-                               start_trainer, truncate_step_files)
+from beamrl.loop.setup import (Resources, RunContext, check_launchable, engines_start_with_trainer, prepare_run,
+                               start_engines, start_ray, start_trainer, truncate_step_files)
 from beamrl.loop.sft import sft_warm_start
 from beamrl.loop.summary import plot_and_summarize
 from beamrl.loop.train import train_on_rollouts
@@ -88,12 +89,7 @@ class RLDriver:
             policy = sft_warm_start(run)
         log(f"starting the trainer ({r.trainer.num_gpus} Megatron rank(s)) and {r.rollout.num_engines} "
             f"{r.rollout.engine} engine(s) from {policy}")
-        self.trainer = self._own("trainer", start_trainer(run, policy))
-        if r.algorithm.kl.reference:  # the reference is the policy's starting point (after SFT, also on resume)
-            sft_out = run.out_dir / "sft_checkpoint"
-            reference = str(sft_out) if r.sft is not None and (sft_out / "config.json").exists() else policy
-            self.reference = self._own("reference", start_trainer(run, reference, reference=True))
-        self.engines = self._own("engines", start_engines(run, policy))
+        self._start_trainer_and_engines(policy)
         EngineRecovery(self.engines, self._resync_engine, max_restarts=r.rollout.max_engine_restarts,
                        interval_s=r.rollout.health_check_interval_s, health_timeout_s=r.timeouts.health_s, log=log)
         self.collector = RolloutCollector(run, self.engines)
@@ -157,6 +153,32 @@ class RLDriver:
                 self._save(step + 1, pending)
 
     # ------------------------------------------------------------------------------------------ pieces
+    def _start_trainer_and_engines(self, policy: str) -> None:
+        """The trainer (and the KL reference), and the engines from `policy`. The engines start while the trainer
+        does (each start is mostly process start-up, imports and waits: seconds per run), except on shared GPUs
+        (`engines_start_with_trainer`). Whatever started is owned, so released, whichever start fails; the trainer's
+        error is the one raised when both fail."""
+        r, run = self.recipe, self.ctx
+        pool = ThreadPoolExecutor(1, thread_name_prefix="beamrl-engine-start") if engines_start_with_trainer(r) else None
+        engines = pool.submit(start_engines, run, policy) if pool is not None else None
+        try:
+            self.trainer = self._own("trainer", start_trainer(run, policy))
+            if r.algorithm.kl.reference:  # the reference is the policy's starting point (after SFT, also on resume)
+                sft_out = run.out_dir / "sft_checkpoint"
+                reference = str(sft_out) if r.sft is not None and (sft_out / "config.json").exists() else policy
+                self.reference = self._own("reference", start_trainer(run, reference, reference=True))
+        except BaseException:
+            if engines is not None:
+                try:
+                    self._own("engines", engines.result())
+                except BaseException:  # noqa: BLE001 - the trainer's failure is the one reported
+                    pass
+            raise
+        finally:
+            if pool is not None:
+                pool.shutdown(wait=False)
+        self.engines = self._own("engines", engines.result() if engines is not None else start_engines(run, policy))
+
     def _own(self, name: str, group):
         self.resources.add(name, group.shutdown)
         return group

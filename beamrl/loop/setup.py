@@ -282,6 +282,12 @@ def node_factories(rollout, launch, engine, groups) -> list:
     return out
 
 
+def engines_start_with_trainer(r: Recipe) -> bool:
+    """Whether the engines may start while the trainer starts: not where they share GPUs with it (colocated on
+    CUDA), since an engine sizes its memory (KV cache) from what is free on its GPU when it starts."""
+    return r.cluster.device == "cpu" or r.placement.mode != "colocated"
+
+
 def start_engines(run: RunContext, checkpoint: str) -> EngineGroup:
     """The rollout engines: one actor per node of each engine, on the bundle of its first slot (colocated: a
     share of the GPU it shares with a trainer rank)."""
