@@ -37,6 +37,16 @@ from beamrl.metrics.samples import samples_due
 from beamrl.recipe.schema import Recipe
 
 
+def _shutdown_once_started(starting, timeout: float) -> None:
+    """Release an engine group whose start ran in the background: wait for it (its own start-up timeouts bound the
+    wait; `timeout` more at most), then shut down what started. A failed start released its own engines."""
+    try:
+        group = starting.result(timeout=3 * timeout + 60)
+    except BaseException:  # noqa: BLE001 - failed (and cleaned up by EngineGroup) or never finished
+        return
+    group.shutdown()
+
+
 class RLDriver:
     """Owns the actors of a run and the step loop. Use as a context manager so everything is always released."""
 
@@ -156,28 +166,38 @@ class RLDriver:
     def _start_trainer_and_engines(self, policy: str) -> None:
         """The trainer (and the KL reference), and the engines from `policy`. The engines start while the trainer
         does (each start is mostly process start-up, imports and waits: seconds per run), except on shared GPUs
-        (`engines_start_with_trainer`). Whatever started is owned, so released, whichever start fails; the trainer's
-        error is the one raised when both fail."""
+        (`engines_start_with_trainer`). The engines are owned from the moment their start is submitted, so they are
+        released whichever start fails, also on Ctrl-C; when both fail, the trainer's error is raised and the
+        engines' is logged."""
         r, run = self.recipe, self.ctx
-        pool = ThreadPoolExecutor(1, thread_name_prefix="beamrl-engine-start") if engines_start_with_trainer(r) else None
-        engines = pool.submit(start_engines, run, policy) if pool is not None else None
+        if not engines_start_with_trainer(r):
+            self._start_trainers(policy)
+            self.engines = self._own("engines", start_engines(run, policy))
+            return
+        pool = ThreadPoolExecutor(1, thread_name_prefix="beamrl-engine-start")
+        engines = pool.submit(start_engines, run, policy)
+        pool.shutdown(wait=False)  # the thread ends with the start (bounded by its own timeouts)
+        self.resources.add("engines", lambda: _shutdown_once_started(engines, r.timeouts.generate_s))
         try:
-            self.trainer = self._own("trainer", start_trainer(run, policy))
-            if r.algorithm.kl.reference:  # the reference is the policy's starting point (after SFT, also on resume)
-                sft_out = run.out_dir / "sft_checkpoint"
-                reference = str(sft_out) if r.sft is not None and (sft_out / "config.json").exists() else policy
-                self.reference = self._own("reference", start_trainer(run, reference, reference=True))
-        except BaseException:
-            if engines is not None:
-                try:
-                    self._own("engines", engines.result())
-                except BaseException:  # noqa: BLE001 - the trainer's failure is the one reported
-                    pass
+            self._start_trainers(policy)
+        except Exception:
+            try:  # the engines' own outcome, once their start ends (its timeouts bound the wait)
+                err = engines.exception(timeout=3 * r.timeouts.generate_s + 60)
+            except Exception:  # noqa: BLE001 - still starting: released (waited for) with the resources
+                err = None
+            if err is not None:
+                log(f"the engines failed to start too: {type(err).__name__}: {err}")
             raise
-        finally:
-            if pool is not None:
-                pool.shutdown(wait=False)
-        self.engines = self._own("engines", engines.result() if engines is not None else start_engines(run, policy))
+        self.engines = engines.result()
+        self.resources.move_to_end("engines")  # released before the trainer, as when they started after it
+
+    def _start_trainers(self, policy: str) -> None:
+        r, run = self.recipe, self.ctx
+        self.trainer = self._own("trainer", start_trainer(run, policy))
+        if r.algorithm.kl.reference:  # the reference is the policy's starting point (after SFT, also on resume)
+            sft_out = run.out_dir / "sft_checkpoint"
+            reference = str(sft_out) if r.sft is not None and (sft_out / "config.json").exists() else policy
+            self.reference = self._own("reference", start_trainer(run, reference, reference=True))
 
     def _own(self, name: str, group):
         self.resources.add(name, group.shutdown)

@@ -68,9 +68,11 @@ class EngineRecovery:
             retries = 0
             while not self.monitor.restart(k, f"its restart failed ({self.monitor.last_error.get(k)})" if retries
                                            else reason) and not self._any_healthy():
+                budget = self.monitor.config.max_restarts
+                if budget is not None and self.monitor.attempts >= budget:
+                    continue  # no pause: the next restart raises RestartBudgetExceeded at once
                 delay = RETRY_DELAYS_S[min(retries, len(RETRY_DELAYS_S) - 1)]
                 retries += 1
-                budget = self.monitor.config.max_restarts
                 self.log(f"rollout: no engine is healthy: restarting engine {k} ({self.engines.names[k]}) again in "
                          f"{delay:g} s (retry {retries}; {self.monitor.attempts} of "
                          f"{'unlimited' if budget is None else budget} restarts used, rollout.max_engine_restarts)")

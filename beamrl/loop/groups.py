@@ -61,6 +61,15 @@ class TrainerRankError(ActorCallError):
         self.rank, self.label = rank, label
 
 
+def _opened(wire: Wire, what: str):
+    """A call's `Wire` result, opened; a result that cannot be unpickled (e.g. a driver and an engine on different
+    code) raises naming the call."""
+    try:
+        return wire.open()
+    except Exception as e:  # noqa: BLE001 - re-raised with the call's name
+        raise EngineError(f"{what}: its result could not be unpickled: {type(e).__name__}: {e}") from e
+
+
 def _first_line(err: BaseException) -> str:
     text = str(err).strip()
     return " ".join(text.splitlines()[0].split()) if text else type(err).__name__
@@ -259,8 +268,8 @@ class EngineHandle:
         return self.group.names[self.index]
 
     def generate(self, requests: list[GenerateRequest], timeout: float) -> list[GenerateResult]:
-        return ray_get(self.group.nodes[self.index][0].generate.remote(Wire(requests), timeout=timeout),
-                       timeout + 30, f"{self.name}.generate").open()
+        return _opened(ray_get(self.group.nodes[self.index][0].generate.remote(Wire(requests), timeout=timeout),
+                               timeout + 30, f"{self.name}.generate"), f"{self.name}.generate")
 
     def health(self, timeout: float) -> bool:
         return self.group.engine_health(self.index, timeout)
@@ -425,10 +434,11 @@ class EngineGroup:
         for ref in ready:
             e, positions, _ = pending.inflight.pop(ref)
             try:
-                out = ray_get(ref, 30, f"{self.names[e]}.generate").open()
+                out = ray_get(ref, 30, f"{self.names[e]}.generate")
             except ActorCallError as err:
                 failed[e] = (str(err), positions)
                 continue
+            out = _opened(out, f"{self.names[e]}.generate")
             if len(out) != len(positions):
                 raise EngineError(f"{self.names[e]} returned {len(out)} results for {len(positions)} requests")
             for p, res in zip(positions, out):

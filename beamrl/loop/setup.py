@@ -48,6 +48,13 @@ class Resources:
     def add(self, name: str, release: Callable[[], Any]) -> None:
         self._items.append((name, release))
 
+    def move_to_end(self, name: str) -> None:
+        """Release `name` first from now on (as if it were acquired last)."""
+        for i, (n, fn) in enumerate(self._items):
+            if n == name:
+                self._items.append(self._items.pop(i))
+                return
+
     def release(self, name: str) -> None:
         """Release one resource now (e.g. the metric loggers, flushed before the summary is written)."""
         for i, (n, fn) in enumerate(self._items):

@@ -110,7 +110,10 @@ class HealthMonitor:
         self.failures[index] = 0
         self.restarts[index] += 1
         self.last_error.pop(index, None)
-        more = f": {self.describe(index)}" if self.describe is not None else ""
+        try:  # the restart happened: describing it must not turn it into a failure
+            more = f": {self.describe(index)}" if self.describe is not None else ""
+        except Exception as e:  # noqa: BLE001 - e.g. the new engine died again at once; its next call finds out
+            more = f" (no description: {type(e).__name__}: {e})"
         self.on_event(f"engine {index} restarted in {time.monotonic() - t0:.1f} s (restart #{self.restarts[index]})"
                       f"{more}")
         return True

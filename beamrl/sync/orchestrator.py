@@ -290,8 +290,8 @@ class WeightSync:
                 self.pack(target.buffer, layout, tensors, target.views, target.checksum)
                 del tensors
                 if issued:
-                    self._settle(issued)
-                    issued = []
+                    pending, issued = issued, []  # settled once, also when it raises (not again in finally)
+                    self._settle(pending)
                 transport.send(layout, self.timeouts.bucket)
                 count += 1
                 nbytes += layout.nbytes

@@ -64,6 +64,10 @@ class _PipeCall(PendingCall):
 class ProcessReceiver(ForwardingReceiver):
     """`WeightReceiver` proxy for a receiver living in a spawned child process."""
 
+    # A call's pipe write blocks while the child does not read (a stuck child, a message over the pipe's buffer):
+    # only its reply wait has a deadline, so a single call still runs on a thread with the caller's deadline.
+    bounded_calls = False
+
     def __init__(self, factory: Callable[..., Any], args: tuple = (), name: str = "process-receiver",
                  start_timeout: float = 120.0) -> None:
         self._name = name

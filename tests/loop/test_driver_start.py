@@ -52,18 +52,22 @@ def _driver(monkeypatch, trainer_fails=False, engines_fail=False, overrides=()):
 def test_the_engines_start_while_the_trainer_starts_and_both_are_owned(monkeypatch):
     d, log, started = _driver(monkeypatch)
     d._start_trainer_and_engines("policy")
+    d.resources.add("loggers", lambda: log.append("loggers released"))  # acquired later: released first
     assert started["trainer"] != started["engines"]  # two threads, both inside their start at once (the barrier)
     assert (d.trainer.name, d.engines.name) == ("trainer", "engines")
     d.close()
-    assert log == ["engines released", "trainer released"]
+    assert log == ["loggers released", "engines released", "trainer released"]  # engines before the trainer
 
 
 @pytest.mark.parametrize("trainer_fails, engines_fail", [(True, False), (False, True), (True, True)])
-def test_a_failed_start_releases_what_did_start_and_names_the_first_failure(monkeypatch, trainer_fails,
+def test_a_failed_start_releases_what_did_start_and_names_the_first_failure(monkeypatch, capsys, trainer_fails,
                                                                              engines_fail):
     d, log, _ = _driver(monkeypatch, trainer_fails, engines_fail)
     with pytest.raises(RuntimeError, match="trainer start failed" if trainer_fails else "engine start failed"):
         d._start_trainer_and_engines("policy")
+    # when both fail, the trainer's error is raised and the engines' is not lost
+    assert ("the engines failed to start too: RuntimeError: engine start failed" in capsys.readouterr().out) == (
+        trainer_fails and engines_fail)
     d.close()
     assert sorted(log) == sorted([f"{n} released" for n, failed in (("trainer", trainer_fails),
                                                                     ("engines", engines_fail)) if not failed])

@@ -56,12 +56,14 @@ def test_a_failed_restart_of_the_only_engine_is_tried_again_within_the_budget_af
     assert len(done) == 1 and "e0 (node pids []) serves the trainer's weights" in done[0]
 
 
-def test_past_the_budget_the_run_ends_loudly():
+def test_past_the_budget_the_run_ends_loudly_without_a_last_pause():
     engines = _Engines(failures=5)
-    rec, logs, synced = _recovery(engines, budget=2)
+    pauses = []
+    rec, logs, synced = _recovery(engines, budget=2, pauses=pauses)
     with pytest.raises(RestartBudgetExceeded, match="rollout.max_engine_restarts=2"):
         rec.recover({0: "actor died"})
     assert engines.starts == 2 and synced == []
+    assert pauses == [1.0]  # after the last restart allowed failed, no pause before the end
 
 
 def test_the_rollout_boundary_check_asks_only_engines_a_failed_call_would_not_reveal():

@@ -58,3 +58,13 @@ def test_results_keep_their_routed_experts_small_ones_inside_the_message_large_o
     assert all(np.array_equal(a.routed_experts, b.routed_experts) and a.routed_experts.dtype == b.routed_experts.dtype
                for a, b in zip(res, back))
     assert back[0].output_logprobs == [-0.5, -0.25]
+
+
+def test_a_result_that_cannot_be_unpickled_names_the_call():
+    from beamrl.loop.groups import _opened
+    from beamrl.protocols.rollout import EngineError
+
+    wire = Wire([1, 2])
+    wire.blob = wire.blob[:-3]  # e.g. a driver and an engine on different code
+    with pytest.raises(EngineError, match="native-0.generate: its result could not be unpickled"):
+        _opened(wire, "native-0.generate")

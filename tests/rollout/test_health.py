@@ -105,3 +105,18 @@ def test_health_config_refuses_a_negative_restart_budget():
 
     with pytest.raises(ValueError, match="max_restarts=-1"):
         HealthConfig(max_restarts=-1)
+
+
+def test_a_restart_that_cannot_be_described_still_counts_as_done():
+    """`describe` (the RL loop asks the new engine for its pids) failing must not turn a done restart into a
+    failure: the engine is in the router, healthy, and the event says why it has no description."""
+    engines, router, mon, made, events, _ = _setup()
+
+    def describe(i):
+        raise RuntimeError("the new engine died at once")
+
+    mon.describe = describe
+    engines[0].kill()
+    assert mon.restart(0, "killed") is True
+    assert router.engines[0] is made[0] and router.is_healthy(0)
+    assert any("restarted" in e and "no description: RuntimeError: the new engine died at once" in e for e in events)

@@ -270,11 +270,13 @@ class ReceiverTransport(WeightTransport):
                     continue
                 log.info("%s refused the manifest by digest (%s); sending it in full", label, err)
                 self._sent_digest.pop(label, None)
+                first = str(err)
             try:  # nothing else was issued to this engine since: the session opens now or is refused
-                check_reply(r.begin_weight_update(manifest, max(deadline - time.monotonic(), 1e-3)))
+                # its own full timeout: the digest-only answer may have used up the first one's
+                check_reply(r.begin_weight_update(manifest, timeout))
                 self._sent_digest[label] = manifest.digest
             except WeightSyncError as err:
-                failures[label] = str(err)
+                failures[label] = f"{err} (after the digest-only manifest failed: {first})"
         if failures:
             raise ReceiverCallError("begin_weight_update", failures)
 
