@@ -1,5 +1,7 @@
 """Nothing in the package or the benchmarks unpickles without an allowlist (checkpoints are JSON + tensors read
-with `weights_only=True`). The one `pickle.loads` is the test launcher's IPC with its own children."""
+with `weights_only=True`). `pickle.loads` is used only between the run's own processes: the test launcher's IPC
+with its children, and the actor payloads (`Wire`), which cross Ray as Ray's own arguments do (Ray unpickles every
+argument and result)."""
 
 import re
 from pathlib import Path
@@ -7,6 +9,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 #: file -> why it may call pickle.load(s)
 ALLOWED_PICKLE = {"beamrl/trainer/megatron/launch.py": "results of its own child processes (IPC)",
+                  "beamrl/loop/wire.py": "per-step payloads between the run's own actors, inside Ray's calls (which "
+                                         "unpickle their arguments anyway)",
                   "beamrl/trainer/megatron/checkpoint/safe_unpickle.py": "the allowlist unpickler itself",
                   "benchmarks/profile_step.py": "times the driver's actor payloads: unpickles only bytes it pickled "
                                                 "itself in the same profiling run"}
