@@ -24,8 +24,9 @@ from beamrl.loop.log import log
 from beamrl.loop.ray_utils import ActorCallError
 from beamrl.loop.run_dir import plan_start
 from beamrl.loop.samples import completion_samples
-from beamrl.loop.setup import (Resources, RunContext, check_launchable, engines_start_with_trainer, prepare_run,
-                               start_engines, start_ray, start_trainer, truncate_step_files)
+from beamrl.loop.setup import (Resources, RunContext, check_launchable, engine_start_bound_s,
+                               engines_start_with_trainer, prepare_run, start_engines, start_ray, start_trainer,
+                               truncate_step_files)
 from beamrl.loop.sft import sft_warm_start
 from beamrl.loop.summary import plot_and_summarize
 from beamrl.loop.train import train_on_rollouts
@@ -37,11 +38,11 @@ from beamrl.metrics.samples import samples_due
 from beamrl.recipe.schema import Recipe
 
 
-def _shutdown_once_started(starting, timeout: float) -> None:
-    """Release an engine group whose start ran in the background: wait for it (its own start-up timeouts bound the
-    wait; `timeout` more at most), then shut down what started. A failed start released its own engines."""
+def _shutdown_once_started(starting, bound_s: float) -> None:
+    """Release an engine group whose start ran in the background: wait for it (at most `bound_s`, what its own
+    start-up timeouts allow), then shut down what started. A failed start released its own engines."""
     try:
-        group = starting.result(timeout=3 * timeout + 60)
+        group = starting.result(timeout=bound_s)
     except BaseException:  # noqa: BLE001 - failed (and cleaned up by EngineGroup) or never finished
         return
     group.shutdown()
@@ -177,12 +178,13 @@ class RLDriver:
         pool = ThreadPoolExecutor(1, thread_name_prefix="beamrl-engine-start")
         engines = pool.submit(start_engines, run, policy)
         pool.shutdown(wait=False)  # the thread ends with the start (bounded by its own timeouts)
-        self.resources.add("engines", lambda: _shutdown_once_started(engines, r.timeouts.generate_s))
+        bound_s = engine_start_bound_s(r)
+        self.resources.add("engines", lambda: _shutdown_once_started(engines, bound_s))
         try:
             self._start_trainers(policy)
         except Exception:
             try:  # the engines' own outcome, once their start ends (its timeouts bound the wait)
-                err = engines.exception(timeout=3 * r.timeouts.generate_s + 60)
+                err = engines.exception(timeout=bound_s)
             except Exception:  # noqa: BLE001 - still starting: released (waited for) with the resources
                 err = None
             if err is not None:

@@ -24,6 +24,7 @@ import torch
 
 from beamrl.cluster.placement import Placement
 from beamrl.dtypes import torch_dtype
+from beamrl.loop.colocated import engines_stage_memory
 from beamrl.loop.groups import EngineGroup, TrainerGroup
 from beamrl.loop.log import log
 from beamrl.loop.checkpoints import step_of
@@ -268,7 +269,7 @@ def engine_factories(run: RunContext, checkpoint: str) -> list[list]:
     r = run.recipe
     device = "cpu" if run.cpu else "cuda"
     # Colocated GPU engines release weights / KV cache while the trainer runs (needs SGLang's memory saver).
-    memory_saver = r.placement.mode == "colocated" and device == "cuda"
+    memory_saver = engines_stage_memory(r)
     return [node_factories(r.rollout, EngineLaunch(
         checkpoint=checkpoint, dtype=r.model.dtype, device=device, seed=r.run.seed + e.index, name=e.name,
         start_timeout=r.timeouts.generate_s, return_routed_experts=run.return_routed_experts,
@@ -290,9 +291,16 @@ def node_factories(rollout, launch, engine, groups) -> list:
 
 
 def engines_start_with_trainer(r: Recipe) -> bool:
-    """Whether the engines may start while the trainer starts: not where they share GPUs with it (colocated on
-    CUDA), since an engine sizes its memory (KV cache) from what is free on its GPU when it starts."""
-    return r.cluster.device == "cpu" or r.placement.mode != "colocated"
+    """Whether the engines may start while the trainer starts: not where they share GPUs with it (the colocated
+    GPU engines of `engines_stage_memory`), since an engine sizes its memory (KV cache) from what is free on its GPU
+    when it starts."""
+    return not engines_stage_memory(r)
+
+
+def engine_start_bound_s(r: Recipe) -> float:
+    """How long an engine group's start can take: each of its three phases (reserve ports, start, report TP sizes)
+    waits up to `timeouts.generate_s`; plus a minute."""
+    return 3 * r.timeouts.generate_s + 60
 
 
 def start_engines(run: RunContext, checkpoint: str) -> EngineGroup:
