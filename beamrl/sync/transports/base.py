@@ -232,16 +232,9 @@ class ReceiverTransport(WeightTransport):
             return
 
         def begin(label: str, r: WeightReceiver) -> None:
-            if reference is not None and self._sent_digest.get(label) == manifest.digest:
-                try:
-                    r.begin_weight_update(reference, timeout)
-                    return
-                except WeightSyncError as err:
-                    log.info("%s refused the manifest by digest (%s); sending it in full", label, err)
-                    self._sent_digest.pop(label, None)
-            r.begin_weight_update(manifest, timeout)
-            if reference is not None:
-                self._sent_digest[label] = manifest.digest
+            by_digest = reference is not None and self._sent_digest.get(label) == manifest.digest
+            self._open_session(label, r, manifest, by_digest, timeout, lambda: check_reply(
+                r.begin_weight_update(reference if by_digest else manifest, timeout)))
 
         run_concurrently("begin_weight_update", [(label, (lambda label=label, r=r: begin(label, r)))
                                                  for label, r in zip(self.labels, self.receivers)], timeout,
@@ -260,25 +253,32 @@ class ReceiverTransport(WeightTransport):
         failures: dict[str, str] = {}
         for label, r, by_digest, call in opening:
             try:
-                check_reply(call.wait(max(deadline - time.monotonic(), 1e-3)))
-                if manifest.mode == FULL:
-                    self._sent_digest[label] = manifest.digest
-                continue
+                self._open_session(label, r, manifest, by_digest, timeout,
+                                   lambda call=call: check_reply(call.wait(max(deadline - time.monotonic(), 1e-3))))
             except WeightSyncError as err:
-                if not by_digest:
-                    failures[label] = str(err)
-                    continue
-                log.info("%s refused the manifest by digest (%s); sending it in full", label, err)
-                self._sent_digest.pop(label, None)
-                first = str(err)
-            try:  # nothing else was issued to this engine since: the session opens now or is refused
-                # its own full timeout: the digest-only answer may have used up the first one's
-                check_reply(r.begin_weight_update(manifest, timeout))
-                self._sent_digest[label] = manifest.digest
-            except WeightSyncError as err:
-                failures[label] = f"{err} (after the digest-only manifest failed: {first})"
+                failures[label] = str(err)
         if failures:
             raise ReceiverCallError("begin_weight_update", failures)
+
+    def _open_session(self, label: str, r: WeightReceiver, manifest: SyncManifest, by_digest: bool, timeout: float,
+                      first_answer) -> None:
+        """One engine's `begin_weight_update`, waited path or issued one alike: `first_answer()` takes the answer to
+        the begin sent first (the digest-only reference when `by_digest`). An engine refusing the reference gets the
+        full manifest, with its own `timeout` (the first answer may have used up the first one's); a refusal of that
+        raises naming both. Nothing else was issued to the engine in between: its session opens now or is refused."""
+        try:
+            first_answer()
+        except WeightSyncError as err:
+            if not by_digest:
+                raise
+            log.info("%s refused the manifest by digest (%s); sending it in full", label, err)
+            self._sent_digest.pop(label, None)
+            try:
+                check_reply(r.begin_weight_update(manifest, timeout))
+            except WeightSyncError as full:
+                raise WeightSyncError(f"{full} (after the digest-only manifest failed: {err})") from None
+        if manifest.mode == FULL:
+            self._sent_digest[label] = manifest.digest
 
     def buffer(self, bucket: BucketLayout, timeout: float) -> PackTarget:
         self._require_session("buffer")
