@@ -38,6 +38,13 @@ def engines_stage_memory(recipe: Recipe) -> bool:
     return recipe.placement.mode == "colocated" and recipe.cluster.device != "cpu"
 
 
+def engines_back_up_weights(recipe: Recipe) -> bool:
+    """Whether engines keep the weights they release in host memory (`EngineLaunch.weights_cpu_backup`). Only
+    LoRA needs it: its adapter-only syncs do not resend the base weights. Every other sync after a release
+    resends all of them, so a backup would be a full copy out and back per step for nothing (docs/colocated.md)."""
+    return recipe.trainer.lora is not None
+
+
 class ColocatedMemory:
     """The hand-over of device memory between a run's trainer groups and its engines (module docstring).
 

@@ -24,7 +24,7 @@ import torch
 
 from beamrl.cluster.placement import Placement
 from beamrl.dtypes import torch_dtype
-from beamrl.loop.colocated import engines_stage_memory
+from beamrl.loop.colocated import engines_back_up_weights, engines_stage_memory
 from beamrl.loop.groups import EngineGroup, TrainerGroup
 from beamrl.loop.log import log
 from beamrl.loop.checkpoints import step_of
@@ -270,10 +270,12 @@ def engine_factories(run: RunContext, checkpoint: str) -> list[list]:
     device = "cpu" if run.cpu else "cuda"
     # Colocated GPU engines release weights / KV cache while the trainer runs (needs SGLang's memory saver).
     memory_saver = engines_stage_memory(r)
+    backup = engines_back_up_weights(r)
     return [node_factories(r.rollout, EngineLaunch(
         checkpoint=checkpoint, dtype=r.model.dtype, device=device, seed=r.run.seed + e.index, name=e.name,
         start_timeout=r.timeouts.generate_s, return_routed_experts=run.return_routed_experts,
-        memory_saver=memory_saver, api_key=run.api_key, lora=r.trainer.lora), e, run.groups) for e in run.placement.engines]
+        memory_saver=memory_saver, weights_cpu_backup=backup, api_key=run.api_key, lora=r.trainer.lora), e,
+        run.groups) for e in run.placement.engines]
 
 
 def node_factories(rollout, launch, engine, groups) -> list:

@@ -28,6 +28,9 @@ class EngineLaunch:
     device: "cpu" or "cuda". seed: the engine's own seed (run.seed + engine index; the same on all its nodes).
     return_routed_experts: the resolved `rollout.return_routed_experts` (null there follows
     algorithm.routing_replay). memory_saver: colocated GPU engines release their memory while the trainer runs.
+    weights_cpu_backup: released weights are kept in host memory and restored at resume (needed when the syncs
+    do not resend every weight: LoRA's adapter-only syncs); False: they are dropped, and the next full sync loads
+    them (SGLang's `enable_weights_cpu_backup`, off by default).
 
     Where this process of the engine runs comes from the placement plan: `nnodes` and `node_rank` (an engine
     that spans nodes runs one process per node), `base_gpu_id` (its first GPU among `visible_gpus`, the GPU ids
@@ -44,6 +47,7 @@ class EngineLaunch:
     start_timeout: float
     return_routed_experts: bool
     memory_saver: bool = False
+    weights_cpu_backup: bool = True
     nnodes: int = 1
     node_rank: int = 0
     base_gpu_id: int = 0
@@ -90,7 +94,8 @@ def build_native_engine(rollout: "RolloutConfig", launch: EngineLaunch) -> "Roll
     from beamrl.rollout.native import NativeEngine, NativeEngineConfig
 
     return NativeEngine(NativeEngineConfig(model_path=launch.checkpoint, dtype=launch.dtype, device=launch.device,
-                                           seed=launch.seed, name=launch.name, lora=launch.lora))
+                                           seed=launch.seed, name=launch.name, lora=launch.lora,
+                                           weights_cpu_backup=launch.weights_cpu_backup))
 
 
 @ENGINES.register("sglang")
@@ -116,7 +121,7 @@ def build_sglang_engine(rollout: "RolloutConfig", launch: EngineLaunch):
             model_path=launch.checkpoint, mem_fraction=rollout.mem_fraction, device="cuda",
             attention_backend=rollout.attention_backend, deterministic=rollout.deterministic,
             swa_full_tokens_ratio=rollout.swa_full_tokens_ratio, enable_memory_saver=launch.memory_saver,
-            server_args=dict(rollout.server_args), **placed, **server)
+            enable_weights_cpu_backup=launch.memory_saver and launch.weights_cpu_backup, server_args=dict(rollout.server_args), **placed, **server)
     if launch.node_rank > 0:
         from beamrl.rollout.sglang.follower import SGLangFollower
 

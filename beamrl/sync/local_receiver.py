@@ -96,6 +96,7 @@ class LocalWeightReceiver(WeightReceiver):
         self.defer_checks = self.device.type == "cuda" if defer_checks is None else bool(defer_checks)
         self.targets: dict[str, ApplyTarget] = {FULL: ModelWeights(model), **(targets or {})}
         self.failure: str | None = None  # set when a failed session left the weights partly updated
+        self.full_loads = 0  # times every weight was replaced: committed `full` sessions and disk loads
         self._session: ReceiveSession | None = None
         self._session_error: str | None = None  # a refused bucket: the session can only be aborted
         self._touched = False  # whether this session wrote into the weights
@@ -224,6 +225,7 @@ class LocalWeightReceiver(WeightReceiver):
                                       f"({outcome}): {exc}") from None
             if session.manifest.mode == FULL:
                 self.failure = None  # every weight was replaced
+                self.full_loads += 1
             self.weight_version = session.version
             self._close()
 
@@ -322,6 +324,7 @@ class LocalWeightReceiver(WeightReceiver):
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             self.failure = None
+            self.full_loads += 1
 
     def update_weight_version(self, new_version: int, timeout: float) -> None:
         with self._lock:

@@ -7,7 +7,7 @@ import copy
 
 import pytest
 
-from beamrl.loop.colocated import KV_TAGS, ColocatedMemory, trainer_sleeps
+from beamrl.loop.colocated import KV_TAGS, ColocatedMemory, engines_back_up_weights, trainer_sleeps
 from beamrl.recipe import apply_override, validate_recipe
 from tests.recipe.conftest import BASE
 
@@ -75,3 +75,36 @@ def test_sleep_default(overrides, sleeps):
     for o in overrides:
         apply_override(raw, o)
     assert trainer_sleeps(validate_recipe(raw)) is sleeps
+
+
+def test_only_lora_engines_back_up_released_weights():
+    """Full syncs resend every weight after a release, so the engines drop what they release; LoRA's adapter-only
+    syncs do not resend the base: those engines keep a host copy. The rule reaches each engine's launch."""
+    from pathlib import Path
+
+    from beamrl.recipe.load import load_recipe
+
+    recipes = Path(__file__).resolve().parents[2] / "recipes"
+    assert not engines_back_up_weights(load_recipe(recipes / "quickstart.yaml", []))
+    assert engines_back_up_weights(load_recipe(recipes / "quickstart_lora.yaml", []))
+    raw = copy.deepcopy(BASE)
+    assert not engines_back_up_weights(validate_recipe(raw))
+
+
+def test_launch_backup_reaches_the_native_engine(tmp_path):
+    from pathlib import Path
+
+    import torch
+
+    from beamrl.models.beam import BeamForCausalLM, preset
+    from beamrl.recipe.load import load_recipe
+    from beamrl.rollout.engines import EngineLaunch, build_native_engine
+
+    BeamForCausalLM(preset("tiny"), dtype=torch.float32, seed=0).save_pretrained(tmp_path)
+    rollout = load_recipe(Path(__file__).resolve().parents[2] / "recipes" / "quickstart.yaml", []).rollout
+    for backup in (False, True):
+        engine = build_native_engine(rollout, EngineLaunch(checkpoint=str(tmp_path), dtype="float32", device="cpu",
+                                                           seed=0, name="n", start_timeout=60,
+                                                           return_routed_experts=True, weights_cpu_backup=backup))
+        assert engine.config.weights_cpu_backup is backup
+        engine.shutdown()

@@ -20,7 +20,12 @@ class NativeEngineConfig:
     set, `torch.set_num_threads` for this (engine) process: tiny models decode fastest with 1 intra-op thread,
     and an oversubscribed CPU makes more threads much slower. rollback: undo a failed weight-update session from
     host copies of what it overwrote (None: on CPU only; docs/weight-sync.md, "Failures"). lora: the trainer's
-    `trainer.lora`: the engine then accepts adapter-only syncs for it (docs/lora.md); None: full syncs only."""
+    `trainer.lora`: the engine then accepts adapter-only syncs for it (docs/lora.md); None: full syncs only.
+    weights_cpu_backup: `release_memory(['weights'])` keeps a host copy (pinned on CUDA, allocated once) that
+    `resume_memory` restores; False (SGLang's `enable_weights_cpu_backup` default): the weights are dropped, and
+    after `resume_memory` the engine serves nothing until a full weight update (or `update_weights_from_disk`)
+    has loaded every weight. A colocated run with full syncs does exactly that every step, so there the copy out
+    and back is pure cost (docs/colocated.md)."""
 
     model_path: str
     dtype: str = "float32"
@@ -32,6 +37,7 @@ class NativeEngineConfig:
     num_threads: int | None = None
     rollback: bool | None = None
     lora: LoRAConfig | None = None
+    weights_cpu_backup: bool = True
 
     def __post_init__(self) -> None:
         if not self.model_path:

@@ -51,7 +51,9 @@ class NativeEngine(RolloutEngine, WeightReceiver):
         self._lock = threading.Lock()
         self._abort_epoch = 0
         self._seeds = random.Random(config.seed)
-        self._host_weights: dict[str, torch.Tensor] | None = None  # set while 'weights' are released
+        self._released: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None  # while 'weights' are released
+        self._host_weights: dict[str, torch.Tensor] = {}  # the backup (weights_cpu_backup): pinned, reused on CUDA
+        self._awaiting_load: int | None = None  # receiver.full_loads at a resume without backup
         self._closed = False
         targets = {}
         self._adapter: AdapterTarget | None = None
@@ -90,8 +92,14 @@ class NativeEngine(RolloutEngine, WeightReceiver):
         if self._receiver.failure is not None:
             raise EngineError(f"{self.name}: not serving ({self._receiver.failure}); reload the full weights with "
                               f"update_weights_from_disk or restart the engine")
-        if self._host_weights is not None:
+        if self._released is not None:
             raise EngineError(f"{self.name}: {what} while the weights are released; call resume_memory(['weights'])")
+        if self._awaiting_load is not None:
+            if self._receiver.full_loads == self._awaiting_load:
+                raise EngineError(f"{self.name}: {what} before the weights were loaded: they were released without a "
+                                  f"host copy (weights_cpu_backup off), so a full weight update (or "
+                                  f"update_weights_from_disk) must load every weight after resume_memory(['weights'])")
+            self._awaiting_load = None
         if self._receiver.in_session:
             raise EngineError(f"{self.name}: {what} during an open weight-update session; end it first")
 
@@ -170,28 +178,55 @@ class NativeEngine(RolloutEngine, WeightReceiver):
         return tags
 
     def release_memory(self, tags: list[str] | None, timeout: float) -> None:
-        """'weights': move every parameter into a host copy and free the device storage (on CPU the copy *is* the
-        storage, so nothing is freed, but the engine refuses work until resumed). 'kv_cache' / 'cuda_graph':
-        nothing persists between calls, so they are accepted no-ops."""
+        """'weights': free the parameters' device storage, after copying them to host memory if
+        `weights_cpu_backup` (on CPU the host copy *is* the storage: nothing is freed, but the engine refuses work
+        until resumed). 'kv_cache' / 'cuda_graph': nothing persists between calls, so they are accepted no-ops."""
         tags = self._check_tags(tags)
         with self._locked("release_memory", timeout):
-            if "weights" in tags and self._host_weights is None:
-                host = {}
-                for name, p in self.model.named_parameters():
-                    host[name] = p.data if p.device.type == "cpu" else p.data.to("cpu")
-                    p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-                self._host_weights = host
-                if self.model.device.type == "cuda":
-                    torch.cuda.empty_cache()
+            if "weights" in tags and self._released is None:
+                self._release_weights()
+
+    def _release_weights(self) -> None:
+        cuda = self.model.device.type == "cuda"
+        params = list(self.model.named_parameters())
+        if self.config.weights_cpu_backup:
+            for name, p in params:
+                if not cuda:
+                    self._host_weights[name] = p.data
+                    continue
+                host = self._host_weights.get(name)
+                if host is None or host.shape != p.shape or host.dtype != p.dtype:
+                    host = self._host_weights[name] = torch.empty(p.shape, dtype=p.dtype, pin_memory=True)
+                host.copy_(p.data, non_blocking=True)
+            if cuda:
+                torch.cuda.synchronize(self.model.device)  # every copy is done before its storage is freed
+        self._released = {name: (tuple(p.shape), p.dtype) for name, p in params}
+        for _, p in params:
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        if cuda:
+            torch.cuda.empty_cache()
 
     def resume_memory(self, tags: list[str] | None, timeout: float) -> None:
+        """'weights': new device storage, filled from the host copy (`weights_cpu_backup`) or left for the next full
+        weight update to fill (the engine refuses to serve until one has)."""
         tags = self._check_tags(tags)
         with self._locked("resume_memory", timeout):
-            if "weights" in tags and self._host_weights is not None:
-                dev = self.config.device if self.config.device != "cpu" else "cpu"
+            if "weights" in tags and self._released is not None:
+                dev = torch.device(self.config.device)
+                backup = self.config.weights_cpu_backup
                 for name, p in self.model.named_parameters():
-                    p.data = self._host_weights[name].to(dev)
-                self._host_weights = None
+                    shape, dtype = self._released[name]
+                    if not backup:
+                        p.data = torch.empty(shape, dtype=dtype, device=dev)
+                    elif dev.type == "cpu":
+                        p.data = self._host_weights.pop(name)
+                    else:
+                        p.data = self._host_weights[name].to(dev, non_blocking=True)
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
+                if not backup:
+                    self._awaiting_load = self._receiver.full_loads
+                self._released = None
 
     # ------------------------------------------------------------------ weights
     @property
@@ -208,7 +243,7 @@ class NativeEngine(RolloutEngine, WeightReceiver):
         return 0 if self._adapter is None else self._adapter.adapter_version
 
     def _require_weights(self, what: str) -> None:
-        if self._host_weights is not None:
+        if self._released is not None:
             raise WeightSyncError(f"{self.name}: {what} while the weights are released; call "
                                   f"resume_memory(['weights']) first")
 

@@ -72,6 +72,9 @@ class SGLangEngineConfig:
     sampling_backend: str | None = None
     return_routed_experts: bool = True
     enable_memory_saver: bool = False
+    # With the memory saver: keep released weights in host memory (SGLang's default drops them; a full sync
+    # reloads them). Needed when syncs do not resend every weight (LoRA's adapter-only syncs).
+    enable_weights_cpu_backup: bool = False
     deterministic: bool = False
     # SGLang's Beam keeps lm_head in BF16 and, by default, runs the head GEMM in BF16 even in a float32
     # engine; this flag makes the head GEMM FP32 (the weight itself stays BF16-rounded).
@@ -149,6 +152,9 @@ class SGLangEngineConfig:
         if self.enable_memory_saver and self.device == "cpu":
             raise SGLangConfigError(
                 "SGLangEngineConfig.enable_memory_saver=True needs CUDA (torch_memory_saver); device is 'cpu'")
+        if self.enable_weights_cpu_backup and not self.enable_memory_saver:
+            raise SGLangConfigError("SGLangEngineConfig.enable_weights_cpu_backup=True only applies with "
+                                    "enable_memory_saver=True (it backs up the weights the memory saver releases)")
         if self.lora is not None and not isinstance(self.lora, LoRAConfig):
             raise SGLangConfigError(f"SGLangEngineConfig.lora must be a LoRAConfig (trainer.lora), got "
                                     f"{type(self.lora).__name__}")
@@ -172,7 +178,8 @@ class SGLangEngineConfig:
             model_path=self.model_path, engine_tp=self.engine_tp, dtype=self.dtype, device=self.device,
             random_seed=self.random_seed, skip_tokenizer_init=True, log_level=self.log_level,
             weight_version=str(self.weight_version), return_routed_experts=self.return_routed_experts,
-            enable_memory_saver=self.enable_memory_saver, deterministic=self.deterministic,
+            enable_memory_saver=self.enable_memory_saver, enable_weights_cpu_backup=self.enable_weights_cpu_backup,
+            deterministic=self.deterministic,
             enable_fp32_lm_head=self.enable_fp32_lm_head, disable_overlap_schedule=self.disable_overlap_schedule)
         optional = dict(mem_fraction=self.mem_fraction, attention_backend=self.attention_backend,
                         sampling_backend=self.sampling_backend, swa_full_tokens_ratio=self.swa_full_tokens_ratio,

@@ -208,6 +208,47 @@ def test_release_and_resume_weights(engine):
     assert [r.output_ids for r in engine.generate(reqs, T_OUT)] == [r.output_ids for r in before]
 
 
+def test_release_without_backup_serves_only_after_a_full_load(cfg, tmp_path):
+    """weights_cpu_backup off (SGLang's default): nothing is copied out; after resume the engine is healthy but
+    refuses work until a full weight update has loaded every weight; a failed one leaves it refusing."""
+    from beamrl.rollout.native import NativeEngineConfig
+
+    engine = NativeEngine(NativeEngineConfig(model_path="<in-memory>", weights_cpu_backup=False),
+                          BeamForCausalLM(cfg, dtype=torch.float32, seed=1))
+    try:
+        reqs = _reqs(temperature=0.0, ignore_eos=True, routes=False)
+        engine.release_memory(["weights"], T_OUT)
+        assert engine.model.lm_head.weight.numel() == 0 and not engine._host_weights  # no host copy
+        engine.resume_memory(["weights"], T_OUT)
+        assert engine.model.lm_head.weight.shape == (cfg.vocab_size, cfg.hidden_size)
+        assert engine.health(T_OUT)  # waiting for its weights is not a fault (no restart)
+        with pytest.raises(EngineError, match="before the weights were loaded"):
+            engine.generate(reqs, T_OUT)
+        new = random_state_dict(cfg, seed=2, dtype=torch.float32)
+        manifest, buckets = _session(new, 3)
+        engine.begin_weight_update(manifest, T_OUT)
+        engine.update_weights_from_tensor(buckets[0], T_OUT)
+        engine.abort_weight_update("test", T_OUT)  # an aborted sync loads nothing
+        with pytest.raises(EngineError, match="before the weights were loaded"):
+            engine.score([[1, 2, 3]], T_OUT)
+        engine.begin_weight_update(manifest, T_OUT)
+        for b in buckets:
+            engine.update_weights_from_tensor(b, T_OUT)
+        engine.end_weight_update(3, T_OUT)
+        target = NativeEngine.from_model(BeamForCausalLM(cfg, dtype=torch.float32, seed=2))
+        assert [r.output_ids for r in engine.generate(reqs, T_OUT)] == \
+            [r.output_ids for r in target.generate(reqs, T_OUT)]
+        target.shutdown()
+        # update_weights_from_disk loads every weight too
+        engine.release_memory(None, T_OUT)
+        engine.resume_memory(None, T_OUT)
+        BeamForCausalLM(cfg, dtype=torch.float32, seed=1).save_pretrained(tmp_path)
+        engine.update_weights_from_disk(str(tmp_path), T_OUT)
+        engine.generate(reqs, T_OUT)
+    finally:
+        engine.shutdown()
+
+
 def test_abort_all_and_timeout(engine):
     req = GenerateRequest(prompt_ids=[1, 2, 3], sampling=SamplingParams(max_new_tokens=3000, ignore_eos=True, seed=1))
     out, forwards, decoding = {}, [], threading.Event()

@@ -23,6 +23,7 @@ def test_cpu_recipe_renders_to_engine_kwargs_and_cli():
     (dict(mem_fraction=1.5), "mem_fraction"),
     (dict(device="tpu"), "device"),
     (dict(device="cpu", enable_memory_saver=True), "enable_memory_saver"),
+    (dict(enable_weights_cpu_backup=True), "enable_weights_cpu_backup"),
     (dict(server_args={"tp_size": 2}), "server_args"),
     (dict(server_args={"nnodes": 2}), "server_args"),
     (dict(server_args={"api_key": "x"}), "server_args"),
@@ -36,6 +37,14 @@ def test_cpu_recipe_renders_to_engine_kwargs_and_cli():
 def test_invalid_fields_are_named(kwargs, field):
     with pytest.raises(SGLangConfigError, match=field):
         SGLangEngineConfig(model_path="/ckpt", **kwargs)
+
+
+def test_weights_cpu_backup_renders_only_when_asked():
+    """SGLang drops released weights unless asked to back them up (what LoRA's adapter-only syncs need)."""
+    base = dict(model_path="/ckpt", enable_memory_saver=True)
+    assert "--enable-weights-cpu-backup" not in SGLangEngineConfig(**base).launch_argv()
+    cfg = SGLangEngineConfig(**base, enable_weights_cpu_backup=True)
+    assert "--enable-weights-cpu-backup" in cfg.launch_argv() and cfg.engine_kwargs()["enable_weights_cpu_backup"]
 
 
 def test_deterministic_with_explicit_backend_is_accepted():
