@@ -10,6 +10,10 @@ Megatron's views (params into `param_data`, `main_grad` into `grad_data`, bucket
 references) stay valid; waking resizes each storage back and copies the bytes in. On CUDA the freed blocks go back
 to the driver (`torch.cuda.empty_cache`), so another process (the engine) can use them.
 
+Gradients are the exception (`megatron_grad_tensors`): every train step starts by zeroing them, so a storage that
+only gradients view (the DDP grad buffers, the optimizer's main-param grads) is freed without a host copy and comes
+back zero-filled: nothing is lost, and a sleep moves ~20 % fewer bytes each way (FP32 grads of bf16 training).
+
 What stays on the device while asleep (docs/colocated.md): the CUDA context, NCCL communicators and their buffers
 (the process groups are kept: rebuilding Megatron's groups every step costs more than the memory of an idle
 communicator on one node), Megatron's lazily allocated global memory buffer (SP
@@ -35,23 +39,29 @@ class TrainerAsleepError(RuntimeError):
     """A call that needs the trainer's device state was made while the trainer sleeps."""
 
 
+class GradientsPendingError(RuntimeError):
+    """A sleep was asked for between a step's backward and its optimizer update (it would drop the gradients)."""
+
+
 @dataclass(frozen=True)
 class SleepReport:
     """What one `sleep` or `wake` did. `seconds`: wall time (device work included). `bytes`: bytes moved between
-    device storages and host copies. `storages`: how many storages. `asleep_bytes` (sleep) / `awake_bytes` (wake):
+    device storages and host copies. `storages`: how many storages (gradient ones included). `dropped_bytes`:
+    bytes of gradient storages freed without a copy (zero-filled at wake). `asleep_bytes` (sleep) / `awake_bytes` (wake):
     device bytes the caching allocator of this process reserves afterwards (0 on CPU). `peak_bytes` (sleep): the
     allocator's peak reserved bytes since the previous wake (the training peak; 0 on CPU)."""
 
     seconds: float
     bytes: int
     storages: int
+    dropped_bytes: int = 0
     asleep_bytes: int = 0
     awake_bytes: int = 0
     peak_bytes: int = 0
 
     def as_dict(self) -> dict:
         return {"seconds": self.seconds, "bytes": self.bytes, "storages": self.storages,
-                "asleep_bytes": self.asleep_bytes, "awake_bytes": self.awake_bytes, "peak_bytes": self.peak_bytes}
+                "dropped_bytes": self.dropped_bytes, "asleep_bytes": self.asleep_bytes, "awake_bytes": self.awake_bytes, "peak_bytes": self.peak_bytes}
 
 
 def _tensors(obj) -> Iterator[torch.Tensor]:
@@ -69,19 +79,30 @@ def _tensors(obj) -> Iterator[torch.Tensor]:
 def megatron_state_tensors(chunks: Iterable, optimizer) -> Iterator[torch.Tensor]:
     """Every long-lived tensor of a trainer rank: DDP param/grad buffers, module params (+ `main_grad`) and
     buffers, and for each (chained) optimizer its torch optimizer's params, their grads and its state."""
+    return _megatron_tensors(chunks, optimizer, grads_only=False)
+
+
+def megatron_grad_tensors(chunks: Iterable, optimizer) -> Iterator[torch.Tensor]:
+    """The gradients among `megatron_state_tensors`: DDP grad buffers, `main_grad` and `.grad` of the module params,
+    the optimizer params' `.grad`. Every train step zeroes them before use (`zero_grad_buffer`, `zero_grad`)."""
+    return _megatron_tensors(chunks, optimizer, grads_only=True)
+
+
+def _megatron_tensors(chunks: Iterable, optimizer, grads_only: bool) -> Iterator[torch.Tensor]:
     for chunk in chunks:
         for buf in list(getattr(chunk, "buffers", [])) + list(getattr(chunk, "expert_parallel_buffers", [])):
-            for t in (getattr(buf, "param_data", None), getattr(buf, "grad_data", None)):
+            for t in (None if grads_only else getattr(buf, "param_data", None), getattr(buf, "grad_data", None)):
                 if t is not None:
                     yield t
         module = getattr(chunk, "module", chunk)
         for p in module.parameters():
-            yield p.data
+            if not grads_only:
+                yield p.data
             for g in (getattr(p, "main_grad", None), p.grad):
                 if g is not None:
                     yield g
-        for b in module.buffers():
-            yield b
+        if not grads_only:
+            yield from module.buffers()
     if optimizer is None:
         return
     for sub in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
@@ -90,11 +111,13 @@ def megatron_state_tensors(chunks: Iterable, optimizer) -> Iterator[torch.Tensor
             continue
         for group in inner.param_groups:
             for p in group["params"]:
-                yield p.data
+                if not grads_only:
+                    yield p.data
                 if p.grad is not None:
                     yield p.grad
-        for state in inner.state.values():
-            yield from _tensors(state)
+        if not grads_only:
+            for state in inner.state.values():
+                yield from _tensors(state)
 
 
 class _Held:
@@ -102,8 +125,8 @@ class _Held:
 
     __slots__ = ("storage", "nbytes", "host")
 
-    def __init__(self, storage: torch.UntypedStorage, nbytes: int, host: torch.Tensor) -> None:
-        self.storage, self.nbytes, self.host = storage, nbytes, host
+    def __init__(self, storage: torch.UntypedStorage, nbytes: int, host: torch.Tensor | None) -> None:
+        self.storage, self.nbytes, self.host = storage, nbytes, host  # host None: gradients, dropped
 
 
 def _bytes_view(storage: torch.UntypedStorage, nbytes: int) -> torch.Tensor:
@@ -115,11 +138,13 @@ class DeviceStateSleeper:
     """Moves a trainer rank's long-lived device storages to host copies and back (module docstring).
 
     `tensors`: a callable returning the tensors to release (called at every `sleep`: the optimizer creates its
-    state lazily at its first step). `device`: the rank's device; tensors elsewhere (Adam's CPU `step` counters on
-    a GPU rank) are left alone."""
+    state lazily at its first step). `grads`: a callable returning those of them whose contents need not survive
+    (gradients): a storage viewed by nothing else is freed without a copy and zero-filled at wake. `device`: the
+    rank's device; tensors elsewhere (Adam's CPU `step` counters on a GPU rank) are left alone."""
 
-    def __init__(self, tensors, device: torch.device) -> None:
+    def __init__(self, tensors, device: torch.device, grads=None) -> None:
         self._tensors = tensors
+        self._grads = grads
         self.device = torch.device(device)
         self._held: list[_Held] | None = None
         self._host_cache: dict[int, list[torch.Tensor]] = {}  # nbytes -> host buffers reused across cycles
@@ -132,8 +157,11 @@ class DeviceStateSleeper:
     def cuda(self) -> bool:
         return self.device.type == "cuda"
 
-    def _storages(self) -> list[tuple[torch.UntypedStorage, int]]:
+    def _storages(self) -> list[tuple[torch.UntypedStorage, int, bool]]:
+        """(storage, bytes, keep) per device storage; keep False: only gradients view it."""
+        grads = {id(g) for g in self._grads()} if self._grads is not None else set()
         seen: dict[int, tuple[torch.UntypedStorage, int]] = {}
+        kept: set[int] = set()
         for t in self._tensors():
             if t.device != self.device:
                 continue
@@ -142,8 +170,10 @@ class DeviceStateSleeper:
             if n == 0:
                 continue
             seen.setdefault(s.data_ptr(), (s, n))
+            if id(t) not in grads:
+                kept.add(s.data_ptr())
         # Largest first: a stable, deterministic order (and the big buffers' copies start first).
-        return sorted(seen.values(), key=lambda sn: -sn[1])
+        return sorted(((s, n, ptr in kept) for ptr, (s, n) in seen.items()), key=lambda snk: -snk[1])
 
     def _host_buffer(self, nbytes: int, pool: dict[int, list[torch.Tensor]]) -> torch.Tensor:
         free = pool.get(nbytes)
@@ -159,9 +189,11 @@ class DeviceStateSleeper:
         peak = torch.cuda.max_memory_reserved(self.device) if self.cuda else 0
         pool, self._host_cache = self._host_cache, {}
         held = []
-        for storage, n in self._storages():
-            host = self._host_buffer(n, pool)
-            host.copy_(_bytes_view(storage, n), non_blocking=self.cuda)
+        for storage, n, keep in self._storages():
+            host = None
+            if keep:
+                host = self._host_buffer(n, pool)
+                host.copy_(_bytes_view(storage, n), non_blocking=self.cuda)
             held.append(_Held(storage, n, host))
         if self.cuda:
             torch.cuda.synchronize(self.device)  # every copy landed before a storage is freed
@@ -170,26 +202,35 @@ class DeviceStateSleeper:
         self._held = held
         if self.cuda:
             torch.cuda.empty_cache()  # hand the blocks back to the driver: the engine is another process
-        total = sum(h.nbytes for h in held)
-        return SleepReport(time.perf_counter() - t0, total, len(held), asleep_bytes=self._reserved(),
-                           peak_bytes=peak)
+        moved = sum(h.nbytes for h in held if h.host is not None)
+        return SleepReport(time.perf_counter() - t0, moved, len(held), dropped_bytes=_dropped(held),
+                           asleep_bytes=self._reserved(), peak_bytes=peak)
 
     def wake(self) -> SleepReport:
-        """Re-allocate every storage and copy its bytes back (bit-exact). Idempotent."""
+        """Re-allocate every storage and copy its bytes back (bit-exact; gradient storages zero-filled). Idempotent."""
         t0 = time.perf_counter()
         held, self._held = self._held, None
         if held is None:
             return SleepReport(0.0, 0, 0, awake_bytes=self._reserved())
         for h in held:
             h.storage.resize_(h.nbytes)
-            _bytes_view(h.storage, h.nbytes).copy_(h.host, non_blocking=self.cuda)
+            if h.host is None:
+                _bytes_view(h.storage, h.nbytes).zero_()
+            else:
+                _bytes_view(h.storage, h.nbytes).copy_(h.host, non_blocking=self.cuda)
         if self.cuda:
             torch.cuda.synchronize(self.device)  # the host buffers are reused by the next sleep
             torch.cuda.reset_peak_memory_stats(self.device)
         for h in held:
-            self._host_cache.setdefault(h.nbytes, []).append(h.host)
-        total = sum(h.nbytes for h in held)
-        return SleepReport(time.perf_counter() - t0, total, len(held), awake_bytes=self._reserved())
+            if h.host is not None:
+                self._host_cache.setdefault(h.nbytes, []).append(h.host)
+        moved = sum(h.nbytes for h in held if h.host is not None)
+        return SleepReport(time.perf_counter() - t0, moved, len(held), dropped_bytes=_dropped(held),
+                           awake_bytes=self._reserved())
 
     def _reserved(self) -> int:
         return torch.cuda.memory_reserved(self.device) if self.cuda else 0
+
+
+def _dropped(held: list[_Held]) -> int:
+    return sum(h.nbytes for h in held if h.host is None)

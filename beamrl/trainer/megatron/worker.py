@@ -133,9 +133,11 @@ class MegatronTrainer(TrainerWorker):
         from beamrl.trainer.megatron.checkpoint.checkpointer import Checkpointer
 
         self._checkpointer = Checkpointer(self)
-        from beamrl.trainer.megatron.sleep import DeviceStateSleeper, megatron_state_tensors
+        from beamrl.trainer.megatron.sleep import DeviceStateSleeper, megatron_grad_tensors, megatron_state_tensors
 
-        self._sleeper = DeviceStateSleeper(lambda: megatron_state_tensors(self.chunks, self.optimizer), self.device)
+        self._sleeper = DeviceStateSleeper(lambda: megatron_state_tensors(self.chunks, self.optimizer), self.device,
+                                           grads=lambda: megatron_grad_tensors(self.chunks, self.optimizer))
+        self._grads_pending = False  # forward_backward ran, its optimizer_step not yet (a sleep would drop them)
         if hf_checkpoint is not None:
             self.load_hf(hf_checkpoint)
 
@@ -240,12 +242,18 @@ class MegatronTrainer(TrainerWorker):
 
     def sleep(self):
         """Colocated placement: release this rank's params, grads and optimizer state from the device (host copies;
-        `beamrl.trainer.megatron.sleep`). Returns a `SleepReport`. A save in flight has already staged its data on
-        the host, so it keeps writing. Idempotent."""
+        `beamrl.trainer.megatron.sleep`; the gradients are dropped, not copied: every step zeroes them first).
+        Returns a `SleepReport`. A save in flight has already staged its data on the host, so it keeps writing.
+        Idempotent. Refused between `forward_backward` and its `optimizer_step` (it would drop their gradients)."""
+        if self._grads_pending:
+            from beamrl.trainer.megatron.sleep import GradientsPendingError
+
+            raise GradientsPendingError("MegatronTrainer.sleep between forward_backward and optimizer_step would drop the "
+                               "gradients of that step; call optimizer_step first")
         return self._sleeper.sleep()
 
     def wake(self):
-        """Restore what `sleep` released, bit-exactly. Returns a `SleepReport`. Idempotent."""
+        """Restore what `sleep` released, bit-exactly (gradients as zeros). Returns a `SleepReport`. Idempotent."""
         return self._sleeper.wake()
 
     def _require_awake(self, what: str) -> None:
@@ -293,6 +301,7 @@ class MegatronTrainer(TrainerWorker):
         sums = self._reduce_collected(collected)
         if self._replay_enabled:
             sums.update(self._replay_self_check(mbs))
+        self._grads_pending = True
         return sums
 
     def _set_training(self, mode: bool) -> None:
@@ -330,6 +339,7 @@ class MegatronTrainer(TrainerWorker):
         self._require_awake("optimizer_step")
         lr = float(self.optimizer.param_groups[0]["lr"])
         update_ok, grad_norm, _ = self.optimizer.step()
+        self._grads_pending = False
         if update_ok:
             self.scheduler.step(increment=1)
             self._step += 1

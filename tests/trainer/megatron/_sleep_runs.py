@@ -2,8 +2,8 @@
 
 One launch covers the sharded case (TP2+SP, distributed optimizer, bf16: FP32 main params and Adam state are
 shards, params and grads live in Megatron's contiguous buffers): a trainer trains K steps, sleeps (every released
-storage must have 0 bytes), wakes (every tensor bit-identical to a snapshot taken before the sleep) and trains N
-more; a second trainer, rebuilt from the same weights in the same processes, trains K + N steps without sleeping.
+storage must have 0 bytes), wakes (every tensor bit-identical to a snapshot taken before the sleep, except the
+gradients, which are dropped and come back as zeros) and trains N more; a second trainer, rebuilt from the same weights in the same processes, trains K + N steps without sleeping.
 The losses must be identical.
 """
 
@@ -12,13 +12,15 @@ from __future__ import annotations
 import torch
 
 from tests.trainer.megatron import _checkpoint_runs as C
+from tests.trainer.megatron import _equivalence as E
 
 K, N = 2, 2
 
 
 def sleep_cycle(dtype: str, layout: dict | None = None) -> dict:
     from beamrl.models.beam.weights import random_state_dict
-    from beamrl.trainer.megatron.sleep import TrainerAsleepError, megatron_state_tensors
+    from beamrl.trainer.megatron.sleep import (GradientsPendingError, TrainerAsleepError, megatron_grad_tensors,
+                                               megatron_state_tensors)
 
     layout = {"tp": 2, "sp": True} if layout is None else layout
     weights = None
@@ -31,6 +33,7 @@ def sleep_cycle(dtype: str, layout: dict | None = None) -> dict:
         losses = C._train(t, K)
         if mode == "sleep":
             tensors = list(megatron_state_tensors(t.chunks, t.optimizer))
+            grads = {id(g) for g in megatron_grad_tensors(t.chunks, t.optimizer)}
             before = [x.detach().clone() for x in tensors]
             allocated = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
             report = t.sleep()
@@ -39,6 +42,7 @@ def sleep_cycle(dtype: str, layout: dict | None = None) -> dict:
             out["reserved_asleep"] = report.asleep_bytes
             out["peak"] = report.peak_bytes
             out["released_bytes"] = report.bytes
+            out["dropped_bytes"] = report.dropped_bytes
             out["storages"] = report.storages
             # Only the rank's device storages are released (on CUDA, e.g. Adam's CPU `step` counters stay put)
             device = next(x.device for x in tensors if x.numel() > 1)
@@ -65,11 +69,25 @@ def sleep_cycle(dtype: str, layout: dict | None = None) -> dict:
             except TrainerAsleepError as e:
                 out["refused_asleep"] = "wake() first" in str(e)
             t.wake()
+            # state bit-identical; a gradient comes back zero-filled (dropped) or bit-identical (its storage is
+            # shared with state); at least one is dropped (the DDP grad buffers)
             out["bit_identical"] = all(torch.equal(_bits(a), _bits(b))
-                                       for a, b in zip(tensors, before))
+                                       for a, b in zip(tensors, before) if id(a) not in grads)
+            out["grads_zero_or_kept"] = all(torch.equal(_bits(a), _bits(b)) or not a.any()
+                                            for a, b in zip(tensors, before) if id(a) in grads)
+            out["grads_dropped"] = any(not a.any() and b.any() for a, b in zip(tensors, before) if id(a) in grads)
             out["same_objects"] = len(tensors) == len(list(megatron_state_tensors(t.chunks, t.optimizer)))
         losses += C._train(t, N)
         out[f"losses_{mode}"] = losses
+        if mode == "sleep":  # a sleep between a step's backward and its update would drop its gradients: refused
+            mbs = E.micro_batches()
+            t.forward_backward(mbs[:1], E.make_loss(sum(b.num_loss_tokens for b in mbs)))
+            try:
+                t.sleep()
+                out["refused_pending"] = False
+            except GradientsPendingError as e:
+                out["refused_pending"] = "optimizer_step" in str(e)
+            t.optimizer_step()
         t.shutdown()
     return out
 

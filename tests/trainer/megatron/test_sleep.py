@@ -17,5 +17,7 @@ def test_sleep_releases_everything_and_wake_restores_training_exactly():
     assert out["independent_freed"], "Adam state, main params, DDP buffers or main_grads still hold bytes"
     assert out["refused_asleep"], "a train step while asleep must be refused with a clear message"
     assert out["bit_identical"] and out["same_objects"]
+    assert out["grads_zero_or_kept"] and out["grads_dropped"] and out["dropped_bytes"] > 0
+    assert out["refused_pending"], "a sleep between forward_backward and optimizer_step must be refused"
     assert out["losses_sleep"] == out["losses_plain"]  # exact: the same bytes, the same computation
     assert len(out["losses_sleep"]) == R.K + R.N
