@@ -13,8 +13,9 @@ probe), CPU time of this process (the trainer's side) and of the engine's proces
 
     PYTHONPATH=. .venv/bin/python benchmarks/sync_step.py [--syncs 50] [--warmup 5] [--profile 20] [--json PATH]
 
-`--profile N`: N more syncs under cProfile, the top functions by cumulative and own time. Times on a shared
-machine drift; compare CPU times, and before/after in the same sitting.
+`--profile N`: N more syncs under cProfile, the top functions by cumulative and own time. `--in-process`: the
+engine in this process too (a hybrid layout: no channel at all; its CPU time is then counted in the trainer's
+column). Times on a shared machine drift; compare CPU times, and before/after in the same sitting.
 """
 
 from __future__ import annotations
@@ -45,15 +46,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--profile", type=int, default=0, help="then N syncs under cProfile (0: none)")
     ap.add_argument("--top", type=int, default=25, help="rows of each cProfile table")
     ap.add_argument("--json", type=Path, default=None, help="also write the numbers here")
+    ap.add_argument("--in-process", action="store_true", help="the engine in this process (no pipe)")
     args = ap.parse_args(argv)
     if args.syncs < 1 or args.warmup < 1 or args.probe_every < 1 or args.profile < 0:
         ap.error("--syncs, --warmup and --probe-every must be >= 1, --profile >= 0")
     return args
 
 
-def build(workdir: Path, probe_every: int):
-    """The quickstart's trainer (this process), its native engine (a child process) and a `WeightSync` between
-    them as the RL loop builds it (`beamrl.loop.weight_sync`), minus Ray."""
+def build(workdir: Path, probe_every: int, in_process: bool = False):
+    """The quickstart's trainer (this process), its native engine (a child process, or this one with `in_process`)
+    and a `WeightSync` between them as the RL loop builds it (`beamrl.loop.weight_sync`), minus Ray."""
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(20000 + os.getpid() % 20000))
     import torch
@@ -76,9 +78,10 @@ def build(workdir: Path, probe_every: int):
     model = model_config(recipe)
     ckpt = initial_checkpoint(recipe, model, workdir)
     trainer = MegatronTrainer(trainer_setup(recipe, model), hf_checkpoint=ckpt)
-    engine = HostedEngine(NativeEngine, (NativeEngineConfig(model_path=ckpt, dtype=recipe.model.dtype, device="cpu",
-                                                            name="native-0", num_threads=1),),
-                          name="native-0", start_timeout=120)
+    engine_config = NativeEngineConfig(model_path=ckpt, dtype=recipe.model.dtype, device="cpu", name="native-0",
+                                       num_threads=1)
+    engine = (NativeEngine(engine_config) if in_process else
+              HostedEngine(NativeEngine, (engine_config,), name="native-0", start_timeout=120))
     tokenizer = load_tokenizer(recipe.data.tokenizer, recipe.model.checkpoint)
     data = build_prompt_loader(recipe.data, recipe.rollout.prompts_per_step, tokenizer)
     probe = sync_probe(data, tokenizer, recipe.model.dtype, recipe.rollout.engine)
@@ -104,17 +107,20 @@ def run(args: argparse.Namespace) -> dict:
     from benchmarks._proc_cpu import process_cpu_ns
 
     with tempfile.TemporaryDirectory(prefix="beamrl-sync-step-") as tmp:
-        trainer, engine, sync, source = build(Path(tmp), args.probe_every)
+        trainer, engine, sync, source = build(Path(tmp), args.probe_every, args.in_process)
+        engine_pid = None if args.in_process else engine.process.pid
         try:
             rows = []
             for i in range(args.warmup + args.syncs):
                 nudge_(trainer, i)
-                cpu0, eng0, t0 = time.process_time(), process_cpu_ns(engine.process.pid), time.perf_counter()
+                cpu0, t0 = time.process_time(), time.perf_counter()
+                eng0 = process_cpu_ns(engine_pid) if engine_pid is not None else 0
                 report = sync.sync(source())
                 wall = time.perf_counter() - t0
                 rows.append({"sync": i + 1, "probed": report.verified, "wall_ms": wall * 1e3,
                              "trainer_cpu_ms": (time.process_time() - cpu0) * 1e3,
-                             "engine_cpu_ms": (process_cpu_ns(engine.process.pid) - eng0) / 1e6,
+                             "engine_cpu_ms": ((process_cpu_ns(engine_pid) - eng0) / 1e6 if engine_pid is not None
+                                               else 0.0),
                              "report_ms": report.seconds * 1e3, "bytes": report.bytes, "buckets": report.buckets})
             timed = [r for r in rows[args.warmup:] if not r["probed"]]
             probed = [r for r in rows[args.warmup:] if r["probed"]]
