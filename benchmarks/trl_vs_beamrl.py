@@ -18,6 +18,11 @@ Adam, grad clip, eps-clip, no KL (beta=0) and seed.
     .venv/bin/python benchmarks/trl_vs_beamrl.py --steps 60 --sft-steps 15 --repeat 3 --trl-model qwen2 beam \
         --out runs/trl_vs_beamrl_r3
 
+`--beamrl-set KEY=VALUE` (repeatable) adds a recipe override to the beamrl side only, for a loop mode that does not
+touch the shared budget, e.g. the one-step-off loop (`placement.mode=disaggregated placement.off_policy_steps=1
+"algorithm.importance={mode: tis, cap: 2.0}" cluster.gpus_per_node=2 sync.transport=distributed`); keys of the
+shared budget are refused.
+
 Prints one table (framework | params | SFT s | GRPO s/step | reward first/last 20% | total wall s), one row per
 side and run; with `--repeat N` (N runs per side, alternating) also each column's median and min-max spread and
 beamrl's median GRPO step and SFT time as multiples of TRL's. Writes results.json to --out. Timings on a
@@ -76,6 +81,25 @@ class TaskSettings:
     model_seed: int = 0
     data_shuffle: bool = True
     data_shuffle_seed: int = 0
+    beamrl_overrides: tuple[str, ...] = ()  # --beamrl-set: recipe overrides of the beamrl side only
+
+#: Recipe sections and fields the two sides share (`settings_from_recipe`): `--beamrl-set` may not change them.
+SHARED_BUDGET = ("run", "sft", "data", "model", "rewards", "trainer.lr", "trainer.grad_clip",
+                 "trainer.micro_batch_size", "trainer.global_batch_size", "trainer.weight_decay",
+                 "rollout.n_samples_per_prompt", "rollout.prompts_per_step", "rollout.max_new_tokens",
+                 "rollout.temperature", "algorithm.eps_clip_low", "algorithm.eps_clip_high", "algorithm.advantage",
+                 "algorithm.loss", "algorithm.loss_agg")
+
+
+def beamrl_override(text: str) -> str:
+    """One `--beamrl-set KEY=VALUE`, checked: a recipe key outside the shared budget."""
+    key = text.split("=", 1)[0].strip()
+    if "=" not in text or not key:
+        raise argparse.ArgumentTypeError(f"--beamrl-set needs KEY=VALUE, got {text!r}")
+    if any(key == b or key.startswith(b + ".") for b in SHARED_BUDGET):
+        raise argparse.ArgumentTypeError(f"--beamrl-set {key}: part of the budget both sides share "
+                                         f"(steps, data, model, lr, batch, sampling, loss); not per side")
+    return text
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -102,6 +126,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "(--trl-init picks its init); 'beam' = the repository's Beam reference model "
                          "(beamrl.models.beam, tiny preset) with beamrl's own seeded init, i.e. the very model and "
                          "weights beamrl starts from (--trl-init does not apply)")
+    ap.add_argument("--beamrl-set", type=beamrl_override, action="append", default=[], metavar="KEY=VALUE",
+                    help="a recipe override of the beamrl side only (repeatable), e.g. its one-step-off loop; keys "
+                         "of the shared budget are refused")
     ap.add_argument("--timeout-s", type=float, default=1200.0, help="wall-clock limit of each side")
     ap.add_argument("--repeat", type=int, default=1,
                     help="runs per framework, alternating beamrl, trl, beamrl, ... (run i goes to OUT/run<i>/); "
@@ -358,7 +385,8 @@ def beam_tiny_params(vocab_size: int) -> int:
 def run_beamrl(s: TaskSettings, out: Path, timeout_s: float) -> dict:
     d = out / "beamrl"
     cmd = [str(ROOT / ".venv" / "bin" / "beamrl"), "train", str(RECIPE), f"run.num_steps={s.steps}",
-           f"sft.steps={s.sft_steps}", f"run.seed={s.seed}", f"run.output_dir={d}", "logging.plot_reward_curve=false"]
+           f"sft.steps={s.sft_steps}", f"run.seed={s.seed}", f"run.output_dir={d}", "logging.plot_reward_curve=false",
+           *s.beamrl_overrides]
     print("beamrl:", " ".join(cmd), flush=True)
     rc, wall = _run_logged(cmd, d / "stdout.log", timeout_s)
     if rc != 0:
@@ -411,6 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     recipe = yaml.safe_load(RECIPE.read_text())
     s = settings_from_recipe(recipe, args.steps, args.sft_steps, vocab, beam_tiny_params(len(vocab)),
                              args.trl_threads, args.trl_init, args.trl_model[0], args.seed)
+    s = replace(s, beamrl_overrides=tuple(args.beamrl_set))
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     load = LoadSampler()

@@ -25,6 +25,16 @@ def test_parse_args_rejects_bad_values(argv, capsys):
     assert "--" in capsys.readouterr().err  # the message names the option
 
 
+def test_beamrl_set_takes_loop_modes_and_refuses_the_shared_budget(capsys):
+    a = bench.parse_args(["--beamrl-set", "placement.off_policy_steps=1", "--beamrl-set",
+                          "algorithm.importance={mode: tis, cap: 2.0}"])
+    assert a.beamrl_set == ["placement.off_policy_steps=1", "algorithm.importance={mode: tis, cap: 2.0}"]
+    for bad in ("trainer.lr=1e-3", "run.num_steps=5", "rollout.temperature=0.5", "sft.steps=0", "novalue"):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--beamrl-set", bad])
+        assert "--beamrl-set" in capsys.readouterr().err
+
+
 def test_settings_follow_the_quickstart_recipe():
     recipe = yaml.safe_load(bench.RECIPE.read_text())
     s = bench.settings_from_recipe(recipe, steps=7, sft_steps=3, vocab=("a", "b"), target_params=10, threads=1)
