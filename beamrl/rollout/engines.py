@@ -121,7 +121,8 @@ def build_sglang_engine(rollout: "RolloutConfig", launch: EngineLaunch):
             model_path=launch.checkpoint, mem_fraction=rollout.mem_fraction, device="cuda",
             attention_backend=rollout.attention_backend, deterministic=rollout.deterministic,
             swa_full_tokens_ratio=rollout.swa_full_tokens_ratio, enable_memory_saver=launch.memory_saver,
-            enable_weights_cpu_backup=launch.memory_saver and launch.weights_cpu_backup, server_args=dict(rollout.server_args), **placed, **server)
+            enable_weights_cpu_backup=launch.memory_saver and launch.weights_cpu_backup,
+            server_args=dict(rollout.server_args), **placed, **server)
     if launch.node_rank > 0:
         from beamrl.rollout.sglang.follower import SGLangFollower
 

@@ -47,9 +47,10 @@ class GradientsPendingError(RuntimeError):
 class SleepReport:
     """What one `sleep` or `wake` did. `seconds`: wall time (device work included). `bytes`: bytes moved between
     device storages and host copies. `storages`: how many storages (gradient ones included). `dropped_bytes`:
-    bytes of gradient storages freed without a copy (zero-filled at wake). `asleep_bytes` (sleep) / `awake_bytes` (wake):
-    device bytes the caching allocator of this process reserves afterwards (0 on CPU). `peak_bytes` (sleep): the
-    allocator's peak reserved bytes since the previous wake (the training peak; 0 on CPU)."""
+    bytes of gradient storages freed without a copy (zero-filled at wake). `asleep_bytes` (sleep) /
+    `awake_bytes` (wake): device bytes the caching allocator of this process reserves afterwards (0 on CPU).
+    `peak_bytes` (sleep): the allocator's peak reserved bytes since the previous wake (the training peak; 0 on
+    CPU)."""
 
     seconds: float
     bytes: int
@@ -61,7 +62,8 @@ class SleepReport:
 
     def as_dict(self) -> dict:
         return {"seconds": self.seconds, "bytes": self.bytes, "storages": self.storages,
-                "dropped_bytes": self.dropped_bytes, "asleep_bytes": self.asleep_bytes, "awake_bytes": self.awake_bytes, "peak_bytes": self.peak_bytes}
+                "dropped_bytes": self.dropped_bytes, "asleep_bytes": self.asleep_bytes,
+                "awake_bytes": self.awake_bytes, "peak_bytes": self.peak_bytes}
 
 
 def _tensors(obj) -> Iterator[torch.Tensor]:

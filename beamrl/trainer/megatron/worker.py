@@ -248,8 +248,8 @@ class MegatronTrainer(TrainerWorker):
         if self._grads_pending:
             from beamrl.trainer.megatron.sleep import GradientsPendingError
 
-            raise GradientsPendingError("MegatronTrainer.sleep between forward_backward and optimizer_step would drop the "
-                               "gradients of that step; call optimizer_step first")
+            raise GradientsPendingError("MegatronTrainer.sleep between forward_backward and optimizer_step would "
+                                        "drop the gradients of that step; call optimizer_step first")
         return self._sleeper.sleep()
 
     def wake(self):

@@ -3,8 +3,8 @@
 One launch covers the sharded case (TP2+SP, distributed optimizer, bf16: FP32 main params and Adam state are
 shards, params and grads live in Megatron's contiguous buffers): a trainer trains K steps, sleeps (every released
 storage must have 0 bytes), wakes (every tensor bit-identical to a snapshot taken before the sleep, except the
-gradients, which are dropped and come back as zeros) and trains N more; a second trainer, rebuilt from the same weights in the same processes, trains K + N steps without sleeping.
-The losses must be identical.
+gradients, which are dropped and come back as zeros) and trains N more; a second trainer, rebuilt from the same
+weights in the same processes, trains K + N steps without sleeping. The losses must be identical.
 """
 
 from __future__ import annotations
