@@ -88,6 +88,16 @@ def sleep_cycle(dtype: str, layout: dict | None = None) -> dict:
             except GradientsPendingError as e:
                 out["refused_pending"] = "optimizer_step" in str(e)
             t.optimizer_step()
+            # train()/eval() are skipped only when every module already is in the mode (a submodule switched on its
+            # own is switched back)
+            modules = [m for c in t.chunks for m in c.modules()]
+            t.compute_logprobs(mbs[0])
+            out["eval_for_logprobs"] = not any(m.training for m in modules)
+            modules[-1].train()
+            t.compute_logprobs(mbs[0])
+            out["eval_again"] = not any(m.training for m in modules)
+            t.train_step(mbs[:1], E.make_loss(sum(b.num_loss_tokens for b in mbs)))
+            out["train_for_step"] = all(m.training for m in modules)
         t.shutdown()
     return out
 

@@ -19,5 +19,6 @@ def test_sleep_releases_everything_and_wake_restores_training_exactly():
     assert out["bit_identical"] and out["same_objects"]
     assert out["grads_zero_or_kept"] and out["grads_dropped"] and out["dropped_bytes"] > 0
     assert out["refused_pending"], "a sleep between forward_backward and optimizer_step must be refused"
+    assert out["eval_for_logprobs"] and out["eval_again"] and out["train_for_step"]  # the trainer's module modes
     assert out["losses_sleep"] == out["losses_plain"]  # exact: the same bytes, the same computation
     assert len(out["losses_sleep"]) == R.K + R.N
