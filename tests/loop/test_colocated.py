@@ -91,6 +91,28 @@ def test_only_lora_engines_back_up_released_weights():
     assert not engines_back_up_weights(validate_recipe(raw))
 
 
+def test_engine_factories_carry_the_backup_rule():
+    """`setup.engine_factories` gives every engine's launch the run's rule (LoRA: keep a host copy)."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from beamrl.loop.setup import engine_factories
+    from beamrl.recipe.layout import placement_of
+    from beamrl.recipe.load import load_recipe
+
+    class OneNode:
+        def gpu_ids(self, node):
+            return None
+
+    recipes = Path(__file__).resolve().parents[2] / "recipes"
+    for name, backup in (("quickstart.yaml", False), ("quickstart_lora.yaml", True)):
+        r = load_recipe(recipes / name, [])
+        run = SimpleNamespace(recipe=r, cpu=True, return_routed_experts=True, api_key="k", placement=placement_of(r),
+                              groups=OneNode())
+        launches = [f.launch for node in engine_factories(run, "/ckpt") for f in node]
+        assert launches and all(la.weights_cpu_backup is backup for la in launches)
+
+
 def test_launch_backup_reaches_the_native_engine(tmp_path):
     from pathlib import Path
 
