@@ -81,7 +81,7 @@ class TaskSettings:
     model_seed: int = 0
     data_shuffle: bool = True
     data_shuffle_seed: int = 0
-    beamrl_overrides: tuple[str, ...] = ()  # --beamrl-set: recipe overrides of the beamrl side only
+    beamrl_set: tuple[str, ...] = ()  # --beamrl-set: recipe overrides of the beamrl side only
 
 #: Recipe sections and fields the two sides share (`settings_from_recipe`): `--beamrl-set` may not change them.
 SHARED_BUDGET = ("run", "sft", "data", "model", "rewards", "trainer.lr", "trainer.grad_clip",
@@ -386,7 +386,7 @@ def run_beamrl(s: TaskSettings, out: Path, timeout_s: float) -> dict:
     d = out / "beamrl"
     cmd = [str(ROOT / ".venv" / "bin" / "beamrl"), "train", str(RECIPE), f"run.num_steps={s.steps}",
            f"sft.steps={s.sft_steps}", f"run.seed={s.seed}", f"run.output_dir={d}", "logging.plot_reward_curve=false",
-           *s.beamrl_overrides]
+           *s.beamrl_set]
     print("beamrl:", " ".join(cmd), flush=True)
     rc, wall = _run_logged(cmd, d / "stdout.log", timeout_s)
     if rc != 0:
@@ -439,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     recipe = yaml.safe_load(RECIPE.read_text())
     s = settings_from_recipe(recipe, args.steps, args.sft_steps, vocab, beam_tiny_params(len(vocab)),
                              args.trl_threads, args.trl_init, args.trl_model[0], args.seed)
-    s = replace(s, beamrl_overrides=tuple(args.beamrl_set))
+    s = replace(s, beamrl_set=tuple(args.beamrl_set))
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     load = LoadSampler()
