@@ -83,7 +83,8 @@ class TaskSettings:
     data_shuffle_seed: int = 0
     beamrl_set: tuple[str, ...] = ()  # --beamrl-set: recipe overrides of the beamrl side only
 
-#: Recipe sections and fields the two sides share (`settings_from_recipe`): `--beamrl-set` may not change them.
+#: Recipe sections and fields that shape the comparison (the budget `settings_from_recipe` reads, plus the batch
+#: sizes, weight decay and loss that the TRL side mirrors by construction): `--beamrl-set` may not change them.
 SHARED_BUDGET = ("run", "sft", "data", "model", "rewards", "trainer.lr", "trainer.grad_clip",
                  "trainer.micro_batch_size", "trainer.global_batch_size", "trainer.weight_decay",
                  "rollout.n_samples_per_prompt", "rollout.prompts_per_step", "rollout.max_new_tokens",

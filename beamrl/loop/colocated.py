@@ -42,7 +42,9 @@ def engines_back_up_weights(recipe: Recipe) -> bool:
     """Whether engines keep the weights they release in host memory (`EngineLaunch.weights_cpu_backup`). Only
     LoRA needs it: its adapter-only syncs do not resend the base weights. Every other sync after a release
     resends all of them, so a backup would be a full copy out and back per step for nothing (docs/colocated.md)."""
-    return recipe.trainer.lora is not None
+    from beamrl.loop.weight_sync import adapter_only_syncs
+
+    return adapter_only_syncs(recipe.trainer.lora)
 
 
 class ColocatedMemory:

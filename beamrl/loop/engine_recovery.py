@@ -69,7 +69,7 @@ class EngineRecovery:
             while not self.monitor.restart(k, f"its restart failed ({self.monitor.last_error.get(k)})" if retries
                                            else reason) and not self._any_healthy():
                 budget = self.monitor.config.max_restarts
-                if budget is not None and self.monitor.attempts >= budget:
+                if self.monitor.budget_spent:
                     continue  # no pause: the next restart raises RestartBudgetExceeded at once
                 delay = RETRY_DELAYS_S[min(retries, len(RETRY_DELAYS_S) - 1)]
                 retries += 1

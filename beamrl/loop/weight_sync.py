@@ -127,9 +127,14 @@ class LoRAExportSource(MegatronExportSource):
         yield from self.trainer.export_lora()
 
 
+def adapter_only_syncs(lora) -> bool:
+    """Whether the syncs of a trainer with this `trainer.lora` send only its adapters (LoRA), not every weight."""
+    return lora is not None
+
+
 def export_source(trainer) -> ExportSource:
     """What a sync of this trainer sends: the adapters when it trains LoRA (`trainer.lora`), else every weight."""
-    return LoRAExportSource(trainer) if trainer.lora is not None else MegatronExportSource(trainer)
+    return LoRAExportSource(trainer) if adapter_only_syncs(trainer.lora) else MegatronExportSource(trainer)
 
 
 @dataclass(frozen=True)

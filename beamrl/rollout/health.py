@@ -81,11 +81,17 @@ class HealthMonitor:
                 self.restart(i, f"{self.failures[i]} failed health check(s)")
         return states
 
+    @property
+    def budget_spent(self) -> bool:
+        """Whether `rollout.max_engine_restarts` restarts were used (the next `restart` raises)."""
+        budget = self.config.max_restarts
+        return budget is not None and self.attempts >= budget
+
     def restart(self, index: int, reason: str) -> bool:
         """Shut engine `index` down and rebuild it with the factory (also for a caller that saw it fail a call).
         Returns whether the new engine is in the router; raises `RestartBudgetExceeded` past the budget."""
         budget = self.config.max_restarts
-        if budget is not None and self.attempts >= budget:
+        if self.budget_spent:
             raise RestartBudgetExceeded(f"engine {index} needs a restart ({reason}) but the restart budget is spent: "
                                         f"{self.attempts} restart(s) already (rollout.max_engine_restarts={budget})")
         self.attempts += 1

@@ -96,7 +96,9 @@ class LocalWeightReceiver(WeightReceiver):
         self.defer_checks = self.device.type == "cuda" if defer_checks is None else bool(defer_checks)
         self.targets: dict[str, ApplyTarget] = {FULL: ModelWeights(model), **(targets or {})}
         self.failure: str | None = None  # set when a failed session left the weights partly updated
-        self.full_loads = 0  # times every weight was replaced: committed `full` sessions and disk loads
+        # set (why) while the weights hold no values at all (dropped by a memory release without a host copy): the
+        # engine must not serve until a committed `full` session or a disk load replaced every weight
+        self.unloaded: str | None = None
         self._session: ReceiveSession | None = None
         self._session_error: str | None = None  # a refused bucket: the session can only be aborted
         self._touched = False  # whether this session wrote into the weights
@@ -224,8 +226,7 @@ class LocalWeightReceiver(WeightReceiver):
                 raise WeightSyncError(f"{self._name}: session closed without serving version {new_version} "
                                       f"({outcome}): {exc}") from None
             if session.manifest.mode == FULL:
-                self.failure = None  # every weight was replaced
-                self.full_loads += 1
+                self.failure = self.unloaded = None  # every weight was replaced
             self.weight_version = session.version
             self._close()
 
@@ -323,8 +324,7 @@ class LocalWeightReceiver(WeightReceiver):
                 raise WeightSyncError(f"{self._name}: update_weights_from_disk({path}) failed: {exc}") from exc
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-            self.failure = None
-            self.full_loads += 1
+            self.failure = self.unloaded = None
 
     def update_weight_version(self, new_version: int, timeout: float) -> None:
         with self._lock:

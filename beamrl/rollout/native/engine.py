@@ -53,7 +53,6 @@ class NativeEngine(RolloutEngine, WeightReceiver):
         self._seeds = random.Random(config.seed)
         self._released: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None  # while 'weights' are released
         self._host_weights: dict[str, torch.Tensor] = {}  # the backup (weights_cpu_backup): pinned, reused on CUDA
-        self._awaiting_load: int | None = None  # receiver.full_loads at a resume without backup
         self._closed = False
         targets = {}
         self._adapter: AdapterTarget | None = None
@@ -94,12 +93,8 @@ class NativeEngine(RolloutEngine, WeightReceiver):
                               f"update_weights_from_disk or restart the engine")
         if self._released is not None:
             raise EngineError(f"{self.name}: {what} while the weights are released; call resume_memory(['weights'])")
-        if self._awaiting_load is not None:
-            if self._receiver.full_loads == self._awaiting_load:
-                raise EngineError(f"{self.name}: {what} before the weights were loaded: they were released without a "
-                                  f"host copy (weights_cpu_backup off), so a full weight update (or "
-                                  f"update_weights_from_disk) must load every weight after resume_memory(['weights'])")
-            self._awaiting_load = None
+        if self._receiver.unloaded is not None:
+            raise EngineError(f"{self.name}: {what} before the weights were loaded: {self._receiver.unloaded}")
         if self._receiver.in_session:
             raise EngineError(f"{self.name}: {what} during an open weight-update session; end it first")
 
@@ -225,7 +220,9 @@ class NativeEngine(RolloutEngine, WeightReceiver):
                 if dev.type == "cuda":
                     torch.cuda.synchronize(dev)
                 if not backup:
-                    self._awaiting_load = self._receiver.full_loads
+                    self._receiver.unloaded = ("they were released without a host copy (weights_cpu_backup off), "
+                                               "so a full weight update (or update_weights_from_disk) must load every "
+                                               "weight after resume_memory(['weights'])")
                 self._released = None
 
     # ------------------------------------------------------------------ weights

@@ -161,7 +161,8 @@ class DeviceStateSleeper:
 
     def _storages(self) -> list[tuple[torch.UntypedStorage, int, bool]]:
         """(storage, bytes, keep) per device storage; keep False: only gradients view it."""
-        grads = {id(g) for g in self._grads()} if self._grads is not None else set()
+        grads_held = list(self._grads()) if self._grads is not None else []  # alive while their ids are compared
+        grads = {id(g) for g in grads_held}
         seen: dict[int, tuple[torch.UntypedStorage, int]] = {}
         kept: set[int] = set()
         for t in self._tensors():
