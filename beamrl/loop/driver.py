@@ -43,7 +43,11 @@ def _shutdown_once_started(starting, bound_s: float) -> None:
     start-up timeouts allow), then shut down what started. A failed start released its own engines."""
     try:
         group = starting.result(timeout=bound_s)
-    except BaseException:  # noqa: BLE001 - failed (and cleaned up by EngineGroup) or never finished
+    except TimeoutError:
+        log(f"the engines' start did not end within {bound_s:g} s; engines it still starts are not shut down by "
+            f"this run (their actors end with its Ray instance)")
+        return
+    except Exception:  # noqa: BLE001 - a failed start released its own engines (EngineGroup)
         return
     group.shutdown()
 
@@ -190,7 +194,7 @@ class RLDriver:
             if err is not None:
                 log(f"the engines failed to start too: {type(err).__name__}: {err}")
             raise
-        self.engines = engines.result()
+        self.engines = engines.result(timeout=bound_s)
         self.resources.move_to_end("engines")  # released before the trainer, as when they started after it
 
     def _start_trainers(self, policy: str) -> None:

@@ -179,6 +179,9 @@ class NativeEngine(RolloutEngine, WeightReceiver):
         tags = self._check_tags(tags)
         with self._locked("release_memory", timeout):
             if "weights" in tags and self._released is None:
+                if self._receiver.in_session:
+                    raise EngineError(f"{self.name}: release_memory(['weights']) during an open weight-update "
+                                      f"session would lose its applied buckets; end or abort it first")
                 self._release_weights()
 
     def _release_weights(self) -> None:

@@ -284,6 +284,7 @@ class MegatronTrainer(TrainerWorker):
         for c in self.chunks:
             c.zero_grad_buffer()
         self.optimizer.zero_grad()
+        self._grads_pending = False  # zeroed: an earlier backward's gradients are gone anyway
 
         def output_fn(lp, ent, batch):
             loss, metrics = loss_fn(lp, ent, batch)
@@ -338,8 +339,10 @@ class MegatronTrainer(TrainerWorker):
         a step with non-finite gradients is skipped (updated False) and does not advance the schedule."""
         self._require_awake("optimizer_step")
         lr = float(self.optimizer.param_groups[0]["lr"])
-        update_ok, grad_norm, _ = self.optimizer.step()
-        self._grads_pending = False
+        try:
+            update_ok, grad_norm, _ = self.optimizer.step()
+        finally:  # used (or failed with): the next step zeroes them before its backward
+            self._grads_pending = False
         if update_ok:
             self.scheduler.step(increment=1)
             self._step += 1

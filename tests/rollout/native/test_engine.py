@@ -232,6 +232,8 @@ def test_release_without_backup_serves_only_after_a_full_load(cfg, tmp_path):
         with pytest.raises(EngineError, match="before the weights were loaded"):
             engine.score([[1, 2, 3]], T_OUT)
         engine.begin_weight_update(manifest, T_OUT)
+        with pytest.raises(EngineError, match="open weight-update session"):
+            engine.release_memory(["weights"], T_OUT)  # would lose the session's buckets
         for b in buckets:
             engine.update_weights_from_tensor(b, T_OUT)
         engine.end_weight_update(3, T_OUT)
