@@ -25,6 +25,11 @@ class ReceiverCallError(WeightSyncError):
         super().__init__(f"{what} failed on {len(failures)} engine(s): {detail}")
 
 
+def call_error_message(exc: BaseException) -> str:
+    """How a failed call is reported: a `WeightSyncError`'s own message, any other exception with its type."""
+    return str(exc) if isinstance(exc, WeightSyncError) else f"{type(exc).__name__}: {exc}"
+
+
 def check_reply(reply: object) -> None:
     """SGLang-style `(success, message)` replies: any `success=False` is an error, never ignored."""
     if isinstance(reply, tuple) and len(reply) == 2 and isinstance(reply[0], bool) and not reply[0]:
@@ -66,8 +71,7 @@ def run_concurrently(what: str, calls: Sequence[tuple[str, Callable[[], object]]
         try:
             check_reply(fn())
         except Exception as exc:  # as a thread reports it
-            raise ReceiverCallError(what, {who: str(exc) if isinstance(exc, WeightSyncError)
-                                           else f"{type(exc).__name__}: {exc}"}) from exc
+            raise ReceiverCallError(what, {who: call_error_message(exc)}) from exc
         return
     errors: dict[str, str] = {}
     done = threading.Condition()
@@ -78,7 +82,7 @@ def run_concurrently(what: str, calls: Sequence[tuple[str, Callable[[], object]]
             check_reply(fn())
         except BaseException as exc:  # reported to the caller, never swallowed
             with done:
-                errors[who] = str(exc) if isinstance(exc, WeightSyncError) else f"{type(exc).__name__}: {exc}"
+                errors[who] = call_error_message(exc)
         finally:
             with done:
                 completed.add(who)

@@ -198,7 +198,8 @@ class NativeEngine(RolloutEngine, WeightReceiver):
                 host.copy_(p.data, non_blocking=True)
             if cuda:
                 torch.cuda.synchronize(self.model.device)  # every copy is done before its storage is freed
-        self._released = {name: (tuple(p.shape), p.dtype) for name, p in params}
+        # Each parameter comes back where it was (not where the config says: a model given in memory may differ).
+        self._released = {name: (tuple(p.shape), p.dtype, p.device) for name, p in params}
         for _, p in params:
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         if cuda:
@@ -210,18 +211,20 @@ class NativeEngine(RolloutEngine, WeightReceiver):
         tags = self._check_tags(tags)
         with self._locked("resume_memory", timeout):
             if "weights" in tags and self._released is not None:
-                dev = torch.device(self.config.device)
                 backup = self.config.weights_cpu_backup
+                devices = set()
                 for name, p in self.model.named_parameters():
-                    shape, dtype = self._released[name]
+                    shape, dtype, dev = self._released[name]
+                    devices.add(dev)
                     if not backup:
                         p.data = torch.empty(shape, dtype=dtype, device=dev)
                     elif dev.type == "cpu":
                         p.data = self._host_weights.pop(name)
                     else:
                         p.data = self._host_weights[name].to(dev, non_blocking=True)
-                if dev.type == "cuda":
-                    torch.cuda.synchronize(dev)
+                for dev in devices:
+                    if dev.type == "cuda":
+                        torch.cuda.synchronize(dev)
                 if not backup:
                     self._receiver.unloaded = ("they were released without a host copy (weights_cpu_backup off), "
                                                "so a full weight update (or update_weights_from_disk) must load every "

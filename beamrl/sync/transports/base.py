@@ -298,6 +298,17 @@ class ReceiverTransport(WeightTransport):
             checksum.bucket = None  # set by `pack_bucket` once it wrote this bucket's checksum
         return PackTarget(bucket.index, slot.payload(bucket.nbytes), cached[1], checksum)
 
+    def send(self, bucket: BucketLayout, timeout: float) -> None:
+        """Ship the bucket packed into `buffer(bucket)`: only inside a session, and only once every engine accepted
+        its manifest (`_await_begin`; the begin calls may still be in flight), then the transport's own `_send`."""
+        self._require_session("send")
+        self._await_begin(timeout)
+        self._send(bucket, timeout)
+
+    @abc.abstractmethod
+    def _send(self, bucket: BucketLayout, timeout: float) -> None:
+        """The transport's part of `send` (session open, every engine's begin answered)."""
+
     def _packer_checksums(self) -> bool:
         """Whether `buffer` asks the packer for the bucket's checksum into the slot's trailer (`_checksum_into_trailer`
         then has nothing left to do): transports whose receivers read the trailer say yes."""

@@ -130,9 +130,7 @@ class ColocatedTransport(ReceiverTransport):
     def _packer_checksums(self) -> bool:
         return self._mode == "staged"
 
-    def send(self, bucket: BucketLayout, timeout: float) -> None:
-        self._require_session("send")
-        self._await_begin(timeout)
+    def _send(self, bucket: BucketLayout, timeout: float) -> None:
         slot = self._slot(bucket.index)
         if self._mode == "per_rank":
             self._send_per_rank(slot, bucket, timeout)

@@ -60,9 +60,8 @@ class DiskTransport(ReceiverTransport):
         self._buckets[bucket.index] = FlatBucket(buf, list(bucket.metas), index=bucket.index)
         return PackTarget(bucket.index, buf, bucket_views(buf, bucket))
 
-    def send(self, bucket: BucketLayout, timeout: float) -> None:
+    def _send(self, bucket: BucketLayout, timeout: float) -> None:
         """Nothing moves yet: the packed host buffer is kept for the checkpoint written at `finalize`."""
-        self._require_session("send")
 
     def finalize(self, timeout: float) -> None:
         manifest = self._require_session("finalize")

@@ -124,10 +124,8 @@ class DistributedTransport(ReceiverTransport):
         log.info("weight-update group %s up: %s:%d, world %d, backend %s", group, self.master_address, port,
                  world, self.backend)
 
-    def send(self, bucket: BucketLayout, timeout: float) -> None:
+    def _send(self, bucket: BucketLayout, timeout: float) -> None:
         """Issue the engines' receive calls and start the broadcast; returns without waiting (module docstring)."""
-        self._require_session("send")
-        self._await_begin(timeout)
         if self._pg is None:
             raise WeightSyncError("send before connect(): the update group does not exist")
         slot = self._slot(bucket.index)

@@ -100,13 +100,6 @@ def _owner_of_layers(config) -> dict[int, tuple[int, int, int]]:
     return out
 
 
-def _tensors(chunk: BeamGPTModel) -> dict[str, torch.Tensor]:
-    """The chunk's base tensors (LoRA adapter parameters have their own mapping, `lora_mapping.py`)."""
-    named = {n: p for n, p in chunk.named_parameters() if not getattr(p, "is_lora_adapter", False)}
-    named.update(dict(chunk.named_buffers()))
-    return named
-
-
 def _shard(t: torch.Tensor, dim: int, rank: int, world: int) -> torch.Tensor:
     n = t.shape[dim]
     if n % world:
@@ -147,7 +140,7 @@ def load_hf_weights(model_chunks: Sequence, hf_state: Mapping[str, torch.Tensor]
         beam = cfg.beam
         layers = list(stage_layers(cfg, vp_stage=v if cfg.virtual_pipeline_model_parallel_size else None,
                                    pp_rank=lay.pp_rank))
-        for name, dst in _tensors(chunk).items():
+        for name, dst in _TensorRefs(chunk).items():
             src = _source_for(beam, name, layers, lay, hf_state, strict)
             if src is None:
                 continue
@@ -252,7 +245,7 @@ def export_hf_layout(model_chunks: Sequence) -> list[list[tuple[str, tuple[int, 
 
 
 class _TensorRefs:
-    """A chunk's base tensors by Megatron name, looked up when read. Each name is kept as (module, attribute), so a
+    """A chunk's base tensors by Megatron name (what the HF mapping loads and exports), looked up when read. Each name is kept as (module, attribute), so a
     parameter whose `.data` was swapped (`hf_gradients`, LoRA's `merged_base_weights`), a reassigned buffer or a
     storage released and resumed (trainer sleep) is read as it is now, never as it was when the table was made.
     LoRA adapter parameters are left out (`lora_mapping.py` maps them)."""
@@ -271,6 +264,10 @@ class _TensorRefs:
     def __getitem__(self, name: str) -> torch.Tensor:
         module, attr = self._where[name]
         return getattr(module, attr)
+
+    def items(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every (Megatron name, tensor as it is now)."""
+        return ((name, getattr(module, attr)) for name, (module, attr) in self._where.items())
 
 
 class HFExporter:
@@ -472,7 +469,8 @@ class HFExporter:
     def _local_experts(self, named, m: str, layer: int, j: int, inter: int) -> tuple:
         """EP 1: (gate, up, down) views of every expert of `layer`, made at its first slot (three calls for the
         layer instead of a handful of tensor ops per expert) and dropped after its last; never kept from one export
-        to the next (the weights, or a parameter's `.data`, change in between)."""
+        to the next (the weights, or a parameter's `.data`, change in between). Measured on the quickstart's tiny
+        Beam: 0.9 ms per export, 2.4 ms with per-expert indexing (docs/benchmarks.md, ninth session)."""
         views = self._expert_views.get(layer)
         if views is None or j == 0:
             gu, dn = named[m + "gate_up_weight"].detach(), named[m + "down_weight"].detach()

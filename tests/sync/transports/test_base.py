@@ -7,7 +7,8 @@ import time
 import pytest
 import torch
 
-from beamrl.protocols.weights import WeightSyncError
+from beamrl.protocols.weights import PendingCall, WeightSyncError
+from beamrl.sync.forwarding_receiver import ForwardingReceiver
 from beamrl.sync.local_receiver import LocalWeightReceiver
 from beamrl.sync.packing import pack_bucket
 from beamrl.sync.plan import plan_buckets
@@ -113,6 +114,44 @@ def test_session_misuse_is_refused(trainer_model):
     assert receiver.weight_version == 0  # the version changes only when the session ends
     transport.finalize(timeout=5)
     assert receiver.weight_version == 1 and not transport.unhealthy
+
+
+class _IssueOrderProxy(ForwardingReceiver):
+    """An engine behind an ordered channel (as the Ray and pipe proxies): calls run when issued, `begin` is only
+    issued by the transport and its answer taken later. Records the methods that reached the engine."""
+
+    tp_size = 1
+
+    def __init__(self, inner):
+        self.inner, self.reached = inner, []
+
+    name = property(lambda self: self.inner.name)
+    weight_version = property(lambda self: self.inner.weight_version)
+
+    def _submit(self, method, timeout, *args):
+        self.reached.append(method)
+        try:
+            return PendingCall(result=getattr(self.inner, method)(*args, timeout))
+        except WeightSyncError as exc:
+            return PendingCall(error=exc)
+
+
+@pytest.mark.parametrize("staged", [True, False])
+def test_no_bucket_goes_out_before_every_engine_accepted_the_manifest(trainer_model, staged):
+    """`begin` only issues the engines' begin calls where they run in issue order; `send` (the base class's, for
+    every transport) takes their answers first, so an engine refusing the manifest fails the send, naming it,
+    and no bucket reaches any engine."""
+    refusing = _IssueOrderProxy(LocalWeightReceiver(trainer_model, name="stale-eng", initial_version=5))
+    other = _IssueOrderProxy(LocalWeightReceiver(type(trainer_model)(trainer_model.config, dtype=torch.float32,
+                                                                     seed=3), name="ok-eng"))
+    transport = TRANSPORTS.get("colocated")([other, refusing], staged=staged)
+    manifest, tensors = session(trainer_model)
+    transport.begin(manifest, timeout=5)  # issued, not answered: returns although one engine refuses
+    with pytest.raises(WeightSyncError, match=r"stale-eng: .*version"):
+        send(transport, manifest, tensors, 0, timeout=5)
+    loads = {"load_staged_bucket", "update_weights_from_tensor"}
+    assert [m for m in refusing.reached + other.reached if m in loads] == []
+    transport.abort("begin refused", timeout=5)
 
 
 def test_duplicate_engine_names_get_distinct_labels(trainer_model):
