@@ -138,7 +138,12 @@ class TrainerActor:
         return save_hf_export(self.trainer, self.rank, out_dir)
 
     def shutdown(self) -> None:
-        self.trainer.shutdown()
+        from beamrl.loop.weight_sync import discard_sync_buffers
+
+        try:
+            discard_sync_buffers(self.trainer)
+        finally:
+            self.trainer.shutdown()
 
 
 # Liveness and shutdown calls of an engine actor run in a thread of their own ("control"): a health check or a

@@ -250,6 +250,13 @@ def release_sync_buffers(trainer) -> None:
             ws.release_buffers()
 
 
+def discard_sync_buffers(trainer) -> None:
+    """At shutdown: free every staging buffer and rank slot of the trainer's syncs, without engine calls (the
+    engines may be shut down already). The actor is killed next, so nothing would remove its /dev/shm files."""
+    for key in [k for k in _SYNCS if k[0] == id(trainer)]:
+        _SYNCS.pop(key).discard_buffers()
+
+
 def save_hf_export(trainer, rank: int, out_dir: str) -> str | None:
     """Write the trainer's current weights as an HF Beam checkpoint (SGLang's format) from rank 0 (a LoRA trainer:
     the merged weights)."""

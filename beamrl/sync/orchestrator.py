@@ -502,6 +502,14 @@ class WeightSync:
         if self.rank_slots is not None:
             self.rank_slots.release()
 
+    def discard_buffers(self) -> None:
+        """The run is ending: free the transport's staging buffers and this rank's slots without engine calls (each
+        rank on its own; `WeightTransport.discard_buffers`)."""
+        if self._transport is not None:
+            self._transport.discard_buffers()
+        if self.rank_slots is not None:
+            self.rank_slots.release()
+
     def close(self) -> None:
         """Tear down the transport's channels (e.g. the update group) and staging buffers."""
         if self._transport is not None:

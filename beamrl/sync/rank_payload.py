@@ -114,7 +114,7 @@ class SharedBuffer:
         path = str(_shm_dir() / f"beamrl-rank-bucket-{os.getpid()}-{uuid.uuid4().hex[:12]}")
         buf = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
         buf._beamrl_shm_path = path
-        weakref.finalize(buf, _unlink, path)
+        buf._beamrl_unlink = weakref.finalize(buf, _unlink, path)  # also called by its owner's close()
         return buf
 
     def for_bucket(self, index: int, nbytes: int) -> "SharedBuffer":

@@ -43,6 +43,14 @@ class RankSlot(SenderSlot):
         super().__init__(index, capacity, SharedBuffer.allocate(capacity, device))
         self.handle = SharedBuffer.of(self.buffer, rank, index)
 
+    def close(self) -> None:
+        """Also removes the CPU buffer's /dev/shm file now (not when the tensor is collected: a process killed after
+        its shutdown never collects it; engines that mapped it keep their mapping)."""
+        super().close()
+        unlink = getattr(self.buffer, "_beamrl_unlink", None)
+        if unlink is not None:
+            unlink()
+
 
 class RankSlots:
     """This trainer rank's slots (module docstring). `shipping_rank`: the rank whose transport sends the payloads

@@ -3,6 +3,8 @@ the trainer rank on its device, each kept alive until the engine copied it; the 
 entries; and SGLang's flattened-bucket payload with one buffer per TP rank. Wired into a sync with several trainer
 ranks: tests/sync/test_rank_slots.py."""
 
+import os
+
 import pytest
 import torch
 
@@ -57,6 +59,21 @@ def test_a_cpu_buffer_must_be_shareable_and_is_gone_once_released():
     del buf
     with pytest.raises(PayloadError, match="bucket 3 of trainer rank 0 is gone"):
         handle.open()
+
+
+def test_released_rank_slots_remove_their_files_while_their_tensors_live():
+    """`RankSlots.release` removes each CPU slot's /dev/shm file at once, even while something still holds the
+    buffer (a process killed after its shutdown never collects it, and the file would outlive the run)."""
+    from beamrl.sync.rank_slots import RankSlots
+
+    slots = RankSlots(rank=0, device="cpu", num_slots=2)
+    slots.ensure(64)
+    held = [s.buffer for s in slots.slots]
+    paths = [s.handle.path for s in slots.slots]
+    assert all(os.path.exists(p) for p in paths)
+    slots.release()
+    assert not any(os.path.exists(p) for p in paths)
+    assert all(b.numel() == 64 for b in held)  # the memory itself stays valid for whoever still maps it
 
 
 def test_sglang_payload_carries_each_tp_rank_its_own_buffer():

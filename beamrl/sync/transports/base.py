@@ -96,6 +96,10 @@ class WeightTransport(abc.ABC):
         """Free the staging buffers between syncs (a colocated trainer going to sleep); the next `begin` makes and
         shares new ones. Channels stay up."""
 
+    def discard_buffers(self) -> None:
+        """The run is ending: free the staging buffers without calling the engines (they may be gone already), so
+        no shared-memory file outlives this process."""
+
 
 class ReceiverTransport(WeightTransport):
     """A `WeightTransport` over a fixed list of receivers: session state, staging slots, health marks.
@@ -179,8 +183,10 @@ class ReceiverTransport(WeightTransport):
             for s in self._slots:
                 s.receiver_events = [receiver_event(replies[i][s.index], self.device) for i in range(len(self.receivers))]
 
-    def _drop_slots(self, timeout: float) -> None:
-        if self._shared_slots and self._slots:
+    def _drop_slots(self, timeout: float, detach: bool = True) -> None:
+        """Close the staging slots (a CPU slot's shared-memory file is removed); with `detach`, the engines are asked
+        to let go of shared slots first."""
+        if detach and self._shared_slots and self._slots:
             try:
                 self._call_all("detach_staging", lambda r: r.detach_staging(timeout), timeout)
             except WeightSyncError as err:
@@ -377,6 +383,9 @@ class ReceiverTransport(WeightTransport):
 
     def close(self) -> None:
         self._drop_slots(10.0)
+
+    def discard_buffers(self) -> None:
+        self._drop_slots(0.0, detach=False)
 
     def release_buffers(self, timeout: float) -> None:
         if self.manifest is not None:

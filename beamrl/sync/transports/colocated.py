@@ -106,11 +106,11 @@ class ColocatedTransport(ReceiverTransport):
                                f"RankSlots.ensure runs on every trainer rank before begin (WeightSync does)")
         self._slots = self.rank_slots.slots  # the shipping rank packs straight into its own rank slot
 
-    def _drop_slots(self, timeout: float) -> None:
+    def _drop_slots(self, timeout: float, detach: bool = True) -> None:
         if self._mode == "per_rank":
             self._slots = []  # owned by the RankSlots (released with them, on every rank)
             return
-        super()._drop_slots(timeout)
+        super()._drop_slots(timeout, detach)
 
     def _wait_slot(self, slot, timeout: float) -> None:
         super()._wait_slot(slot, timeout)
