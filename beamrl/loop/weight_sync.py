@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from beamrl.loop.log import log
 from beamrl.loop.ray_utils import ActorCallError, ray_get
 from beamrl.models.beam.lora_payload import ADAPTER, SCALE_NAME, scale_tensor
 from beamrl.protocols.weights import PendingCall, WeightSyncError
@@ -254,7 +255,10 @@ def discard_sync_buffers(trainer) -> None:
     """At shutdown: free every staging buffer and rank slot of the trainer's syncs, without engine calls (the
     engines may be shut down already). The actor is killed next, so nothing would remove its /dev/shm files."""
     for key in [k for k in _SYNCS if k[0] == id(trainer)]:
-        _SYNCS.pop(key).discard_buffers()
+        try:
+            _SYNCS.pop(key).discard_buffers()
+        except Exception as exc:  # noqa: BLE001 - the others' files must still go; shutdown goes on
+            log(f"warning: discarding the buffers of weight sync {key[1:]} failed: {type(exc).__name__}: {exc}")
 
 
 def save_hf_export(trainer, rank: int, out_dir: str) -> str | None:

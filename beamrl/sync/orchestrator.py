@@ -511,6 +511,8 @@ class WeightSync:
             self.rank_slots.release()
 
     def close(self) -> None:
-        """Tear down the transport's channels (e.g. the update group) and staging buffers."""
+        """Tear down the transport's channels (e.g. the update group), its staging buffers and this rank's slots."""
         if self._transport is not None:
             self._transport.close()
+        if self.rank_slots is not None:
+            self.rank_slots.release()

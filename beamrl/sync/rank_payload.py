@@ -30,16 +30,14 @@ spreads each packed bucket to them; the colocated transport's per-rank mode send
 from __future__ import annotations
 
 import os
-import tempfile
-import uuid
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from beamrl.protocols.flat_bucket import FlatBucket, TensorMeta
+from beamrl.sync import shm
 
 
 class PayloadError(ValueError):
@@ -74,11 +72,6 @@ class Colocation:
         return len(self.trainer_rank_of)
 
 
-def _shm_dir() -> Path:
-    shm = Path("/dev/shm")
-    return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
-
-
 class SharedBuffer:
     """A picklable handle on one trainer rank's packed bucket: a CUDA-IPC handle (torch's own reduction) on GPU, a
     shared-memory file on CPU. `rank`: the trainer rank that owns it; `index`: the bucket."""
@@ -106,15 +99,15 @@ class SharedBuffer:
 
     @staticmethod
     def allocate(nbytes: int, device: torch.device | str) -> torch.Tensor:
-        """A buffer another process can open: device memory on GPU, a `/dev/shm` file on CPU (removed when the
-        buffer is garbage-collected)."""
+        """A buffer another process can open: device memory on GPU, a `/dev/shm` file on CPU, removed when the
+        buffer is garbage-collected or, earlier, by calling the tensor's `_beamrl_unlink()` (its owner's close)."""
         device = torch.device(device)
         if device.type == "cuda":
             return torch.empty(nbytes, dtype=torch.uint8, device=device)
-        path = str(_shm_dir() / f"beamrl-rank-bucket-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+        path = shm.new_path("beamrl-rank-bucket")
         buf = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
         buf._beamrl_shm_path = path
-        buf._beamrl_unlink = weakref.finalize(buf, _unlink, path)  # also called by its owner's close()
+        buf._beamrl_unlink = weakref.finalize(buf, shm.remove, path)  # also called by its owner's close()
         return buf
 
     def for_bucket(self, index: int, nbytes: int) -> "SharedBuffer":
@@ -152,13 +145,6 @@ class _CudaTensorByUUID:
         rebuild, args = self.handle.cuda_ipc
         args = tuple(self.handle.device_uuid if i == self._DEVICE_ARG else a for i, a in enumerate(args))
         return rebuild, args
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 def gather_handles(handle, dst: int = 0, group=None) -> list | None:

@@ -19,34 +19,21 @@ is the same memory on both sides, and whole rows need the fewest kernels).
 
 from __future__ import annotations
 
-import os
-import tempfile
-import uuid
 import weakref
-from pathlib import Path
 
 import torch
 
 from beamrl.protocols.checksum import padded_rows
+from beamrl.sync import shm
 from beamrl.sync.packing import BucketChecksum
 
 TRAILER_BYTES = 16  # int64 [S, W] of `beamrl.protocols.checksum`
-
-
-def _shm_dir() -> Path:
-    shm = Path("/dev/shm")
-    return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
 
 
 def _trailer_offset(capacity: int) -> int:
     return padded_rows(capacity)  # the checksum reads whole 4 KiB rows of the slot
 
 
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 class SlotHandle:
@@ -124,9 +111,9 @@ class StagingSlot(SenderSlot):
             if shared:
                 self.sender_event = torch.cuda.Event(interprocess=True)
         elif shared:
-            self.path = str(_shm_dir() / f"beamrl-sync-{os.getpid()}-{uuid.uuid4().hex[:12]}-{index}")
+            self.path = f"{shm.new_path('beamrl-sync')}-{index}"
             buffer = torch.from_file(self.path, shared=True, size=size, dtype=torch.uint8)
-            self._finalizer = weakref.finalize(self, _unlink, self.path)
+            self._finalizer = weakref.finalize(self, shm.remove, self.path)
         else:
             buffer = torch.empty(size, dtype=torch.uint8)
         super().__init__(index, capacity, buffer)

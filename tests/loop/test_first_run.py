@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -47,12 +48,26 @@ def digest(root: Path) -> dict[str, str]:
             for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-SHM = Path("/dev/shm")
-
-
 def shared_memory_files() -> set[str]:
-    """beamrl's shared-memory files (the CPU staging slots and rank slots of the weight sync)."""
-    return {p.name for p in SHM.glob("beamrl-*")} if SHM.is_dir() else set()
+    """beamrl's shared-memory files (the CPU staging slots and rank slots of the weight sync) whose creating process
+    (the pid in the name) is gone: what a run left behind, not another live run's."""
+    from beamrl.sync.shm import shm_dir
+
+    def gone(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return False
+
+    out = set()
+    for p in shm_dir().glob("beamrl-*"):
+        m = re.match(r"beamrl-(?:sync|rank-bucket)-(\d+)-", p.name)
+        if m and gone(int(m.group(1))):
+            out.add(p.name)
+    return out
 
 
 @pytest.fixture(scope="module")

@@ -51,7 +51,8 @@ class NativeEngine(RolloutEngine, WeightReceiver):
         self._lock = threading.Lock()
         self._abort_epoch = 0
         self._seeds = random.Random(config.seed)
-        self._released: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None  # while 'weights' are released
+        # while 'weights' are released: each parameter's shape, dtype and device
+        self._released: dict[str, tuple[tuple[int, ...], torch.dtype, torch.device]] | None = None
         self._host_weights: dict[str, torch.Tensor] = {}  # the backup (weights_cpu_backup): pinned, reused on CUDA
         self._closed = False
         targets = {}

@@ -386,6 +386,8 @@ class ReceiverTransport(WeightTransport):
 
     def discard_buffers(self) -> None:
         self._drop_slots(0.0, detach=False)
+        # An open session cannot go on without its slots: it ends here (the engines are not told; they may be gone).
+        self.manifest, self._opening, self._touched = None, [], False
 
     def release_buffers(self, timeout: float) -> None:
         if self.manifest is not None:
