@@ -243,18 +243,22 @@ def resync_on_rank(trainer, rank: int, receivers, engine_names, engine_tp, index
     return None if report is None else asdict(report)
 
 
+def _keys_of(trainer) -> list[tuple]:
+    """The `_SYNCS` keys of this trainer's orchestrators (one per engine set, transport, bucket size, colocation)."""
+    return [k for k in _SYNCS if k[0] == id(trainer)]
+
+
 def release_sync_buffers(trainer) -> None:
     """Before the trainer sleeps (colocated): free this rank's staging slots (the engines detach first); the next
     sync shares new ones. A no-op on ranks that do not ship."""
-    for key, ws in _SYNCS.items():
-        if key[0] == id(trainer):
-            ws.release_buffers()
+    for key in _keys_of(trainer):
+        _SYNCS[key].release_buffers()
 
 
 def discard_sync_buffers(trainer) -> None:
     """At shutdown: free every staging buffer and rank slot of the trainer's syncs, without engine calls (the
     engines may be shut down already). The actor is killed next, so nothing would remove its /dev/shm files."""
-    for key in [k for k in _SYNCS if k[0] == id(trainer)]:
+    for key in _keys_of(trainer):
         try:
             _SYNCS.pop(key).discard_buffers()
         except Exception as exc:  # noqa: BLE001 - the others' files must still go; shutdown goes on

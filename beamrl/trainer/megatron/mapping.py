@@ -245,10 +245,11 @@ def export_hf_layout(model_chunks: Sequence) -> list[list[tuple[str, tuple[int, 
 
 
 class _TensorRefs:
-    """A chunk's base tensors by Megatron name (what the HF mapping loads and exports), looked up when read. Each name is kept as (module, attribute), so a
-    parameter whose `.data` was swapped (`hf_gradients`, LoRA's `merged_base_weights`), a reassigned buffer or a
-    storage released and resumed (trainer sleep) is read as it is now, never as it was when the table was made.
-    LoRA adapter parameters are left out (`lora_mapping.py` maps them)."""
+    """A chunk's base tensors by Megatron name (what the HF mapping loads and exports), looked up when read. Each
+    name is kept as (module, attribute), so a parameter whose `.data` was swapped (`hf_gradients`, LoRA's
+    `merged_base_weights`), a reassigned buffer or a storage released and resumed (trainer sleep) is read as it is
+    now, never as it was when the table was made. LoRA adapter parameters are left out (`lora_mapping.py` maps
+    them)."""
 
     def __init__(self, chunk: BeamGPTModel) -> None:
         self._where: dict[str, tuple[torch.nn.Module, str]] = {}

@@ -1,4 +1,5 @@
-"""numerics.rms_norm vs F.rms_norm, forward + backward, 8 alternating rounds of 300 calls (CPU us per call); then the ops F.rms_norm runs on CPU (aten::_fused_rms_norm is a composite of the same ops)."""
+"""numerics.rms_norm vs F.rms_norm, forward + backward, 8 alternating rounds of 300 calls (CPU us per call); then
+the ops F.rms_norm runs on CPU (aten::_fused_rms_norm is a composite of the same ops)."""
 import torch, time
 import torch.nn.functional as F
 torch.set_num_threads(1)
