@@ -1,6 +1,9 @@
 """Suite-wide test settings: CPU only, deterministic, no compile, quiet third-party logs."""
 
 import os
+import shutil
+import tempfile
+from pathlib import Path
 
 # Megatron's jit_fuser becomes torch.compile; the first compile of a tiny op costs seconds on CI.
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
@@ -17,6 +20,16 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_num_threads(int(os.environ.get("BEAMRL_TEST_THREADS", "2")))
+
+
+@pytest.fixture(scope="module")
+def ray_temp_dir():
+    """A short temporary folder for a Ray cluster (`/tmp/beamrl-ray-*`, as `beamrl train` makes one): Ray's socket
+    paths under it must fit AF_UNIX's 107 bytes, which pytest's own folders can exceed (pytest-xdist's per-worker
+    ones did: `.../pytest-N/popen-gw1/ray0/session_<date>_<pid>/sockets/plasma_store.1`). Removed after the module."""
+    path = Path(tempfile.mkdtemp(prefix="beamrl-ray-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

@@ -6,7 +6,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
-TOP_LEVEL = {p.name for p in ROOT.iterdir() if p.is_dir() and not p.name.startswith(".")}
+# Folders of the repository, not local outputs that .gitignore names (`/runs/`, `/outputs/`): a doc that names
+# `runs/x` as a command's output is not referring to a repository file, whether or not this checkout has run it.
+IGNORED = {ln.strip().strip("/") for ln in (ROOT / ".gitignore").read_text().splitlines()
+           if ln.strip().startswith("/") and ln.strip().endswith("/")}
+TOP_LEVEL = {p.name for p in ROOT.iterdir() if p.is_dir() and not p.name.startswith(".") and p.name not in IGNORED}
 IN_REPO = {p.name for p in ROOT.rglob("*") if ".venv" not in p.parts and ".git" not in p.parts}
 
 

@@ -13,6 +13,7 @@ from beamrl.loop.ray_utils import ActorCallError, ray_get
 from beamrl.loop.wire import Wire
 from beamrl.protocols.rollout import EngineError, GenerateRequest, GenerateResult
 from beamrl.rollout.router import EngineRouter
+from beamrl.sync import shm
 
 #: After one trainer rank's call failed, how long the others get to report a dead rank (the usual root cause of a
 #: failed collective on a live rank), so the message names the rank that died.
@@ -94,6 +95,7 @@ class TrainerGroup:
         dp = ray_get([a.data_parallel_rank.remote() for a in self.actors], timeout, "trainer.data_parallel_rank")
         self.dp_ranks = [d for d, _ in dp]
         self.dp_size = dp[0][1]
+        self.process_ids = self.pids()
 
     def _all(self, what: str, timeout: float | None, fn):
         return self._gather([fn(a) for a in self.actors], timeout or self.timeout, f"trainer.{what}")
@@ -159,6 +161,12 @@ class TrainerGroup:
             except Exception:  # noqa: BLE001 - already dead
                 pass
         self.actors = []
+        self._remove_left_files()
+
+    def _remove_left_files(self) -> None:
+        """Remove the CPU weight sync's shared-memory files that ranks killed without their shutdown left behind
+        (`beamrl.sync.shm`; a rank's own shutdown removes them, a killed rank cannot)."""
+        shm.remove_files_of_exited(self.process_ids)
 
     def compute_logprobs(self, batch, temperature: float, replay: bool, return_entropy: bool = False):
         return self._all("compute_logprobs", None, lambda a: a.compute_logprobs.remote(
@@ -238,6 +246,7 @@ class TrainerGroup:
     def shutdown(self) -> None:
         shutdown_actors(self.actors, [f"trainer-{r}" for r in range(len(self.actors))])
         self.actors = []
+        self._remove_left_files()  # a rank whose shutdown failed or timed out
 
 
 @dataclass

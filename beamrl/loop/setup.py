@@ -256,7 +256,7 @@ def start_trainer(run: RunContext, hf_checkpoint: str, lr: float | None = None,
     labels = [f"node {t.slot.node}, {unit} {t.slot.gpu}" for t in run.placement.trainer]
     group = TrainerGroup(trainer_setup(r, run.model, lr), hf_checkpoint, len(options), r.timeouts.train_step_s,
                          options, labels=labels)
-    where = "; ".join(f"rank {k} on {lb} (pid {pid})" for k, (lb, pid) in enumerate(zip(labels, group.pids())))
+    where = "; ".join(f"rank {k} on {lb} (pid {pid})" for k, (lb, pid) in enumerate(zip(labels, group.process_ids)))
     log(f"{'reference' if reference else 'trainer'}: {len(options)} Megatron rank(s) ready in "
         f"{time.perf_counter() - t0:.1f} s: {where}")
     return group

@@ -19,8 +19,8 @@ CPU = ["cluster.device=cpu", f"cluster.gpus_per_node={SLOTS}"]
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    c = start_rehearsal_cluster(NODES, SLOTS, tmp_path_factory.mktemp("ray"))
+def cluster(ray_temp_dir):
+    c = start_rehearsal_cluster(NODES, SLOTS, ray_temp_dir)
     yield c
     c.shutdown()
 

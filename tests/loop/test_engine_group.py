@@ -27,14 +27,14 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
+def engine(tmp_path_factory, ray_temp_dir):
     from beamrl.models.beam.checkpoint import save_checkpoint
     from beamrl.models.beam.weights import random_state_dict
 
     ckpt = tmp_path_factory.mktemp("ckpt")
     cfg = preset("tiny")
     save_checkpoint(cfg, random_state_dict(cfg, 3, torch.bfloat16), ckpt)
-    cluster = start_rehearsal_cluster(2, 1, tmp_path_factory.mktemp("ray"))
+    cluster = start_rehearsal_cluster(2, 1, ray_temp_dir)
     # An engines-only plan: one SGLang engine of TP2 on two nodes of one slot each.
     plan = plan_placement(device="cpu", num_nodes=2, gpus_per_node=1, trainer=ParallelConfig(), trainer_gpus=0,
                           engine="sglang", num_engines=1, engine_tp=2, mode="disaggregated")

@@ -98,10 +98,10 @@ def test_a_hanging_reward_costs_the_others_nothing_and_the_step_about_one_timeou
 
 
 @pytest.fixture(scope="module")
-def local_ray(tmp_path_factory):
+def local_ray(ray_temp_dir):
     from beamrl.cluster.ray_start import init_local_ray
 
-    init_local_ray(num_cpus=2, temp_dir=tmp_path_factory.mktemp("ray"))
+    init_local_ray(num_cpus=2, temp_dir=ray_temp_dir)
     yield
     ray.shutdown()
 

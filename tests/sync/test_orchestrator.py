@@ -335,3 +335,20 @@ def test_a_refused_pause_still_fails_the_sync_when_begin_went_out_behind_it(trai
     finally:
         sync.close()
     assert proxy.served_weight_version(5) == 0  # nothing was committed
+
+
+def test_disk_transport_keeps_only_the_last_version_and_the_run_end_removes_it(hosted_engine, trainer_model,
+                                                                                tmp_path):
+    """Each version's checkpoint replaces the previous one; when the run ends (`discard_buffers`, as the trainer's
+    shutdown calls it) the last one and the transport's directory go too."""
+    root = tmp_path / "sync"
+    sync = WeightSync(transport_factory("disk", tmp_path), [hosted_engine], timeouts=TIMEOUTS,
+                      initial_version=hosted_engine.weight_version, progress=None)
+    v0 = hosted_engine.weight_version
+    for seed in (1, 2):
+        perturb(trainer_model, seed=seed)
+        sync.sync(StateDictSource.of_model(trainer_model))
+    assert [p.name for p in root.iterdir()] == [f"v{v0 + 2:06d}"]
+    sync.discard_buffers()
+    assert not root.exists()
+    assert hosted_engine.weight_version == v0 + 2  # the engine keeps what it loaded

@@ -88,6 +88,19 @@ class DiskTransport(ReceiverTransport):
             shutil.rmtree(self._last_dir, ignore_errors=True)
         self._last_dir, self.manifest = out, None
 
+    def discard_buffers(self) -> None:
+        """The run is ending: besides the base's bookkeeping, remove the last version's checkpoint (unless
+        `keep_previous`) and the transport's directory once it is empty; the engines loaded the weights long ago."""
+        super().discard_buffers()
+        self._buckets = {}
+        if self._last_dir is not None and not self.keep_previous:
+            shutil.rmtree(self._last_dir, ignore_errors=True)
+            self._last_dir = None
+            try:
+                self.root.rmdir()  # only when empty: never anything the transport did not write
+            except OSError:
+                pass
+
     def abort(self, reason: str, timeout: float) -> None:
         self._buckets = {}
         if not self._touched:  # engines were never called: nothing to undo
