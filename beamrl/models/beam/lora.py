@@ -21,6 +21,7 @@ without an expert id (`model.layers.i.mlp.experts.gate_proj.lora_A.weight`).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -33,14 +34,25 @@ from beamrl.models.beam.lora_config import LoRAConfig
 _MERGE_CHUNK_ELEMENTS = 1 << 26
 
 
-@torch.compiler.disable  # a compiled graph could fuse the multiply and the add into an FMA
-@torch.no_grad()
 def merge_lora_weight(w0: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
     """`W' = dtype(W0)(fp32(W0) + s * sum_r fp32(B[..., :, r]) * fp32(A[..., r, :]))` (module docstring).
 
     w0 [..., out, in]; a [..., r, in] and b [..., out, r] with leading dims broadcastable to w0's (e.g. a shared
     A [r, in] against per-expert w0 [E, out, in]). Returns a new tensor of w0's dtype, shape and device; the
-    inputs are not modified. `scale` must be an FP32-representable number (`LoRAConfig.scale`)."""
+    inputs are not modified. `scale` must be an FP32-representable number (`LoRAConfig.scale`). Never compiled:
+    a compiled graph could fuse the multiply and the add into an FMA."""
+    return _never_compiled(_merge_lora_weight)(w0, a, b, scale)
+
+
+@functools.cache
+def _never_compiled(fn):
+    """`torch.compiler.disable(fn)`, made at the first call rather than at import: it imports torch's compiler
+    stack (~1.5 s of CPU), which would tax every process importing this module (the driver, the engines)."""
+    return torch.compiler.disable(fn)
+
+
+@torch.no_grad()
+def _merge_lora_weight(w0: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
     if a.shape[-2] != b.shape[-1] or a.shape[-1] != w0.shape[-1] or b.shape[-2] != w0.shape[-2]:
         raise ValueError(f"LoRA shapes do not fit: W0 {tuple(w0.shape)}, A {tuple(a.shape)}, B {tuple(b.shape)}")
     if torch.tensor(scale, dtype=torch.float32).item() != float(scale):

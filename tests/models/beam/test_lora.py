@@ -131,3 +131,38 @@ def test_merger_applies_only_complete_checked_adapters_at_commit():
     merger.reapply([name])
     w = next(w for w in L.adapted_weights(cfg, lora) if w.weight == name)
     assert torch.equal(written[name], L.merge_lora_weight(store[name], adapter[w.a], adapter[w.b], lora.scale))
+
+
+# Run where compiling is on (the suite sets TORCHDYNAMO_DISABLE=1): importing the module must not import torch's
+# compiler (start-up of every driver and engine), and a compiled caller must run the merge eagerly (no graph holds its
+# multiply and add, which a compiler could contract into an FMA).
+_NEVER_COMPILED = """
+import sys
+import torch
+from beamrl.models.beam.lora import merge_lora_weight
+assert "torch._dynamo" not in sys.modules, "importing the LoRA merge imported torch's compiler"
+graphs = []
+def backend(gm, example_inputs):
+    graphs.append(sorted({str(n.target) for n in gm.graph.nodes if n.op in ("call_function", "call_method")}))
+    return gm.forward
+def f(w0, a, b):
+    return merge_lora_weight(w0, a, b, 2.0) * 3
+w0, a, b = torch.randn(8, 4), torch.randn(2, 4), torch.randn(8, 2)
+out = torch.compile(f, backend=backend)(w0, a, b)
+assert torch.equal(out, f(w0, a, b))
+assert graphs == [["<built-in function mul>"]], graphs
+"""
+
+
+def test_the_merge_is_never_compiled_and_its_import_does_not_load_the_compiler():
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    env = {k: v for k, v in os.environ.items() if k != "TORCHDYNAMO_DISABLE"}
+    env["PYTHONPATH"] = str(root)
+    p = subprocess.run([sys.executable, "-c", _NEVER_COMPILED], cwd=root, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
