@@ -11,7 +11,8 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 IGNORED = {ln.strip().strip("/") for ln in (ROOT / ".gitignore").read_text().splitlines()
            if ln.strip().startswith("/") and ln.strip().endswith("/")}
 TOP_LEVEL = {p.name for p in ROOT.iterdir() if p.is_dir() and not p.name.startswith(".") and p.name not in IGNORED}
-IN_REPO = {p.name for p in ROOT.rglob("*") if ".venv" not in p.parts and ".git" not in p.parts}
+IN_REPO = {p.name for p in ROOT.rglob("*")
+           if ".venv" not in p.parts and ".git" not in p.parts and p.relative_to(ROOT).parts[0] not in IGNORED}
 
 
 def references(text: str) -> list[str]:

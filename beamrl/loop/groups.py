@@ -9,6 +9,7 @@ import ray
 
 from beamrl.cluster.placement import sync_rank_offsets
 from beamrl.loop.actors import EngineActor, TrainerActor, TrainerRankSpec
+from beamrl.loop.log import log
 from beamrl.loop.ray_utils import ActorCallError, ray_get
 from beamrl.loop.wire import Wire
 from beamrl.protocols.rollout import EngineError, GenerateRequest, GenerateResult
@@ -165,8 +166,15 @@ class TrainerGroup:
 
     def _remove_left_files(self) -> None:
         """Remove the CPU weight sync's shared-memory files that ranks killed without their shutdown left behind
-        (`beamrl.sync.shm`; a rank's own shutdown removes them, a killed rank cannot)."""
-        shm.remove_files_of_exited(self.process_ids)
+        (`beamrl.sync.shm`; a rank's own shutdown removes them, a killed rank cannot). Only this machine's: CPU runs,
+        the only ones that make such files, have every rank here. Best effort at teardown, said on the console."""
+        try:
+            removed = shm.remove_files_of_exited(self.process_ids)
+        except OSError as e:  # e.g. a file of that name owned by another user
+            log(f"trainer: could not remove the shared-memory files of ranks {self.process_ids}: {e}")
+            return
+        if removed:
+            log(f"trainer: removed {len(removed)} shared-memory file(s) of killed ranks: {', '.join(removed)}")
 
     def compute_logprobs(self, batch, temperature: float, replay: bool, return_entropy: bool = False):
         return self._all("compute_logprobs", None, lambda a: a.compute_logprobs.remote(

@@ -257,7 +257,8 @@ def release_sync_buffers(trainer) -> None:
 
 def discard_sync_buffers(trainer) -> None:
     """At shutdown: free every staging buffer and rank slot of the trainer's syncs, without engine calls (the
-    engines may be shut down already). The actor is killed next, so nothing would remove its /dev/shm files."""
+    engines may be shut down already). The actor is killed next; the driver removes a killed rank's /dev/shm files
+    only as a fallback (`TrainerGroup`, which says so on the console)."""
     for key in _keys_of(trainer):
         try:
             _SYNCS.pop(key).discard_buffers()

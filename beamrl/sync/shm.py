@@ -10,7 +10,10 @@ import re
 import tempfile
 import time
 import uuid
+from collections.abc import Iterable
 from pathlib import Path
+
+from beamrl.processes import running
 
 _PREFIX = re.compile(r"beamrl(?:-[a-z]+)+")
 _NAME = re.compile(r"beamrl(?:-[a-z]+)+-(\d+)-[0-9a-f]{12}(?:-\d+)?")
@@ -36,28 +39,13 @@ def creator_pid(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def process_gone(pid: int) -> bool:
-    """Whether process `pid` has exited (a zombie waiting for its parent counts as exited)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:  # another user's live process
-        return False
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2:].startswith("Z")
-
-
-def files_of(pids) -> list[Path]:
+def files_of(pids: Iterable[int]) -> list[Path]:
     """The files of `new_path` that any of the processes `pids` made, on this machine."""
     wanted = set(pids)
     return sorted(p for p in shm_dir().glob("beamrl-*") if creator_pid(p.name) in wanted)
 
 
-def remove_files_of_exited(pids, wait_s: float = 10.0) -> list[str]:
+def remove_files_of_exited(pids: Iterable[int], wait_s: float = 10.0) -> list[str]:
     """Remove the files of `new_path` made by the processes `pids` once they have exited, waiting up to `wait_s`
     for them (a process killed a moment ago takes that long to go). A process still alive after the wait keeps its
     files: it may be another process that reused the id. Returns the removed file names."""
@@ -66,7 +54,7 @@ def remove_files_of_exited(pids, wait_s: float = 10.0) -> list[str]:
     deadline = time.monotonic() + wait_s
     left = set(pids)
     while True:
-        left = {pid for pid in left if not process_gone(pid)}
+        left = {pid for pid in left if running(pid)}
         if not left or time.monotonic() >= deadline:
             break
         time.sleep(0.05)

@@ -80,15 +80,17 @@ def test_the_console_is_quiet_and_says_what_happens(first_run):
 
 
 def test_the_run_leaves_no_shared_memory_behind(first_run):
-    """The trainer's weight sync shares its CPU staging slots with the engine as /dev/shm files; a finished run must
-    remove them (its actors are killed after their shutdown, so nothing else would: 4 files of 2.4 MB leaked per
-    quickstart run before)."""
+    """The trainer's weight sync shares its CPU staging slots with the engine as /dev/shm files; a finished run's
+    trainer ranks must remove them in their shutdown (4 files of 2.4 MB leaked per quickstart run before). The
+    driver's removal of a killed rank's files would hide a broken shutdown, so it must have had nothing to do."""
     from beamrl.sync.shm import files_of
 
     _, _, console = first_run
     pids = trainer_pids(console)
     assert len(pids) == 2, console[-3000:]  # the SFT warm start's trainer and the RL trainer
     assert files_of(pids) == []
+    # ... removed by the ranks' own shutdown, not by the driver's clean-up after killed ranks
+    assert "shared-memory file(s) of killed ranks" not in console
 
 
 def test_outputs_name_the_run_its_samples_and_its_last_checkpoint(first_run):

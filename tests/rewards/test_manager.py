@@ -2,6 +2,7 @@ import time
 
 import pytest
 
+from beamrl.processes import running
 from beamrl.rewards import RewardComponentConfig, RewardError, RewardManager, RewardPoolConfig, RewardSample
 
 from . import sample_reward_fns as fns
@@ -115,15 +116,6 @@ def test_timeout_also_kills_subprocesses_of_the_function(tmp_path):
     assert res.components["sandbox"][0].status == "timeout"
     child = int(pid_file.read_text())
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and _alive(child):
+    while time.monotonic() < deadline and running(child):
         time.sleep(0.05)
-    assert not _alive(child), "the function's subprocess outlived its killed worker"
-
-
-def _alive(pid):
-    """True while `pid` exists and is not a zombie (a killed orphan is reaped by init, maybe not at once)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+    assert not running(child), "the function's subprocess outlived its killed worker"

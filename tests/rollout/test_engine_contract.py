@@ -17,6 +17,7 @@ import torch
 
 from beamrl.models.beam import preset
 from beamrl.net import reserve_port
+from beamrl.processes import running
 from beamrl.protocols.rollout import EngineError, GenerateRequest, SamplingParams
 from beamrl.protocols.flat_bucket import FlatBucket
 from beamrl.protocols.weights import WeightSyncError
@@ -83,7 +84,7 @@ def _kill(engine) -> None:
             except ProcessLookupError:
                 pass
         deadline = time.monotonic() + 60
-        while any(_alive(pid) for pid in engine.child_pids):
+        while any(running(pid) for pid in engine.child_pids):
             assert time.monotonic() < deadline, "SIGKILLed SGLang processes still alive after 60 s"
             time.sleep(0.05)
     elif name == "sglang-http":
@@ -93,15 +94,6 @@ def _kill(engine) -> None:
         engine.shutdown()
     else:
         engine.kill()
-
-
-def _alive(pid: int) -> bool:
-    """True while `pid` exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def _req(prompt, n=4, temperature=1.0, seed=None, routes=True, stop=(), ignore_eos=True):

@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -24,13 +25,14 @@ def test_names_carry_the_creating_process():
         shm.new_path("Beamrl_x")
 
 
-def _file_made_by_a_killed_process() -> tuple[int, Path]:
+def _file_made_by_a_killed_process() -> tuple[subprocess.Popen, Path]:
     """A child process makes a file with `new_path` and is SIGKILLed while it still holds it."""
     code = ("import sys, time; from beamrl.sync import shm; p = shm.new_path('beamrl-sync') + '-0'; "
             "open(p, 'wb').write(b'x'); print(p, flush=True); time.sleep(600)")
     child = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True,
                              env={**os.environ, "PYTHONPATH": str(ROOT)})
     path = Path(child.stdout.readline().strip())
+    child.stdout.close()
     os.kill(child.pid, signal.SIGKILL)  # not reaped until the test ends: a zombie meanwhile, which has exited
     return child, path
 
@@ -52,4 +54,6 @@ def test_files_of_exited_processes_are_removed_and_a_live_ones_kept():
 
 
 def test_nothing_to_remove_waits_for_nobody():
-    assert shm.remove_files_of_exited([os.getpid()], wait_s=600) == []  # returns at once: no file of this pid
+    t0 = time.monotonic()
+    assert shm.remove_files_of_exited([1], wait_s=5) == []  # init: alive, and no file of its pid
+    assert time.monotonic() - t0 < 1  # at once, not after waiting out wait_s for a process that never exits

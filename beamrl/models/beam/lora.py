@@ -22,6 +22,7 @@ without an expert id (`model.layers.i.mlp.experts.gate_proj.lora_A.weight`).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -45,7 +46,7 @@ def merge_lora_weight(w0: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale:
 
 
 @functools.cache
-def _never_compiled(fn):
+def _never_compiled(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """`torch.compiler.disable(fn)`, made at the first call rather than at import: it imports torch's compiler
     stack (~1.5 s of CPU), which would tax every process importing this module (the driver, the engines)."""
     return torch.compiler.disable(fn)

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from beamrl.environ import scoped_environ
+from beamrl.processes import running
 from beamrl.models.beam.config import BeamConfig
 from beamrl.protocols.rollout import EngineError, GenerateRequest, GenerateResult, RolloutEngine
 from beamrl.rollout.sglang import payloads
@@ -134,7 +135,7 @@ class SGLangEngine(RolloutEngine, WeightReceiver):
             if pid.pid not in before and pid.pid not in self._child_pids:
                 self._child_pids.append(pid.pid)
         # Watch only processes still alive after start-up (SGLang also lists short-lived helpers).
-        self._child_pids = [pid for pid in self._child_pids if _alive(pid)]
+        self._child_pids = [pid for pid in self._child_pids if running(pid)]
         # Run the tokenizer manager's loop set-up now (it would otherwise install SGLang's
         # kill-the-process-tree SIGQUIT handler on the first request), then put ours in its place.
         tm = self._engine.tokenizer_manager
@@ -165,7 +166,7 @@ class SGLangEngine(RolloutEngine, WeightReceiver):
 
     def _note_children(self) -> None:
         for pid in self._child_pids:
-            if not _alive(pid):
+            if not running(pid):
                 self._dead_reason = f"SGLang engine process {pid} has exited (log: {self.log_path})"
                 return
 
@@ -528,16 +529,6 @@ def _stderr_to(path: Path) -> Iterator[None]:
         os.dup2(saved, 2)
         os.close(saved)
         os.close(fd)
-
-
-def _alive(pid: int) -> bool:
-    import psutil
-
-    try:
-        proc = psutil.Process(pid)
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def _kill_pids(pids: list[int], grace: float = 5.0) -> None:

@@ -98,7 +98,8 @@ class WeightTransport(abc.ABC):
 
     def discard_buffers(self) -> None:
         """The run is ending: free the staging buffers without calling the engines (they may be gone already), so
-        no shared-memory file outlives this process."""
+        no shared-memory file outlives this process, and whatever else the transport wrote for the run (the disk
+        transport's checkpoints)."""
 
 
 class ReceiverTransport(WeightTransport):

@@ -96,10 +96,10 @@ class DiskTransport(ReceiverTransport):
         if self._last_dir is not None and not self.keep_previous:
             shutil.rmtree(self._last_dir, ignore_errors=True)
             self._last_dir = None
-            try:
-                self.root.rmdir()  # only when empty: never anything the transport did not write
-            except OSError:
-                pass
+        try:
+            self.root.rmdir()  # only when empty: never anything the transport did not write
+        except OSError:
+            pass
 
     def abort(self, reason: str, timeout: float) -> None:
         self._buckets = {}
