@@ -49,17 +49,18 @@ def remove_files_of_exited(pids: Iterable[int], wait_s: float = 10.0) -> list[st
     """Remove the files of `new_path` made by the processes `pids` once they have exited, waiting up to `wait_s`
     for them (a process killed a moment ago takes that long to go). A process still alive after the wait keeps its
     files: it may be another process that reused the id. Returns the removed file names."""
+    pids = set(pids)
     if not files_of(pids):  # nothing to remove: no need to wait for anyone
         return []
     deadline = time.monotonic() + wait_s
-    left = set(pids)
+    left = pids
     while True:
         left = {pid for pid in left if running(pid)}
         if not left or time.monotonic() >= deadline:
             break
         time.sleep(0.05)
     removed = []
-    for path in files_of(set(pids) - left):
+    for path in files_of(pids - left):
         remove(str(path))
         removed.append(path.name)
     return removed

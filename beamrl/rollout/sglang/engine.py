@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from beamrl.environ import scoped_environ
-from beamrl.processes import running
 from beamrl.models.beam.config import BeamConfig
+from beamrl.processes import running
 from beamrl.protocols.rollout import EngineError, GenerateRequest, GenerateResult, RolloutEngine
 from beamrl.rollout.sglang import payloads
 from beamrl.rollout.sglang.config import SGLangEngineConfig
