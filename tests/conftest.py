@@ -2,8 +2,6 @@
 
 import os
 import shutil
-import tempfile
-from pathlib import Path
 
 # Megatron's jit_fuser becomes torch.compile; the first compile of a tiny op costs seconds on CI.
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
@@ -24,10 +22,11 @@ torch.set_num_threads(int(os.environ.get("BEAMRL_TEST_THREADS", "2")))
 
 @pytest.fixture(scope="module")
 def ray_temp_dir():
-    """A short temporary folder for a Ray cluster (`/tmp/beamrl-ray-*`, as `beamrl train` makes one): Ray's socket
-    paths under it must fit AF_UNIX's 107 bytes, which pytest's own folders can exceed (pytest-xdist's per-worker
-    ones did: `.../pytest-N/popen-gw1/ray0/session_<date>_<pid>/sockets/plasma_store.1`). Removed after the module."""
-    path = Path(tempfile.mkdtemp(prefix="beamrl-ray-", dir="/tmp"))
+    """A short folder for a Ray cluster, as `beamrl train` makes one (`ray_start.new_temp_dir`: pytest's own folders
+    can be too deep for Ray's socket paths); removed after the module."""
+    from beamrl.cluster.ray_start import new_temp_dir
+
+    path = new_temp_dir()
     yield path
     shutil.rmtree(path, ignore_errors=True)
 

@@ -14,6 +14,7 @@ placement groups reserve) and a node-identity resource (`node_resource(i)`): all
 from __future__ import annotations
 
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,12 @@ def _quiet_local_env() -> None:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+
+def new_temp_dir() -> Path:
+    """A fresh folder for a local Ray cluster's files, `/tmp/beamrl-ray-*`: short, because Ray's AF_UNIX socket
+    paths under it (`session_<date>_<pid>/sockets/plasma_store.1`) must fit 107 bytes. The caller removes it."""
+    return Path(tempfile.mkdtemp(prefix="beamrl-ray-", dir="/tmp"))
 
 
 def init_local_ray(num_cpus: int, temp_dir: Path, object_store_mb: int = 512,

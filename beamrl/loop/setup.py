@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import secrets
 import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -200,8 +199,8 @@ def start_ray(run: "RunContext", resources: Resources, verbose: bool = False) ->
     import ray
 
     from beamrl.cluster.ray_groups import PlacementGroups
-    from beamrl.cluster.ray_start import (WORKER_SLOT, connect_cluster_ray, init_local_ray, node_resource,
-                                          start_rehearsal_cluster)
+    from beamrl.cluster.ray_start import (WORKER_SLOT, connect_cluster_ray, init_local_ray, new_temp_dir,
+                                          node_resource, start_rehearsal_cluster)
     from beamrl.third_party_output import worker_runtime_env
 
     env = worker_runtime_env(verbose)
@@ -211,7 +210,7 @@ def start_ray(run: "RunContext", resources: Resources, verbose: bool = False) ->
     tmp: Path | None = None
     stop = ray.shutdown
     if cl.device == "cpu":
-        tmp = Path(tempfile.mkdtemp(prefix="beamrl-ray-", dir="/tmp"))
+        tmp = new_temp_dir()
         if cl.num_nodes == 1:
             init_local_ray(num_cpus=2, temp_dir=tmp, resources={WORKER_SLOT: cl.gpus_per_node, node_resource(0): 1},
                            runtime_env=env)

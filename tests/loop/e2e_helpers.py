@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -87,3 +88,9 @@ def assert_importance_metrics_in_bounds(rows, cap):
         assert m["ratio_mean"] > 0 and m["train_rollout_kl"] >= 0 and m["train_rollout_logprob_abs_diff"] >= 0
         assert 0 <= m["truncated_fraction"] <= 1 and m["masked_fraction"] == 0  # TIS truncates, never masks
         assert m["truncated_fraction"] > 0 or m["ratio_mean"] <= cap  # nothing truncated: every ratio <= cap
+
+
+def trainer_pids(console: str) -> list[int]:
+    """The trainer ranks' process ids in rank order, as the console names them at start-up (`beamrl train`'s
+    "rank k on node n, slot s (pid p)"; a run with an SFT warm start names its SFT trainer's first)."""
+    return [int(pid) for pid in re.findall(r"rank \d+ on node \d+, slot \d+ \(pid (\d+)\)", console)]

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from beamrl.loop.checkpoints import problems, published, step_of
-from tests.loop.e2e_helpers import QUICKSTART, ROOT, env, metrics
+from tests.loop.e2e_helpers import QUICKSTART, ROOT, env, metrics, trainer_pids
 
 pytestmark = pytest.mark.slow
 
@@ -45,11 +45,6 @@ def beamrl_train(cwd: Path, out: Path, *args: str, timeout: float = 580) -> subp
 def digest(root: Path) -> dict[str, str]:
     return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(root.rglob("*")) if p.is_file()}
-
-
-def trainer_pids(console: str) -> list[int]:
-    """The trainer ranks' process ids, as the console names them at start-up (the SFT trainer's and the RL one's)."""
-    return [int(pid) for pid in re.findall(r"rank \d+ on node \d+, slot \d+ \(pid (\d+)\)", console)]
 
 
 @pytest.fixture(scope="module")

@@ -84,18 +84,21 @@ class DiskTransport(ReceiverTransport):
         self._touched = True
         self._call_all("update_weights_from_disk", lambda r: r.update_weights_from_disk(str(out), timeout), timeout)
         self._call_all("update_weight_version", lambda r: r.update_weight_version(version, timeout), timeout)
+        self._drop_last_version()
+        self._last_dir, self.manifest = out, None
+
+    def _drop_last_version(self) -> None:
+        """Remove the previous version's checkpoint (the engines have loaded a newer one), unless `keep_previous`."""
         if self._last_dir is not None and not self.keep_previous:
             shutil.rmtree(self._last_dir, ignore_errors=True)
-        self._last_dir, self.manifest = out, None
+            self._last_dir = None
 
     def discard_buffers(self) -> None:
         """The run is ending: besides the base's bookkeeping, remove the last version's checkpoint (unless
         `keep_previous`) and the transport's directory once it is empty; the engines loaded the weights long ago."""
         super().discard_buffers()
         self._buckets = {}
-        if self._last_dir is not None and not self.keep_previous:
-            shutil.rmtree(self._last_dir, ignore_errors=True)
-            self._last_dir = None
+        self._drop_last_version()
         try:
             self.root.rmdir()  # only when empty: never anything the transport did not write
         except OSError:
