@@ -28,6 +28,7 @@ import threading
 import time
 import weakref
 from contextlib import contextmanager
+from multiprocessing import resource_tracker
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -97,6 +98,10 @@ class SGLangEngine(RolloutEngine, WeightReceiver):
             activate()
         import psutil
 
+        # multiprocessing's resource tracker belongs to this process (one per process, started on first use, e.g. by
+        # SGLang's spawn below). Started now, it is not taken for one of the engine's children: it ignores SIGTERM,
+        # so a shutdown would wait out its grace for it and then SIGKILL a helper this process still uses.
+        resource_tracker.ensure_running()
         before = {p.pid for p in psutil.Process().children(recursive=True)}
         box: dict[str, Any] = {}
         started = threading.Event()
