@@ -87,10 +87,15 @@ def start_rehearsal_cluster(num_nodes: int, slots_per_node: int, temp_dir: Path,
     """Start `num_nodes` simulated nodes on this machine, each with `slots_per_node` worker slots and its identity
     resource, and connect this process to them (node 0 is the head, where this process runs; the address is the
     new cluster's own, so no other cluster on the machine is joined). `runtime_env`: the job's."""
+    from ray._common.utils import get_ray_address_file  # private, as is the write it prepares for (ray pinned)
     from ray.cluster_utils import Cluster
 
     _quiet_local_env()
     temp_dir.mkdir(parents=True, exist_ok=True)
+    # `Cluster.add_node` records the head's address in the *default* Ray folder (/tmp/ray, or under $RAY_TMPDIR), not in
+    # `temp_dir`, and does not create that folder: on a machine where Ray never ran, the second node failed with
+    # FileNotFoundError.
+    Path(get_ray_address_file(None)).parent.mkdir(parents=True, exist_ok=True)
 
     def args(i: int) -> dict:
         return dict(num_cpus=1, resources={WORKER_SLOT: slots_per_node, node_resource(i): 1},

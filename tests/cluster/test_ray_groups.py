@@ -3,12 +3,17 @@ the function `beamrl train` uses for a CPU recipe with several nodes): six simul
 shared by the whole module. For several layouts, work scheduled with the launcher's own actor options runs on the
 Ray node the plan says: every trainer TP group on one node, every engine on its own nodes."""
 
+import shutil
+import tempfile
+from pathlib import Path
+
 import pytest
 import ray
 
 from beamrl.cluster.placement import PlacementError, Slot
 from beamrl.cluster.ray_groups import PlacementGroups
 from beamrl.cluster.ray_start import NODE_RESOURCE_PREFIX, start_rehearsal_cluster
+from beamrl.environ import scoped_environ
 from beamrl.recipe import load_recipe
 from beamrl.recipe.layout import placement_of
 
@@ -20,9 +25,15 @@ CPU = ["cluster.device=cpu", f"cluster.gpus_per_node={SLOTS}"]
 
 @pytest.fixture(scope="module")
 def cluster(ray_temp_dir):
-    c = start_rehearsal_cluster(NODES, SLOTS, ray_temp_dir)
-    yield c
-    c.shutdown()
+    # Started as on a machine where Ray never ran: no default Ray folder (Ray's `Cluster.add_node` writes into it).
+    no_ray_yet = Path(tempfile.mkdtemp(prefix="beamrl-noray-", dir="/tmp"))  # short: Ray's socket paths
+    try:
+        with scoped_environ({"RAY_TMPDIR": str(no_ray_yet)}):
+            c = start_rehearsal_cluster(NODES, SLOTS, ray_temp_dir)
+        yield c
+        c.shutdown()
+    finally:
+        shutil.rmtree(no_ray_yet, ignore_errors=True)
 
 
 @ray.remote(num_cpus=0)
