@@ -135,7 +135,7 @@ def run_sync(args: argparse.Namespace) -> dict:
 
     from beamrl.models.beam.model import BeamForCausalLM
     from beamrl.sync.export import StateDictSource
-    from beamrl.sync.orchestrator import max_abs_diff
+    from beamrl.sync.orchestrator import logprob_gap
 
     if args.bucket_mb <= 0:
         raise SystemExit(f"error: --bucket-mb must be > 0, got {args.bucket_mb}")
@@ -153,7 +153,7 @@ def run_sync(args: argparse.Namespace) -> dict:
           file=sys.stderr, flush=True)
     engine, stop = start_engine(args)
     try:
-        before = max_abs_diff(engine.score(probes, args.timeout), want)
+        before = logprob_gap(engine.score(probes, args.timeout), want).max
         report = sync_once(args, engine, source, probes if exact else None)
         if exact:
             after, check = report.max_abs_logprob_diff, f"probe logprobs vs the reference model <= {args.tolerance:g}"
@@ -164,10 +164,10 @@ def run_sync(args: argparse.Namespace) -> dict:
                 trainer.save_pretrained(tmp)
                 engine.update_weights_from_disk(tmp, args.timeout)
                 loaded = engine.score(probes, args.timeout)
-            after, check = max_abs_diff(synced, loaded), "bit-exact vs the engine loaded from a checkpoint"
+            after, check = logprob_gap(synced, loaded).max, "bit-exact vs the engine loaded from a checkpoint"
             verified = synced == loaded
             print(f"bench sync: max |synced - freshly loaded| prompt logprob {after:.3e} (must be 0); vs the "
-                  f"reference model {max_abs_diff(synced, want):.3e}", file=sys.stderr)
+                  f"reference model {logprob_gap(synced, want).max:.3e}", file=sys.stderr)
         lora = None
         if args.lora:  # the engine holds the perturbed base (synced, or reloaded from its checkpoint)
             from beamrl.commands.bench_lora import run_lora_sync
@@ -176,7 +176,7 @@ def run_sync(args: argparse.Namespace) -> dict:
     finally:
         stop()
     print(f"bench sync: {report.code_path}; max |engine - perturbed reference| prompt logprob: before sync "
-          f"{before:.3e}, after sync {max_abs_diff(synced, want) if not exact else after:.3e}", file=sys.stderr)
+          f"{before:.3e}, after sync {logprob_gap(synced, want).max if not exact else after:.3e}", file=sys.stderr)
     return {"engine": args.engine, "transport": args.transport, "dtype": args.dtype, "bytes": int(report.bytes),
             "seconds": float(report.seconds), "gbps": float(report.gbps), "verified": bool(verified), "check": check,
             "max_abs_logprob_diff_after_sync": float(after), "code_path": report.code_path,

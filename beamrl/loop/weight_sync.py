@@ -149,6 +149,7 @@ class SyncRequest:
     probe_sequences: tuple[tuple[int, ...], ...] = ()
     probe_tolerance: float = 1e-4
     probe_every: int = 1
+    probe_statistic: str = "max"
     staged_memory: bool = False
     #: Memory tags the engines resume at the end of a staged sync (() : the driver resumes them after the trainer
     #: went to sleep, `beamrl.loop.colocated`).
@@ -193,8 +194,8 @@ def _orchestrator(trainer, rank: int, receivers, engine_names, engine_tp, req: S
     key = (id(trainer), tuple(engine_names), req.transport, req.bucket_bytes, req.colocations)
     ws = _SYNCS.get(key)
     if ws is None:
-        probe = (ProbeCheck([list(s) for s in req.probe_sequences], req.probe_tolerance, req.probe_every)
-                 if req.probe_sequences else None)
+        probe = (ProbeCheck([list(s) for s in req.probe_sequences], req.probe_tolerance, req.probe_every,
+                            req.probe_statistic) if req.probe_sequences else None)
         transport = engines = None
         rank_slots, per_rank = _rank_slots(trainer, rank, engine_names, req)
         if rank == 0:

@@ -69,17 +69,36 @@ class SyncTimeouts:
         return cls(connect=seconds, call=seconds, bucket=seconds, verify=seconds)
 
 
+#: What a probe's tolerance bounds: the largest or the mean |engine - trainer| logprob over its tokens.
+PROBE_STATISTICS = ("max", "mean")
+
+
+@dataclass(frozen=True)
+class LogprobGap:
+    """|engine - trainer| prompt logprobs over a probe's tokens: the largest and the mean."""
+
+    max: float
+    mean: float
+
+    def statistic(self, name: str) -> float:
+        return self.max if name == "max" else self.mean
+
+
 @dataclass(frozen=True)
 class ProbeCheck:
     """Post-sync check: engines' prompt logprobs on `sequences` vs the trainer's for the synced weights.
 
-    `tolerance`: largest |engine - trainer| allowed (1e-4 where both compute the same thing in float32; a loose
-    sanity alarm in bfloat16, where the per-step exactness check is the checksums). `every`: run it on the first
-    sync and then on every N-th (syncs 1, 1 + N, 1 + 2N, ...; a subset sync always); checksums run every sync."""
+    `tolerance` bounds `statistic` of |engine - trainer| over the probe's tokens: "max" where both compute the
+    same thing in float32 (exact: 1e-4); "mean" for the loose sanity alarm in bfloat16, where the per-step exactness
+    check is the checksums and a token whose router scores nearly tie may take other experts on one side, moving
+    its logprob (and the next ones') by up to ~1 nat with every weight right, while wrong weights move every token.
+    `every`: run it on the first sync and then on every N-th (syncs 1, 1 + N, 1 + 2N, ...; a subset sync always);
+    checksums run every sync."""
 
     sequences: Sequence[Sequence[int]]
     tolerance: float = 1e-4
     every: int = 1
+    statistic: str = "max"
 
     def __post_init__(self) -> None:
         if not self.sequences or any(len(s) < 2 for s in self.sequences):
@@ -88,6 +107,8 @@ class ProbeCheck:
             raise ValueError(f"ProbeCheck.tolerance={self.tolerance} must be >= 0")
         if self.every < 1:
             raise ValueError(f"ProbeCheck.every={self.every} must be >= 1")
+        if self.statistic not in PROBE_STATISTICS:
+            raise ValueError(f"ProbeCheck.statistic={self.statistic!r} must be one of {PROBE_STATISTICS}")
 
 
 @dataclass
@@ -107,13 +128,19 @@ class SyncReport:
     code_path: str = ""
     transport_mode: str = ""
     times: dict[str, float] = field(default_factory=dict)
+    mean_abs_logprob_diff: float | None = None
 
 
-def max_abs_diff(a: Sequence[Sequence[float]], b: Sequence[Sequence[float]]) -> float:
-    """Largest |a - b| over matching sequences; a length mismatch is an error, not a silent truncation."""
+def logprob_gap(a: Sequence[Sequence[float]], b: Sequence[Sequence[float]]) -> LogprobGap:
+    """Largest and mean |a - b| over matching sequences; a length mismatch is an error, not a silent truncation
+    (NaN propagates to both, and fails every tolerance)."""
     if len(a) != len(b) or any(len(x) != len(y) for x, y in zip(a, b)):
         raise WeightSyncError(f"logprob shapes differ: {[len(x) for x in a]} vs {[len(y) for y in b]}")
-    return max((abs(float(x) - float(y)) for xs, ys in zip(a, b) for x, y in zip(xs, ys)), default=0.0)
+    gaps = [abs(float(x) - float(y)) for xs, ys in zip(a, b) for x, y in zip(xs, ys)]
+    if not gaps:
+        return LogprobGap(0.0, 0.0)
+    worst = float("nan") if any(g != g for g in gaps) else max(gaps)
+    return LogprobGap(worst, sum(gaps) / len(gaps))
 
 
 class _CountedUnits:
@@ -431,7 +458,7 @@ class WeightSync:
         if commit_error is not None:
             raise commit_error
         self._check_versions(targets, new_version)
-        diff = self._verify(targets, reference) if reference is not None else None
+        gap = self._verify(targets, reference) if reference is not None else None
         if self.staged_memory and targets and self.resume_after_sync:
             tags = list(self.resume_after_sync)
             self._each(f"resume_memory({', '.join(tags)})", targets,
@@ -441,14 +468,16 @@ class WeightSync:
         report = SyncReport(version=new_version, bytes=nbytes, buckets=count, seconds=seconds,
                             gbps=nbytes / max(seconds, 1e-12) / 1e9,
                             engines=[self._label(e, i) for i, e in enumerate(targets)],
-                            verified=diff is not None, max_abs_logprob_diff=diff, code_path=self.code_path,
+                            verified=gap is not None, max_abs_logprob_diff=gap.max if gap else None,
+                            code_path=self.code_path,
                             transport_mode=str(getattr(transport, "mode", None) or transport.name),
-                            times=times)
+                            times=times, mean_abs_logprob_diff=gap.mean if gap else None)
         if seconds >= self.progress_every_s or not self._summarised:  # the first sync, then only long ones
             self._summarised = True
             self._say(f"[weight sync v{new_version}] done: {nbytes / 2**30:.3f} GiB in {count} buckets, {seconds:.3f} s, "
                       f"{report.gbps:.2f} GB/s, checksums verified" +
-                      (f", probe max |dlogprob| {diff:.2e} <= {self.probe.tolerance:g}" if diff is not None else ""))
+                      (f", probe |dlogprob| max {gap.max:.2e}, mean {gap.mean:.2e} ({self.probe.statistic} <= "
+                       f"{self.probe.tolerance:g})" if gap is not None else ""))
         return report
 
     def _check_versions(self, engines: Sequence[WeightReceiver], new_version: int) -> None:
@@ -467,7 +496,7 @@ class WeightSync:
                 raise WeightSyncError(f"{label}: serves weight version {served[label]} after the sync to "
                                       f"{new_version}")
 
-    def _verify(self, engines: Sequence[WeightReceiver], reference: list[list[float]]) -> float:
+    def _verify(self, engines: Sequence[WeightReceiver], reference: list[list[float]]) -> LogprobGap:
         seqs = [list(map(int, s)) for s in self.probe.sequences]
         scores: dict[str, list[list[float]]] = {}
 
@@ -484,14 +513,17 @@ class WeightSync:
                 if lb not in scores:
                     self.mark_unhealthy(lb, f"scoring the probes after the sync failed: {exc}")
             raise WeightSyncError(f"post-sync verification could not score the probes: {exc}") from exc
-        worst = 0.0
+        stat = self.probe.statistic
+        worst = LogprobGap(0.0, 0.0)
         for label in labels:  # every engine is checked: one bad replica cannot hide behind another
-            diff = max_abs_diff(scores[label], reference)
-            if not diff <= self.probe.tolerance:  # NaN fails too
-                self.mark_unhealthy(label, f"post-sync logprobs differ from the trainer's by {diff:.3e}")
-                raise WeightSyncError(f"{label}: post-sync verification failed: max |engine - trainer| prompt "
-                                      f"logprob = {diff:.3e} > tolerance {self.probe.tolerance:.1e}")
-            worst = max(worst, diff)
+            gap = logprob_gap(scores[label], reference)
+            value = gap.statistic(stat)
+            if not value <= self.probe.tolerance:  # NaN fails too
+                self.mark_unhealthy(label, f"post-sync logprobs differ from the trainer's by {value:.3e} ({stat})")
+                raise WeightSyncError(f"{label}: post-sync verification failed: {stat} |engine - trainer| prompt "
+                                      f"logprob = {value:.3e} > tolerance {self.probe.tolerance:.1e} (max "
+                                      f"{gap.max:.3e}, mean {gap.mean:.3e} over the probe's tokens)")
+            worst = LogprobGap(max(worst.max, gap.max), max(worst.mean, gap.mean))
         return worst
 
     def release_buffers(self) -> None:

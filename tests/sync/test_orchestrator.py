@@ -69,6 +69,44 @@ def test_failed_verification_raises_and_blocks_further_syncs(hosted_engine, trai
     sync.close()
 
 
+def _shifted(logprobs, shift):
+    """The trainer-side probe logprobs, moved by `shift(sequence, token)`."""
+    return [[lp + shift(i, t) for t, lp in enumerate(seq)] for i, seq in enumerate(logprobs)]
+
+
+@pytest.mark.parametrize("case", ["one token off by 0.9", "every token off by 0.6"])
+def test_the_bf16_alarm_bounds_the_mean_gap_and_the_exact_check_the_largest(case, hosted_engine, trainer_model):
+    """The loose bf16 alarm (mean over the probe's tokens <= 0.5) passes one token far off (a router near-tie that
+    flipped on one side), which the max would fail, and fails when every token is off (wrong weights); both gaps
+    are reported."""
+    perturb(trainer_model, seed=5)
+    exact = StateDictSource.of_model(trainer_model).logprobs(PROBES)
+    one = case.startswith("one")
+    moved = _shifted(exact, (lambda i, t: 0.9 if (i, t) == (0, 3) else 0.0) if one else (lambda i, t: 0.6))
+    source = StateDictSource(list(trainer_model.named_parameters()), score=lambda seqs: moved)
+    tokens = sum(len(s) - 1 for s in PROBES)  # a prompt's first token has no logprob
+    for statistic, ok in (("mean", one), ("max", False)):
+        sync = WeightSync(TRANSPORTS.get("colocated")([hosted_engine]), [hosted_engine],
+                          probe=ProbeCheck(PROBES, tolerance=0.5, statistic=statistic), timeouts=TIMEOUTS,
+                          initial_version=hosted_engine.weight_version, progress=None)
+        try:
+            if ok:
+                report = sync.sync(source)
+                assert report.max_abs_logprob_diff == pytest.approx(0.9, abs=1e-4)
+                assert report.mean_abs_logprob_diff == pytest.approx(0.9 / tokens, abs=1e-4)
+            else:
+                with pytest.raises(WeightSyncError, match=f"verification failed: {statistic} .*max 9.0|verification "
+                                                          f"failed: {statistic} .*max 6.0"):
+                    sync.sync(source)
+        finally:
+            sync.close()
+
+
+def test_a_probe_statistic_must_be_max_or_mean():
+    with pytest.raises(ValueError, match="statistic='median' must be one of"):
+        ProbeCheck(PROBES, tolerance=0.5, statistic="median")
+
+
 def test_empty_export_raises_before_touching_engines(hosted_engine):
     transport = TRANSPORTS.get("colocated")([hosted_engine])
     sync = WeightSync(transport, [hosted_engine], timeouts=TIMEOUTS, initial_version=hosted_engine.weight_version,
