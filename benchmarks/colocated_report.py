@@ -65,6 +65,7 @@ def summarize(rows: list[dict], target: float) -> dict:
                ("time/trainer_sleep_s", "time/trainer_wake_s")},
             "steps_summarized": [r["step"] for r in later],
             "sync_verify_max_abs_logprob_diff": max((r.get("sync/verify_max_abs_logprob_diff", 0.0) for r in rows)),
+            "sync_verify_mean_abs_logprob_diff": max((r.get("sync/verify_mean_abs_logprob_diff", 0.0) for r in rows)),
         },
     }
 

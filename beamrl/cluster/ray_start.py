@@ -76,10 +76,27 @@ class RehearsalCluster:
     cluster: Any
     num_nodes: int
     slots_per_node: int
+    address_file: Path | None = None  # Ray's default address file, as it was before this cluster (see below)
+    previous_address: str | None = None
 
     def shutdown(self) -> None:
         ray.shutdown()
-        self.cluster.shutdown()
+        self.cluster.shutdown()  # deletes Ray's default address file
+        self.restore_address_file()
+
+    def restore_address_file(self) -> None:
+        """Put Ray's default address file back as it was: `Cluster` writes this cluster's address there (and deletes
+        the file at shutdown), where a `ray.init()` elsewhere on the machine, or a real `ray start` cluster's users,
+        would find it. beamrl joins this cluster by its own address and does not need the file."""
+        if self.address_file is None:
+            return
+        try:
+            if self.previous_address is None:
+                self.address_file.unlink(missing_ok=True)
+            else:
+                self.address_file.write_text(self.previous_address)
+        except OSError:
+            pass
 
 
 def start_rehearsal_cluster(num_nodes: int, slots_per_node: int, temp_dir: Path, object_store_mb: int = 128,
@@ -92,10 +109,12 @@ def start_rehearsal_cluster(num_nodes: int, slots_per_node: int, temp_dir: Path,
 
     _quiet_local_env()
     temp_dir.mkdir(parents=True, exist_ok=True)
-    # `Cluster.add_node` records the head's address in the *default* Ray folder (/tmp/ray, or under $RAY_TMPDIR), not in
-    # `temp_dir`, and does not create that folder: on a machine where Ray never ran, the second node failed with
-    # FileNotFoundError.
-    Path(get_ray_address_file(None)).parent.mkdir(parents=True, exist_ok=True)
+    # `Cluster` records the head's address in the *default* Ray folder (/tmp/ray, or under $RAY_TMPDIR), not in
+    # `temp_dir`, and does not create that folder: on a machine where Ray never ran, starting the head failed with
+    # FileNotFoundError. The file is put back as it was once the cluster runs (`restore_address_file`).
+    address_file = Path(get_ray_address_file(None))
+    address_file.parent.mkdir(parents=True, exist_ok=True)
+    previous = address_file.read_text() if address_file.exists() else None
 
     def args(i: int) -> dict:
         return dict(num_cpus=1, resources={WORKER_SLOT: slots_per_node, node_resource(i): 1},
@@ -103,13 +122,14 @@ def start_rehearsal_cluster(num_nodes: int, slots_per_node: int, temp_dir: Path,
 
     cluster = Cluster(initialize_head=True, head_node_args=dict(args(0), include_dashboard=False,
                                                                 temp_dir=str(temp_dir.resolve())))
-    out = RehearsalCluster(cluster, num_nodes, slots_per_node)
+    out = RehearsalCluster(cluster, num_nodes, slots_per_node, address_file, previous)
     try:
         for i in range(1, num_nodes):
             cluster.add_node(**args(i))
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, logging_level="ERROR", log_to_driver=True, configure_logging=True,
                  runtime_env=runtime_env)
+        out.restore_address_file()
     except BaseException:
         out.shutdown()
         raise

@@ -150,6 +150,7 @@ class SyncRequest:
     probe_tolerance: float = 1e-4
     probe_every: int = 1
     probe_statistic: str = "max"
+    probe_max_tolerance: float | None = None
     staged_memory: bool = False
     #: Memory tags the engines resume at the end of a staged sync (() : the driver resumes them after the trainer
     #: went to sleep, `beamrl.loop.colocated`).
@@ -157,6 +158,13 @@ class SyncRequest:
     #: Colocated buckets from every trainer rank: per engine, the trainer rank on each of its TP ranks' devices
     #: (`beamrl.loop.weight_update.rank_colocations`); () : every bucket from rank 0.
     colocations: tuple[tuple[int, ...], ...] = ()
+
+    def probe_check(self) -> ProbeCheck | None:
+        """The orchestrator's post-sync check of this request's probe (None without probe sequences)."""
+        if not self.probe_sequences:
+            return None
+        return ProbeCheck([list(s) for s in self.probe_sequences], self.probe_tolerance, self.probe_every,
+                          self.probe_statistic, self.probe_max_tolerance)
 
 
 _SYNCS: dict[tuple, WeightSync] = {}
@@ -194,8 +202,7 @@ def _orchestrator(trainer, rank: int, receivers, engine_names, engine_tp, req: S
     key = (id(trainer), tuple(engine_names), req.transport, req.bucket_bytes, req.colocations)
     ws = _SYNCS.get(key)
     if ws is None:
-        probe = (ProbeCheck([list(s) for s in req.probe_sequences], req.probe_tolerance, req.probe_every,
-                            req.probe_statistic) if req.probe_sequences else None)
+        probe = req.probe_check()
         transport = engines = None
         rank_slots, per_rank = _rank_slots(trainer, rank, engine_names, req)
         if rank == 0:

@@ -31,9 +31,17 @@ def cluster(ray_temp_dir):
         with scoped_environ({"RAY_TMPDIR": str(no_ray_yet)}):
             c = start_rehearsal_cluster(NODES, SLOTS, ray_temp_dir)
         yield c
-        c.shutdown()
+        with scoped_environ({"RAY_TMPDIR": str(no_ray_yet)}):  # Ray's shutdown deletes the default address file
+            c.shutdown()
     finally:
         shutil.rmtree(no_ray_yet, ignore_errors=True)
+
+
+def test_the_cluster_leaves_rays_default_address_file_as_it_found_it(cluster):
+    """Ray wrote the rehearsal's address to its default folder's file; with no file there before, none is left (a
+    `ray.init()` elsewhere on the machine would join the rehearsal, or a dead address after it)."""
+    assert cluster.address_file.parent.is_dir() and cluster.previous_address is None
+    assert not cluster.address_file.exists()
 
 
 @ray.remote(num_cpus=0)

@@ -33,7 +33,7 @@ def _synced_and_verified_every_step(rows, versions):
     # the probe check ran after every sync (bf16: the run fails when the mean over the probe's tokens is above 0.5; a
     # stale engine is far above it); the max is reported too
     gaps = [(r["sync/verify_mean_abs_logprob_diff"], r["sync/verify_max_abs_logprob_diff"]) for r in rows]
-    assert all(mean < 0.5 and mean <= largest for mean, largest in gaps), gaps
+    assert all(mean < 0.5 and largest < 3.0 for mean, largest in gaps), gaps
     assert all(r["train/grad_norm"] > 0 for r in rows)  # the weights changed every step
     # R3: on the steps sampled with the weights being trained, the engine's logprobs are the trainer's
     on_policy = [r["train_rollout_logprob_abs_diff"] for r in rows if r["rollout/weight_version"] == r["step"]]

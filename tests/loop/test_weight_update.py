@@ -5,7 +5,15 @@ from types import SimpleNamespace
 
 from beamrl.data.digit_tokenizer import DigitTokenizer
 from beamrl.data.sample import PromptSample
-from beamrl.loop.weight_update import ALARM_TOLERANCE, EXACT_TOLERANCE, PROBE_TOKENS, sync_probe
+from beamrl.loop.weight_update import (
+    ALARM_MAX_TOLERANCE,
+    ALARM_TOLERANCE,
+    EXACT_TOLERANCE,
+    PROBE_TOKENS,
+    sync_probe,
+    sync_request,
+)
+from beamrl.sync.config import SyncConfig
 
 
 def _data(tok, prompt_lengths):
@@ -24,11 +32,21 @@ def test_probes_are_two_short_tails_of_prompt_answer_and_eos():
 
 
 def test_tolerance_is_exact_only_where_both_sides_compute_the_same_thing():
+    """Exact: every token within 1e-4. Elsewhere the alarm: the mean within 0.5 and every token within 3.0. The
+    statistic travels with the sync request to the orchestrator's `ProbeCheck`."""
     tok = DigitTokenizer()
     data = _data(tok, [4, 4])
-    assert sync_probe(data, tok, "float32", "native").tolerance == EXACT_TOLERANCE == 1e-4
+    exact = sync_probe(data, tok, "float32", "native")
+    assert (exact.tolerance, exact.statistic, exact.max_tolerance) == (EXACT_TOLERANCE, "max", None)
+    assert EXACT_TOLERANCE == 1e-4
     for dtype, engine in (("bfloat16", "native"), ("float32", "sglang"), ("bfloat16", "sglang")):
-        assert sync_probe(data, tok, dtype, engine).tolerance == ALARM_TOLERANCE
+        alarm = sync_probe(data, tok, dtype, engine)
+        assert (alarm.tolerance, alarm.statistic, alarm.max_tolerance) == (ALARM_TOLERANCE, "mean",
+                                                                           ALARM_MAX_TOLERANCE)
+        req = sync_request(3, SyncConfig(), 60.0, alarm)
+        assert (req.probe_tolerance, req.probe_statistic, req.probe_max_tolerance) == (0.5, "mean", 3.0)
+        check = req.probe_check()  # what the trainer ranks' orchestrator verifies with
+        assert (check.tolerance, check.statistic, check.max_tolerance) == (0.5, "mean", 3.0)
 
 
 def test_colocated_engines_take_buckets_from_every_trainer_rank_where_rank_0_cannot_reach_them():

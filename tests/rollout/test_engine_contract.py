@@ -229,19 +229,6 @@ def test_flat_bucket_update_matches_reference_and_bumps_version(engine, checkpoi
     assert res.weight_version == v + 1
 
 
-def test_the_engine_claims_only_processes_it_started(engine):
-    """The processes an engine watches and stops are its own, never this process's multiprocessing resource
-    tracker (SGLang's spawn starts it): it ignores SIGTERM, so a shutdown waited out its 5 s grace and then SIGKILLed
-    a helper the caller still uses (and every semaphore it tracked leaked)."""
-    from multiprocessing import resource_tracker
-
-    claimed = list(getattr(engine, "child_pids", []))
-    tracker = resource_tracker._resource_tracker._pid  # private, but the only record of the tracker's pid
-    assert tracker is None or tracker not in claimed
-    if engine.contract_name == "sglang":  # the engine whose processes are this process's children: not vacuous
-        assert claimed and tracker is not None and running(tracker)
-
-
 def test_dead_engine_fails_fast_with_clear_message(engine):
     _kill(engine)
     # The death is detected, not waited out: a call that ran into its deadline would say "timed out" /
