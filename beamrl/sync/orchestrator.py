@@ -90,8 +90,9 @@ class ProbeCheck:
 
     `tolerance` bounds `statistic` of |engine - trainer| over the probe's tokens: "max" where both compute the
     same thing in float32 (exact: 1e-4); "mean" for the loose sanity alarm in bfloat16, where the per-step exactness
-    check is the checksums and a token whose router scores nearly tie may take other experts on one side, moving
-    its logprob (and the next ones') by up to ~1 nat with every weight right, while wrong weights move every token.
+    check is the checksums (where the engine can read the bytes) and a token whose router scores nearly tie may take
+    other experts on one side, moving its logprob (and the next ones') by up to ~1 nat with every weight right,
+    while wrong weights move every token.
     `max_tolerance` (with "mean"): a looser bound on the largest too, so a few tokens far off (weights wrong only
     where they are routed) still fail. `every`: run it on the first sync and then on every N-th (syncs 1, 1 + N,
     1 + 2N, ...; a subset sync always); checksums run every sync."""
