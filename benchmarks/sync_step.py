@@ -87,7 +87,7 @@ def build(workdir: Path, probe_every: int, in_process: bool = False):
     probe = sync_probe(data, tokenizer, recipe.model.dtype, recipe.rollout.engine)
     sync = WeightSync(lambda recs: TRANSPORTS.get("colocated")(recs, device="cpu"), [engine],
                       bucket_bytes=recipe.sync.bucket_bytes, timeouts=SyncTimeouts.uniform(60.0),
-                      probe=ProbeCheck(probe.sequences, probe.tolerance, probe_every, probe.statistic, probe.max_tolerance),
+                      probe=ProbeCheck(probe.sequences, probe.tolerance, probe_every, probe.mean_tolerance),
                       progress=None)
     return trainer, engine, sync, (lambda: export_source(trainer))
 

@@ -149,8 +149,7 @@ class SyncRequest:
     probe_sequences: tuple[tuple[int, ...], ...] = ()
     probe_tolerance: float = 1e-4
     probe_every: int = 1
-    probe_statistic: str = "max"
-    probe_max_tolerance: float | None = None
+    probe_mean_tolerance: float | None = None
     staged_memory: bool = False
     #: Memory tags the engines resume at the end of a staged sync (() : the driver resumes them after the trainer
     #: went to sleep, `beamrl.loop.colocated`).
@@ -164,7 +163,7 @@ class SyncRequest:
         if not self.probe_sequences:
             return None
         return ProbeCheck([list(s) for s in self.probe_sequences], self.probe_tolerance, self.probe_every,
-                          self.probe_statistic, self.probe_max_tolerance)
+                          self.probe_mean_tolerance)
 
 
 _SYNCS: dict[tuple, WeightSync] = {}

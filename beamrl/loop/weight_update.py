@@ -24,13 +24,12 @@ from beamrl.sync.config import SyncConfig, buckets_from_every_rank
 PROBE_TOKENS = 64
 #: Where trainer and engine compute the same thing (the native engine in float32) every probe token is exact to 1e-4.
 EXACT_TOLERANCE = 1e-4
-#: Elsewhere (bfloat16; SGLang, whose Beam keeps lm_head in BF16) it is an alarm on the *mean* |delta logprob|: the
-#: exact per-step check is the per-bucket checksums where the engine can read the bytes (docs/weight-sync.md, "The
-#: probe check"). Not a tight max: a token whose router scores nearly tie takes
-#: other experts on one side and moves by up to ~1 nat with every weight right (measured on the tiny Beam in bf16:
-#: max 0.86, mean 0.17 over an 11-token probe on a CPU with AMX), while wrong or stale weights move every token
-#: (one-step-old weights at lr 1e-2: mean 1.2-1.4).
-ALARM_TOLERANCE = 0.5
+#: Elsewhere (bfloat16; SGLang, whose Beam keeps lm_head in BF16) it is an alarm: the exact per-step check is the
+#: per-bucket checksums where the engine can read the bytes (docs/weight-sync.md, "The probe check"). On the *mean*
+#: |delta logprob|, 0.5: a token whose router scores nearly tie takes other experts on one side and moves by up to
+#: ~1 nat with every weight right (measured on the tiny Beam in bf16: max 0.86, mean 0.17 over an 11-token probe on a
+#: CPU with AMX), while wrong or stale weights move every token (one-step-old weights at lr 1e-2: mean 1.2-1.4) ...
+ALARM_MEAN_TOLERANCE = 0.5
 #: ... and on the largest, loosely (~3x the near-tie measured): where the engine cannot checksum the bytes (SGLang
 #: behind the distributed transport) a bucket wrong only for a few experts moves only the tokens routed there.
 ALARM_MAX_TOLERANCE = 3.0
@@ -38,21 +37,20 @@ ALARM_MAX_TOLERANCE = 3.0
 
 @dataclass(frozen=True)
 class SyncProbe:
-    """Post-sync verification: token sequences both sides score, and the bound on their |delta logprob|:
-    `tolerance` on its `statistic` ("max" or "mean" over the tokens, `beamrl.sync.orchestrator.ProbeCheck`)."""
+    """Post-sync verification: token sequences both sides score, the bound on their largest |delta logprob|
+    (`tolerance`) and, for the alarm, on their mean (`beamrl.sync.orchestrator.ProbeCheck`)."""
 
     sequences: list[list[int]]
     tolerance: float
-    statistic: str = "max"
-    max_tolerance: float | None = None
+    mean_tolerance: float | None = None
 
 
-def probe_tolerance(engine: str, dtype: str) -> tuple[float, str, float | None]:
-    """(tolerance, statistic, max_tolerance): (1e-4, "max", None) where trainer and engine compute the same thing in
-    float32 (the native engine), else the alarm (0.5 on the mean, 3.0 on the largest)."""
+def probe_tolerance(engine: str, dtype: str) -> tuple[float, float | None]:
+    """(bound on the largest, bound on the mean): (1e-4, None) where trainer and engine compute the same thing in
+    float32 (the native engine), else the alarm (3.0, 0.5)."""
     if engine == "native" and dtype == "float32":
-        return EXACT_TOLERANCE, "max", None
-    return ALARM_TOLERANCE, "mean", ALARM_MAX_TOLERANCE
+        return EXACT_TOLERANCE, None
+    return ALARM_MAX_TOLERANCE, ALARM_MEAN_TOLERANCE
 
 
 def sync_probe(data, tokenizer, dtype: str, engine: str) -> SyncProbe:
@@ -82,8 +80,7 @@ def sync_request(version: int, sync: SyncConfig, timeout: float, probe: SyncProb
     return SyncRequest(version=version, transport=sync.transport, bucket_bytes=sync.bucket_bytes, timeout=timeout,
                        probe_sequences=tuple(tuple(s) for s in probe.sequences) if probe else (),
                        probe_tolerance=probe.tolerance if probe else 0.0, probe_every=sync.probe_every,
-                       probe_statistic=probe.statistic if probe else "max",
-                       probe_max_tolerance=probe.max_tolerance if probe else None,
+                       probe_mean_tolerance=probe.mean_tolerance if probe else None,
                        staged_memory=staged, resume_after_sync=resume_after_sync, colocations=colocations)
 
 
