@@ -1,9 +1,14 @@
-"""Whether an OS process is still running: one rule for the engines' child processes, the weight sync's leftover
-files and the tests that watch killed processes."""
+"""OS processes: whether one still runs (one rule for the engines' child processes, the weight sync's leftover
+files and the tests that watch killed processes), and how a set of them is stopped within a bounded time."""
 
 from __future__ import annotations
 
+import os
+import time
+
 import psutil
+
+_POLL_S = 0.02
 
 
 def running(pid: int) -> bool:
@@ -15,3 +20,51 @@ def running(pid: int) -> bool:
         return False
     except psutil.AccessDenied:
         return True
+
+
+def group_members(pgid: int) -> list[psutil.Process]:
+    """The running processes of process group `pgid` (a server started with `start_new_session=True` and
+    everything it started, re-parented or not)."""
+    members = []
+    for p in psutil.process_iter():
+        try:
+            if os.getpgid(p.pid) == pgid and running(p.pid):
+                members.append(p)
+        except (ProcessLookupError, psutil.NoSuchProcess):
+            continue
+    return members
+
+
+def _exited(p: psutil.Process) -> bool:
+    try:
+        p.wait(timeout=0)  # reaps it if it is this process's child
+        return True
+    except psutil.TimeoutExpired:
+        return not running(p.pid)  # an exited orphan waits as a zombie for its new parent to reap it
+
+
+def _wait(procs: list[psutil.Process], deadline: float) -> list[psutil.Process]:
+    alive = list(procs)
+    while alive:
+        alive = [p for p in alive if not _exited(p)]
+        if not alive or time.monotonic() >= deadline:
+            break
+        time.sleep(_POLL_S)
+    return alive
+
+
+def stop_processes(procs: list[psutil.Process], grace: float) -> list[int]:
+    """SIGTERM each of `procs` (so their handlers run), wait up to `grace` s for all to exit, then SIGKILL the
+    rest and wait up to `grace` s more. Returns the pids still running after that (normally none)."""
+    for p in procs:
+        try:
+            p.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    alive = _wait(procs, time.monotonic() + grace)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    return [p.pid for p in _wait(alive, time.monotonic() + grace)]

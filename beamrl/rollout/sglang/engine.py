@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterator
 
 from beamrl.environ import scoped_environ
 from beamrl.models.beam.config import BeamConfig
-from beamrl.processes import running
+from beamrl.processes import running, stop_processes
 from beamrl.protocols.rollout import EngineError, GenerateRequest, GenerateResult, RolloutEngine
 from beamrl.rollout.sglang import payloads
 from beamrl.rollout.sglang.config import SGLangEngineConfig
@@ -537,6 +537,7 @@ def _stderr_to(path: Path) -> Iterator[None]:
 
 
 def _kill_pids(pids: list[int], grace: float = 5.0) -> None:
+    """Stop the engine's processes `pids` and everything they started (`beamrl.processes.stop_processes`)."""
     import psutil
 
     procs = []
@@ -546,15 +547,4 @@ def _kill_pids(pids: list[int], grace: float = 5.0) -> None:
             procs += [*p.children(recursive=True), p]
         except psutil.NoSuchProcess:
             continue
-    for p in procs:
-        try:
-            p.terminate()
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(procs, timeout=grace)
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(alive, timeout=grace)
+    stop_processes(procs, grace)

@@ -1,0 +1,36 @@
+"""`SGLangServer.stop()` ends the whole server (every process of its group has exited when it returns) without taking
+SGLang's crash path: before, the group's SIGTERM reached the schedulers first, and the server logged a crashed child
+and spent 5 s on crash diagnostics at every stop."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from beamrl.models.beam import preset
+from beamrl.models.beam.model import BeamForCausalLM
+from beamrl.net import reserve_port
+from beamrl.processes import group_members, running
+from beamrl.rollout.sglang.config import SGLangEngineConfig
+from beamrl.rollout.sglang.server import SGLangServer
+
+pytestmark = pytest.mark.slow  # one CPU server start: ~20 s on an idle 2-core machine
+CRASH_PATH = ("SIGQUIT received", "crashed with exit code")  # SGLang's lines when it takes a stop for a crash
+
+
+def test_stop_ends_every_process_of_the_server_without_the_crash_path(tmp_path):
+    BeamForCausalLM(preset("tiny"), dtype=torch.float32, seed=0).save_pretrained(tmp_path / "ckpt")
+    with reserve_port() as reserved:
+        server = SGLangServer(SGLangEngineConfig.on_cpu(tmp_path / "ckpt", dtype="float32", port=reserved.port),
+                              log_path=tmp_path / "server.log")
+        server.start(timeout=600)
+    try:
+        members = [p.pid for p in group_members(server.pid)]
+        assert server.pid in members and len(members) >= 3  # the server, its scheduler and detokenizer at least
+        logged = len(server.log_path.read_text().splitlines())
+    finally:
+        server.stop()
+    assert not [pid for pid in members if running(pid)]
+    after = "\n".join(server.log_path.read_text().splitlines()[logged:])
+    assert not any(line in after for line in CRASH_PATH), after
+    server.stop()  # idempotent
