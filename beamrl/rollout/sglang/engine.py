@@ -35,15 +35,32 @@ from typing import Any, Callable, Iterator
 from beamrl.environ import scoped_environ
 from beamrl.models.beam.config import BeamConfig
 from beamrl.processes import running, stop_processes
-from beamrl.protocols.rollout import EngineError, GenerateRequest, GenerateResult, RolloutEngine
+from beamrl.protocols.rollout import EngineError
+from beamrl.protocols.weights import WeightSyncError
 from beamrl.rollout.sglang import payloads
+from beamrl.rollout.sglang.client import SGLangClient
 from beamrl.rollout.sglang.config import SGLangEngineConfig
-from beamrl.protocols.weights import UNTOUCHED, WeightReceiver, WeightSyncError
 from beamrl.rollout.sglang.sync_guard import SGLangSyncGuard
-from beamrl.rollout.sglang.lora_status import STATUS_NAME, check_adapter_applied, decode_status
 
 _LIVE_ENGINES: "weakref.WeakSet[SGLangEngine]" = weakref.WeakSet()
 PAUSE_MODES = ("abort", "retract", "in_place")
+# SGLang's API in process: the tokenizer manager's method of each endpoint beamrl calls, and its request class in
+# `sglang.srt.managers.io_struct`. The methods take (request, None), as SGLang's HTTP handlers call them, except
+# those in `_REQUEST_ONLY`; `flush_cache` takes no request.
+_REQUESTS = {
+    "begin_weight_update": "BeginWeightUpdateReqInput",
+    "end_weight_update": "EndWeightUpdateReqInput",
+    "update_weights_from_tensor": "UpdateWeightsFromTensorReqInput",
+    "init_weights_update_group": "InitWeightsUpdateGroupReqInput",
+    "update_weights_from_distributed": "UpdateWeightsFromDistributedReqInput",
+    "destroy_weights_update_group": "DestroyWeightsUpdateGroupReqInput",
+    "update_weights_from_disk": "UpdateWeightFromDiskReqInput",
+    "update_weight_version": "UpdateWeightVersionReqInput",
+    "get_weights_by_name": "GetWeightsByNameReqInput",
+    "release_memory_occupation": "ReleaseMemoryOccupationReqInput",
+    "resume_memory_occupation": "ResumeMemoryOccupationReqInput",
+}
+_REQUEST_ONLY = {"update_weight_version"}
 
 
 def _on_sigquit(signum, frame) -> None:
@@ -60,7 +77,7 @@ def log_tail(path: str | Path | None, lines: int = 40) -> str:
     return "\n".join(text[-lines:])
 
 
-class SGLangEngine(RolloutEngine, WeightReceiver):
+class SGLangEngine(SGLangClient):
     """In-process SGLang engine. `start()` launches it (also done by the constructor unless `start=False`)."""
 
     def __init__(self, config: SGLangEngineConfig, start_timeout: float = 600.0, log_path: str | Path | None = None,
@@ -76,11 +93,10 @@ class SGLangEngine(RolloutEngine, WeightReceiver):
         self._dead_reason: str | None = None
         self._lock = threading.Lock()
         self._version = config.weight_version
-        self._in_session = False
         self._guard = SGLangSyncGuard(self.name, self.beam_config, config.dtype, config.model_path,
                                       rollback=config.device == "cpu" if rollback is None else rollback,
                                       lora=config.lora)
-        self._adapters_before = 0  # LoRA: adapters the model class had applied when this adapter session began
+        self._adapters_before = 0
         if start:
             self.start()
 
@@ -217,10 +233,20 @@ class SGLangEngine(RolloutEngine, WeightReceiver):
             except Exception as e:  # SGLang raises ValueError/AssertionError/... with its own message
                 raise error_cls(f"SGLang engine: {what} failed: {type(e).__name__}: {e}") from e
 
-    def _rpc(self, method: str, obj: Any, timeout: float, error_cls: type[Exception] = WeightSyncError) -> Any:
+    def _call(self, endpoint: str, fields: dict[str, Any] | None, timeout: float,
+              error_cls: type[Exception] = WeightSyncError) -> Any:
+        """The tokenizer manager's method `endpoint` with the request `_REQUESTS[endpoint](**fields)` (`fields`
+        None: the method takes no request); `error_cls` with SGLang's message when it refuses."""
+        from sglang.srt.managers import io_struct
+
         tm = self._engine.tokenizer_manager if self._engine is not None else None
-        result = self._run(lambda: getattr(tm, method)(obj, None), timeout, method, error_cls)
-        payloads.check_success(result, f"SGLang engine: {method}", error_cls)
+        if fields is None:
+            args: tuple = ()
+        else:
+            request = getattr(io_struct, _REQUESTS[endpoint])(**fields)
+            args = (request,) if endpoint in _REQUEST_ONLY else (request, None)
+        result = self._run(lambda: getattr(tm, endpoint)(*args), timeout, endpoint, error_cls)
+        payloads.check_success(result, f"SGLang engine: {endpoint}", error_cls)
         return result
 
     # ------------------------------------------------------------------ generation
@@ -235,35 +261,6 @@ class SGLangEngine(RolloutEngine, WeightReceiver):
         out = self._run(go, timeout, "generate", EngineError,
                         on_timeout=lambda: tm.abort_request(abort_all=True))
         return out if isinstance(out, list) else [out]
-
-    def generate(self, requests: list[GenerateRequest], timeout: float) -> list[GenerateResult]:
-        self._guard.require_serving("generate", EngineError)
-        c = self.beam_config
-        outs = self._generate_raw(payloads.generate_payload(requests), timeout)
-        if len(outs) != len(requests):
-            raise EngineError(f"SGLang engine returned {len(outs)} outputs for {len(requests)} requests")
-        return [payloads.parse_generate_output(o, r, c.num_hidden_layers, c.num_experts_per_tok, c.mlp_layer_types)
-                for o, r in zip(outs, requests)]
-
-    def score(self, sequences: list[list[int]], timeout: float) -> list[list[float]]:
-        from beamrl.protocols.rollout import SamplingParams
-
-        self._guard.require_serving("score", EngineError)
-        reqs = [GenerateRequest(prompt_ids=list(s), sampling=SamplingParams(max_new_tokens=1, temperature=1.0))
-                for s in sequences]
-        for i, s in enumerate(sequences):
-            if len(s) < 2:
-                raise ValueError(f"score: sequence {i} has {len(s)} tokens; at least 2 are needed")
-        outs = self._generate_raw(payloads.generate_payload(reqs, logprob_start_len=0), timeout)
-        return [payloads.parse_prompt_logprobs(o, len(s)) for o, s in zip(outs, sequences)]
-
-    def generate_with_prompt_logprobs(self, requests: list[GenerateRequest], timeout: float
-                                      ) -> list[tuple[GenerateResult, list[float]]]:
-        """Generate and also return each prompt's logprobs (parity tools)."""
-        c = self.beam_config
-        outs = self._generate_raw(payloads.generate_payload(requests, logprob_start_len=0), timeout)
-        return [(payloads.parse_generate_output(o, r, c.num_hidden_layers, c.num_experts_per_tok, c.mlp_layer_types),
-                 payloads.parse_prompt_logprobs(o, len(r.prompt_ids))) for o, r in zip(outs, requests)]
 
     def health(self, timeout: float) -> bool:
         tm = self._engine.tokenizer_manager if self._engine is not None else None
@@ -298,19 +295,14 @@ class SGLangEngine(RolloutEngine, WeightReceiver):
         self._run(lambda: tm.continue_generation(ContinueGenerationReqInput()), timeout, "continue_generation")
 
     def flush_cache(self, timeout: float) -> None:
-        tm = self._engine.tokenizer_manager if self._engine is not None else None
-        out = self._run(lambda: tm.flush_cache(), timeout, "flush_cache")
-        payloads.check_success(out, "SGLang engine: flush_cache (refused while requests run)", EngineError)
+        """Drop the prefix cache (SGLang refuses while requests run)."""
+        self._call("flush_cache", None, timeout, EngineError)
 
     def _memory_call(self, method: str, tags: list[str] | None, timeout: float) -> None:
-        from sglang.srt.managers import io_struct
-
         if self.config.device != "cuda" or not self.config.enable_memory_saver:
             raise EngineError(f"{method} needs a CUDA engine launched with enable_memory_saver=True "
                               f"(device={self.config.device!r}, enable_memory_saver={self.config.enable_memory_saver})")
-        cls = (io_struct.ReleaseMemoryOccupationReqInput if method.startswith("release")
-               else io_struct.ResumeMemoryOccupationReqInput)
-        self._rpc(method, cls(tags=tags), timeout, EngineError)
+        self._call(method, {"tags": tags}, timeout, EngineError)
 
     def release_memory(self, tags: list[str] | None, timeout: float) -> None:
         self._memory_call("release_memory_occupation", tags, timeout)
@@ -318,140 +310,15 @@ class SGLangEngine(RolloutEngine, WeightReceiver):
     def resume_memory(self, tags: list[str] | None, timeout: float) -> None:
         self._memory_call("resume_memory_occupation", tags, timeout)
 
-    @property
-    def weight_version(self) -> int:
-        return self._version
-
     # ------------------------------------------------------------------ weight updates
     @property
     def tp_size(self) -> int:
         return self.config.engine_tp
 
-    @property
-    def sync_failure(self) -> str | None:
-        """Why the engine does not serve after a failed weight sync (None: it serves)."""
-        return self._guard.failure
-
-    def begin_weight_update(self, manifest, timeout: float) -> None:
-        """Check the session's manifest (`SGLangSyncGuard`), then open SGLang's session."""
-        from sglang.srt.managers.io_struct import BeginWeightUpdateReqInput
-
-        self._guard.begin(manifest, self._version)
-        try:
-            if self._guard.adapter_session:
-                self._adapters_before = self.lora_status(timeout)["applied"]
-            self._rpc("begin_weight_update", BeginWeightUpdateReqInput(selector="all"), timeout)
-        except BaseException:
-            self._guard.aborted("SGLang refused begin_weight_update", restored=False)
-            raise
-        self._in_session = True
-
     def _load_flat_bucket(self, bucket, timeout: float) -> None:
-        from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
-
-        obj = UpdateWeightsFromTensorReqInput(
-            serialized_named_tensors=payloads.flattened_bucket_payloads(bucket, self.tp_size, as_str=False),
-            load_format="flattened_bucket", flush_cache=False)
-        self._rpc("update_weights_from_tensor", obj, timeout)
-
-    def update_weights_from_tensor(self, bucket, timeout: float) -> None:
-        self._guard.check_tensor_bucket(bucket)  # index, layout, checksum: before SGLang sees the bytes
-        self._load_flat_bucket(bucket, timeout)
-        self._guard.tensor_bucket_loaded(bucket)
-
-    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-                                  group_name: str, backend: str, timeout: float) -> None:
-        from sglang.srt.managers.io_struct import InitWeightsUpdateGroupReqInput
-
-        obj = InitWeightsUpdateGroupReqInput(master_address=master_address, master_port=master_port,
-                                             rank_offset=rank_offset, world_size=world_size,
-                                             group_name=group_name, backend=backend)
-        self._rpc("init_weights_update_group", obj, timeout)
-
-    def update_weights_from_distributed(self, index: int, checksum, group_name: str, timeout: float) -> None:
-        """SGLang receives the broadcast itself, laid out as the manifest announced bucket `index`."""
-        from sglang.srt.managers.io_struct import UpdateWeightsFromDistributedReqInput
-
-        layout = self._guard.distributed_bucket(index)
-        obj = UpdateWeightsFromDistributedReqInput(names=layout.names, dtypes=layout.dtypes, shapes=layout.shapes,
-                                                   group_name=group_name, flush_cache=False,
-                                                   load_format="flattened_bucket")
-        self._rpc("update_weights_from_distributed", obj, timeout)
-        self._guard.distributed_bucket_loaded(index)
-
-    def destroy_weights_update_group(self, group_name: str, timeout: float) -> None:
-        from sglang.srt.managers.io_struct import DestroyWeightsUpdateGroupReqInput
-
-        self._rpc("destroy_weights_update_group", DestroyWeightsUpdateGroupReqInput(group_name=group_name), timeout)
-
-    def update_weights_from_disk(self, path: str, timeout: float) -> None:
-        from sglang.srt.managers.io_struct import UpdateWeightFromDiskReqInput
-
-        self._rpc("update_weights_from_disk", UpdateWeightFromDiskReqInput(model_path=str(path)), timeout)
-        self._guard.disk_loaded(str(path))
-
-    def _end_sglang_session(self, timeout: float) -> None:
-        from sglang.srt.managers.io_struct import EndWeightUpdateReqInput
-
-        try:
-            self._rpc("end_weight_update", EndWeightUpdateReqInput(), timeout)
-        finally:
-            self._in_session = False
-
-    def end_weight_update(self, new_version: int, timeout: float) -> None:
-        """Commit: every announced bucket arrived intact; then close SGLang's session, set the version and flush
-        the prefix cache (routes/KV of old weights). A failed commit is aborted (rolled back or unhealthy)."""
-        try:
-            self._guard.settle(new_version)
-            if self._guard.adapter_session:
-                self._check_adapter_merged(timeout)
-        except WeightSyncError as exc:
-            outcome = self.abort_weight_update(str(exc), timeout)
-            raise WeightSyncError(f"{self.name}: session closed without serving version {new_version} "
-                                  f"({outcome}): {exc}") from None
-        self._end_sglang_session(timeout)
-        self._guard.committed()
-        self.update_weight_version(new_version, timeout)
-        self.flush_cache(timeout)
-
-    def abort_weight_update(self, reason: str, timeout: float) -> str:
-        """Undo the session's buckets from the host mirror where possible, then close SGLang's session without a
-        version change; otherwise the engine stops serving (`SGLangSyncGuard`)."""
-        if self._guard.session is None:
-            return UNTOUCHED
-        if self._guard.adapter_merged:
-            try:
-                if self.lora_status(timeout)["applied"] == self._adapters_before:
-                    self._guard.adapter_refused()  # nothing was merged: nothing to undo
-            except WeightSyncError:
-                pass  # cannot tell: undo as if it had been merged
-        undo = self._guard.undo_buckets()
-        restored = False
-        if undo is not None:
-            try:
-                for bucket in undo:
-                    self._load_flat_bucket(bucket, timeout)
-                restored = True
-            except WeightSyncError:
-                restored = False
-        try:
-            self._end_sglang_session(timeout)
-        except WeightSyncError:
-            restored = False
-        return self._guard.aborted(reason, restored)
-
-    def update_weight_version(self, new_version: int, timeout: float) -> None:
-        from sglang.srt.managers.io_struct import UpdateWeightVersionReqInput
-
-        if int(new_version) < 0:
-            raise WeightSyncError(f"weight version must be >= 0, got {new_version}")
-        tm = self._engine.tokenizer_manager if self._engine is not None else None
-        obj = UpdateWeightVersionReqInput(new_version=str(int(new_version)), abort_all_requests=False)
-        self._run(lambda: tm.update_weight_version(obj), timeout, "update_weight_version", WeightSyncError)
-        self._version = int(new_version)
-
-    def served_weight_version(self, timeout: float) -> int:
-        return self._version
+        self._call("update_weights_from_tensor",
+                   {"serialized_named_tensors": payloads.flattened_bucket_payloads(bucket, self.tp_size, as_str=False),
+                    "load_format": "flattened_bucket", "flush_cache": False}, timeout)
 
     def weights_checksum(self, timeout: float) -> str:
         """SGLang's own checksum of every parameter the engine computes with (`check_weights`, action
@@ -466,7 +333,6 @@ class SGLangEngine(RolloutEngine, WeightReceiver):
             raise WeightSyncError(f"SGLang engine: check_weights(checksum) failed: {message}")
         return digest
 
-
     # ------------------------------------------------------------------ LoRA adapters (docs/lora.md)
     def _check_lora_class(self) -> None:
         """SGLang skips an out-of-tree model module that fails to import (a warning in its log) and serves its
@@ -478,10 +344,6 @@ class SGLangEngine(RolloutEngine, WeightReceiver):
             raise EngineError(f"SGLang engine started without beamrl's LoRA model class ({e}); see the engine log "
                               f"{self.log_path}\n{log_tail(self.log_path)}") from None
 
-    def lora_status(self, timeout: float) -> dict:
-        """The LoRA state of beamrl's model class: {"adapter_id", "adapter_digest", "error", "targets", ...}."""
-        return decode_status(self._get_weights_by_name(STATUS_NAME, timeout), self.name)
-
     def lora_effective_weight(self, name: str, timeout: float):
         """The HF weight `name` as the engine now computes with it (rank 0's TP shard), as an FP32 tensor."""
         import torch
@@ -490,19 +352,6 @@ class SGLangEngine(RolloutEngine, WeightReceiver):
         if out is None:
             raise WeightSyncError(f"SGLang engine: no weight {name!r}")
         return torch.tensor(out, dtype=torch.float64).float()
-
-    def _get_weights_by_name(self, name: str, timeout: float):
-        from sglang.srt.managers.io_struct import GetWeightsByNameReqInput
-
-        tm = self._engine.tokenizer_manager if self._engine is not None else None
-        return self._run(lambda: tm.get_weights_by_name(GetWeightsByNameReqInput(name=name, truncate_size=1 << 62),
-                                                        None), timeout, "get_weights_by_name", WeightSyncError)
-
-    def _check_adapter_merged(self, timeout: float) -> None:
-        """After an adapter session's last bucket: beamrl's model class must have merged exactly one more adapter
-        and recorded no refusal (it cannot raise out of SGLang's loader)."""
-        check_adapter_applied(self.lora_status(timeout), self._adapters_before, self.name)
-
 
 @contextmanager
 def _spawn_env(config: SGLangEngineConfig) -> Iterator[None]:

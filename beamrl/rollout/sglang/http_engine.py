@@ -13,15 +13,15 @@ from typing import Any
 
 from beamrl.models.beam.config import BeamConfig
 from beamrl.models.beam.lora_config import LoRAConfig
-from beamrl.protocols.rollout import EngineError, GenerateRequest, GenerateResult, RolloutEngine, SamplingParams
+from beamrl.protocols.rollout import EngineError
+from beamrl.protocols.weights import WeightSyncError
 from beamrl.rollout.sglang import payloads
+from beamrl.rollout.sglang.client import SGLangClient
 from beamrl.rollout.sglang.engine import PAUSE_MODES
-from beamrl.protocols.weights import UNTOUCHED, WeightReceiver, WeightSyncError
-from beamrl.rollout.sglang.lora_status import STATUS_NAME, check_adapter_applied, decode_status
 from beamrl.rollout.sglang.sync_guard import SGLangSyncGuard
 
 
-class SGLangHTTPEngine(RolloutEngine, WeightReceiver):
+class SGLangHTTPEngine(SGLangClient):
     """Client of one SGLang server at `url`. `beam_config` gives the route layout (num layers, top-k, MLP types)."""
 
     def __init__(self, url: str, beam_config: BeamConfig, tp_size: int = 1, weight_version: int = 0,
@@ -44,9 +44,8 @@ class SGLangHTTPEngine(RolloutEngine, WeightReceiver):
         self._session = requests.Session()
         if api_key:
             self._session.headers["Authorization"] = f"Bearer {api_key}"
-        self._in_session = False
         self._guard = SGLangSyncGuard(self.name, beam_config, dtype, model_path or "", rollback=rollback, lora=lora)
-        self._adapters_before = 0  # LoRA: adapters the model class had applied when this adapter session began
+        self._adapters_before = 0
 
     @classmethod
     def launch(cls, config, start_timeout: float = 600.0, log_path=None) -> "SGLangHTTPEngine":
@@ -90,28 +89,14 @@ class SGLangHTTPEngine(RolloutEngine, WeightReceiver):
         payloads.check_success(data, f"SGLang server {self.url}{path}", error_cls)
         return data
 
+    def _call(self, endpoint: str, fields: dict[str, Any] | None, timeout: float,
+              error_cls: type[Exception] = WeightSyncError) -> Any:
+        return self._post("/" + endpoint, fields, timeout, error_cls)
+
     # ------------------------------------------------------------------ generation
     def _generate_raw(self, body: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
         out = self._post("/generate", body, timeout)
         return out if isinstance(out, list) else [out]
-
-    def generate(self, requests: list[GenerateRequest], timeout: float) -> list[GenerateResult]:
-        self._guard.require_serving("generate", EngineError)
-        c = self.beam_config
-        outs = self._generate_raw(payloads.generate_payload(requests), timeout)
-        if len(outs) != len(requests):
-            raise EngineError(f"SGLang server returned {len(outs)} outputs for {len(requests)} requests")
-        return [payloads.parse_generate_output(o, r, c.num_hidden_layers, c.num_experts_per_tok, c.mlp_layer_types)
-                for o, r in zip(outs, requests)]
-
-    def score(self, sequences: list[list[int]], timeout: float) -> list[list[float]]:
-        self._guard.require_serving("score", EngineError)
-        for i, s in enumerate(sequences):
-            if len(s) < 2:
-                raise ValueError(f"score: sequence {i} has {len(s)} tokens; at least 2 are needed")
-        reqs = [GenerateRequest(prompt_ids=list(s), sampling=SamplingParams(max_new_tokens=1)) for s in sequences]
-        outs = self._generate_raw(payloads.generate_payload(reqs, logprob_start_len=0), timeout)
-        return [payloads.parse_prompt_logprobs(o, len(s)) for o, s in zip(outs, sequences)]
 
     def health(self, timeout: float) -> bool:
         try:
@@ -144,10 +129,6 @@ class SGLangHTTPEngine(RolloutEngine, WeightReceiver):
             raise EngineError("resume_memory needs a CUDA server launched with enable_memory_saver=True")
         self._post("/resume_memory_occupation", {"tags": tags}, timeout)
 
-    @property
-    def weight_version(self) -> int:
-        return self._version
-
     def shutdown(self) -> None:
         if self.server is not None:
             self.server.stop()
@@ -157,23 +138,6 @@ class SGLangHTTPEngine(RolloutEngine, WeightReceiver):
     @property
     def tp_size(self) -> int:
         return self._tp_size
-
-    @property
-    def sync_failure(self) -> str | None:
-        """Why the engine does not serve after a failed weight sync (None: it serves)."""
-        return self._guard.failure
-
-    def begin_weight_update(self, manifest, timeout: float) -> None:
-        """Check the session's manifest (`SGLangSyncGuard`), then open the server's session."""
-        self._guard.begin(manifest, self._version)
-        try:
-            if self._guard.adapter_session:
-                self._adapters_before = self.lora_status(timeout)["applied"]
-            self._post("/begin_weight_update", {"selector": "all"}, timeout, WeightSyncError)
-        except BaseException:
-            self._guard.aborted("the server refused begin_weight_update", restored=False)
-            raise
-        self._in_session = True
 
     def _load_flat_bucket(self, bucket, timeout: float) -> None:
         if not bucket.on_cuda:
@@ -186,90 +150,6 @@ class SGLangHTTPEngine(RolloutEngine, WeightReceiver):
                 "load_format": "flattened_bucket", "flush_cache": False}
         self._post("/update_weights_from_tensor", body, timeout, WeightSyncError)
 
-    def update_weights_from_tensor(self, bucket, timeout: float) -> None:
-        """Colocated path: the payload carries CUDA-IPC handles, so the bucket must be on a CUDA device."""
-        self._guard.check_tensor_bucket(bucket)
-        self._load_flat_bucket(bucket, timeout)
-        self._guard.tensor_bucket_loaded(bucket)
-
-    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-                                  group_name: str, backend: str, timeout: float) -> None:
-        body = {"master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
-                "world_size": world_size, "group_name": group_name, "backend": backend}
-        self._post("/init_weights_update_group", body, timeout, WeightSyncError)
-
-    def update_weights_from_distributed(self, index: int, checksum, group_name: str, timeout: float) -> None:
-        layout = self._guard.distributed_bucket(index)
-        body = {"names": layout.names, "dtypes": layout.dtypes, "shapes": layout.shapes, "group_name": group_name,
-                "flush_cache": False, "load_format": "flattened_bucket"}
-        self._post("/update_weights_from_distributed", body, timeout, WeightSyncError)
-        self._guard.distributed_bucket_loaded(index)
-
-    def destroy_weights_update_group(self, group_name: str, timeout: float) -> None:
-        self._post("/destroy_weights_update_group", {"group_name": group_name}, timeout, WeightSyncError)
-
-    def update_weights_from_disk(self, path: str, timeout: float) -> None:
-        self._post("/update_weights_from_disk", {"model_path": str(path)}, timeout, WeightSyncError)
-        self._guard.disk_loaded(str(path))
-
-    def _end_server_session(self, timeout: float) -> None:
-        try:
-            self._post("/end_weight_update", {}, timeout, WeightSyncError)
-        finally:
-            self._in_session = False
-
-    def end_weight_update(self, new_version: int, timeout: float) -> None:
-        """Commit (every bucket arrived intact), close the session, then set the version and flush the cache."""
-        try:
-            self._guard.settle(new_version)
-            if self._guard.adapter_session:
-                check_adapter_applied(self.lora_status(timeout), self._adapters_before, self.name)
-        except WeightSyncError as exc:
-            outcome = self.abort_weight_update(str(exc), timeout)
-            raise WeightSyncError(f"{self.name}: session closed without serving version {new_version} "
-                                  f"({outcome}): {exc}") from None
-        self._end_server_session(timeout)
-        self._guard.committed()
-        self.update_weight_version(new_version, timeout)
-        self._post("/flush_cache", None, timeout, WeightSyncError)
-
-    def abort_weight_update(self, reason: str, timeout: float) -> str:
-        if self._guard.session is None:
-            return UNTOUCHED
-        if self._guard.adapter_merged:
-            try:
-                if self.lora_status(timeout)["applied"] == self._adapters_before:
-                    self._guard.adapter_refused()  # nothing was merged: nothing to undo
-            except WeightSyncError:
-                pass  # cannot tell: undo as if it had been merged
-        undo = self._guard.undo_buckets()
-        restored = False
-        if undo is not None:
-            try:
-                for bucket in undo:  # the mirror lives in host memory; the server takes CUDA-IPC payloads
-                    bucket.buffer = bucket.buffer.to("cuda")
-                    self._load_flat_bucket(bucket, timeout)
-                restored = True
-            except WeightSyncError:
-                restored = False
-        try:
-            self._end_server_session(timeout)
-        except WeightSyncError:
-            restored = False
-        return self._guard.aborted(reason, restored)
-
-    def lora_status(self, timeout: float) -> dict:
-        """The LoRA state of beamrl's model class (`lora_status.decode_status`)."""
-        out = self._post("/get_weights_by_name", {"name": STATUS_NAME, "truncate_size": 1 << 62}, timeout,
-                         WeightSyncError)
-        return decode_status(out, self.name)
-
-    def update_weight_version(self, new_version: int, timeout: float) -> None:
-        if int(new_version) < 0:
-            raise WeightSyncError(f"weight version must be >= 0, got {new_version}")
-        self._post("/update_weight_version", {"new_version": str(int(new_version)), "abort_all_requests": False},
-                   timeout, WeightSyncError)
-        self._version = int(new_version)
-
-    def served_weight_version(self, timeout: float) -> int:
-        return self._version
+    def _undo_bucket(self, bucket):
+        bucket.buffer = bucket.buffer.to("cuda")  # the mirror lives in host memory; the server takes CUDA-IPC handles
+        return bucket
