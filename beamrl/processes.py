@@ -53,18 +53,37 @@ def _wait(procs: list[psutil.Process], deadline: float) -> list[psutil.Process]:
     return alive
 
 
+def _signal(p: psutil.Process, kill: bool) -> None:
+    try:
+        if kill:
+            p.kill()
+        else:
+            p.terminate()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):  # gone, or its pid now belongs to another user's process
+        pass
+
+
 def stop_processes(procs: list[psutil.Process], grace: float) -> list[int]:
     """SIGTERM each of `procs` (so their handlers run), wait up to `grace` s for all to exit, then SIGKILL the
     rest and wait up to `grace` s more. Returns the pids still running after that (normally none)."""
     for p in procs:
-        try:
-            p.terminate()
-        except psutil.NoSuchProcess:
-            pass
+        _signal(p, kill=False)
     alive = _wait(procs, time.monotonic() + grace)
     for p in alive:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
+        _signal(p, kill=True)
     return [p.pid for p in _wait(alive, time.monotonic() + grace)]
+
+
+def stop_group(pgid: int, grace: float, rounds: int = 3) -> list[int]:
+    """Stop every process of group `pgid` (`stop_processes`); then again for members that appeared meanwhile (one
+    may start a process between the listing and its signal), at most `rounds` listings. Returns the pids still
+    running."""
+    signalled: set[int] = set()
+    left: list[int] = []
+    for _ in range(rounds):
+        new = [p for p in group_members(pgid) if p.pid not in signalled]
+        if not new:
+            break
+        signalled.update(p.pid for p in new)
+        left += stop_processes(new, grace)
+    return sorted(set(left) | {p.pid for p in group_members(pgid)})

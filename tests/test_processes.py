@@ -1,5 +1,6 @@
-"""`beamrl.processes`: a process group's members are found and stopped, a leader that is already dead included, and a
-member that ignores SIGTERM is killed after the grace period."""
+"""`beamrl.processes`: a process group's members are found and stopped, a leader that is already dead included; a
+member that ignores SIGTERM is killed after the grace period; a process a member starts while it is being stopped is
+stopped too."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import subprocess
 import sys
 import time
 
-from beamrl.processes import group_members, running, stop_processes
+from beamrl.processes import group_members, running, stop_group, stop_processes
 
 # A session leader that starts two children (one ignores SIGTERM), prints their pids and sleeps.
 LEADER = r"""
@@ -63,3 +64,33 @@ def test_a_member_that_ignores_sigterm_is_killed_after_the_grace():
     finally:
         leader.kill()
         leader.wait(10)
+
+
+# A member whose SIGTERM handler starts another process of the group (and prints its pid) before it exits.
+SPAWNER = r"""
+import signal, subprocess, sys, time
+def on_term(*_):
+    late = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    print(late.pid, flush=True)
+    sys.exit(0)
+signal.signal(signal.SIGTERM, on_term)
+print("up", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_process_started_while_the_group_is_stopped_is_stopped_too():
+    spawner = subprocess.Popen([sys.executable, "-c", SPAWNER], stdout=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    late = None
+    try:
+        assert spawner.stdout.readline().strip() == "up"
+        assert stop_group(spawner.pid, grace=2.0) == []
+        late = int(spawner.stdout.readline())  # started by the SIGTERM handler, after the first listing
+        assert not running(late)
+        assert group_members(spawner.pid) == []
+    finally:
+        spawner.kill()
+        spawner.wait(10)
+        if late is not None and running(late):
+            os.kill(late, signal.SIGKILL)
