@@ -73,6 +73,10 @@ class RolloutConfig(Section):
             if key in SERVER_ARGS_OWNED:
                 raise ConfigError(f"server_args.{key}", self.server_args[key],
                                   f"set {SERVER_ARGS_OWNED[key]} instead (first-class field)")
+        if self.engine == "sglang" and self.server_args:
+            from beamrl.rollout.sglang.cli_args import check
+
+            check(self.server_args)  # an unknown key or a value SGLang's parser refuses, named now, not at launch
         if self.engine == "native":
             defaults = {name: RolloutConfig.model_fields[name].get_default(call_default_factory=True)
                         for name in SGLANG_ONLY}

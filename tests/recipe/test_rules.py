@@ -35,6 +35,9 @@ CASES = [
     # the placement arguments come from the plan and the run's API key, one set per engine process
     (["rollout.server_args={nnodes: 2}"], "rollout.server_args.nnodes", "placement plan"),
     (["rollout.server_args={api_key: k}"], "rollout.server_args.api_key", "placement plan"),
+    # SGLang's own parser, at load: a key this SGLang does not know, a value it refuses
+    (["rollout.server_args={cuda_graph_bs: [1, 2]}"], "rollout.server_args.cuda_graph_bs", "not an SGLang"),
+    (["rollout.server_args={context_length: lots}"], "rollout.server_args.context_length", "refuses"),
     (["rollout.deterministic=true"], "rollout.attention_backend", "fa3"),
     (["rollout.deterministic=true", "rollout.attention_backend=trtllm_mha"], "rollout.attention_backend", "fa3"),
     (["rollout.engine=native"], "rollout.engine_tp", "native engine"),

@@ -53,9 +53,9 @@ class SGLangConfigError(ValueError):
 class SGLangEngineConfig:
     """Launch arguments of one SGLang engine (sglang-integration.md §3-§7).
 
-    `server_args` are passed through verbatim (`{"context_length": 4096}` -> `context_length=4096` /
-    `--context-length 4096`; `True` -> a bare flag) for options beamrl does not model; they may not override a
-    modelled field.
+    `server_args` are passed through (`{"context_length": 4096}` -> `context_length=4096` /
+    `--context-length 4096`; `True` -> a bare flag; lists and dicts as SGLang's parser takes them, `cli_args`) for
+    options beamrl does not model; they may not override a modelled field.
 
     Multi-node engines (scale-out): every node runs one server with the same arguments except `node_rank`;
     `nnodes` nodes split the `engine_tp` ranks evenly and meet at `dist_init_addr` (the leader's host:port).
@@ -203,21 +203,21 @@ class SGLangEngineConfig:
         return {"SGLANG_EXTERNAL_MODEL_PACKAGE": EXTERNAL_MODEL_PACKAGE}
 
     def engine_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments of the in-process `sglang.Engine` (always token ids in/out: skip_tokenizer_init)."""
-        return {**self._modelled_kwargs(), **self.server_args}
+        """Keyword arguments of the in-process `sglang.Engine` (always token ids in/out: skip_tokenizer_init). A
+        list or dict in `server_args` becomes the value SGLang's command line makes of it (`cli_args.parse`), so
+        both launch paths give SGLang the same value."""
+        from beamrl.rollout.sglang import cli_args
+
+        extra = {k: cli_args.parse(k, v) if isinstance(v, (list, tuple, dict)) else v
+                 for k, v in self.server_args.items()}
+        return {**self._modelled_kwargs(), **extra}
 
     def launch_argv(self) -> list[str]:
         """Arguments after `python -m sglang.launch_server` (host/port included)."""
+        from beamrl.rollout.sglang import cli_args
+
         kw = {**self._modelled_kwargs(), "host": self.host, "port": self.port, **self.server_args}
-        argv: list[str] = []
-        for key, value in kw.items():
-            flag = "--" + key.replace("_", "-")
-            if isinstance(value, bool):
-                if value:
-                    argv.append(flag)
-            elif value is not None:
-                argv += [flag, str(value)]
-        return argv
+        return [arg for key, value in kw.items() for arg in cli_args.render(key, value)]
 
 
 def _is_loopback(host: str) -> bool:

@@ -16,6 +16,31 @@ def test_cpu_recipe_renders_to_engine_kwargs_and_cli():
     assert argv[argv.index("--context-length") + 1] == "512"
 
 
+def test_list_and_dict_server_args_reach_sglang_as_its_parser_takes_them():
+    """A list option that takes separate arguments, a JSON-list option, a JSON-string option: the command line
+    spells each as SGLang's parser expects, and the in-process engine gets the value that command line makes."""
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+
+    args = {"cuda_graph_bs_decode": [1, 2, 4], "remote_instance_weight_loader_send_weights_group_ports": [7, 8],
+            "mm_process_config": {"image": {"max": 2}}}
+    cfg = SGLangEngineConfig.on_cpu("/ckpt", dtype="float32", server_args=args)
+    argv = cfg.launch_argv()
+    assert argv[argv.index("--cuda-graph-bs-decode") + 1: argv.index("--cuda-graph-bs-decode") + 4] == ["1", "2", "4"]
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    ServerArgs.add_cli_args(parser)
+    ns = parser.parse_args(argv)  # SGLang's own parser takes the whole command line
+    kw = cfg.engine_kwargs()
+    for key, value in args.items():
+        assert getattr(ns, key) == value == kw[key]
+    # a string option given as a dict: both paths hand SGLang the same JSON string
+    text = SGLangEngineConfig.on_cpu("/ckpt", server_args={"json_model_override_args": {"a": 1}})
+    assert text.engine_kwargs()["json_model_override_args"] == '{"a": 1}'
+    argv = text.launch_argv()
+    assert argv[argv.index("--json-model-override-args") + 1] == '{"a": 1}'
+
+
 @pytest.mark.parametrize("kwargs, field", [
     (dict(deterministic=True), "attention_backend"),
     (dict(deterministic=True, attention_backend="trtllm_mha"), "attention_backend"),
