@@ -229,6 +229,27 @@ def test_flat_bucket_update_matches_reference_and_bumps_version(engine, checkpoi
     assert res.weight_version == v + 1
 
 
+def test_health_answers_while_a_generate_runs(engine):
+    """The loop checks an engine's health while it waits on a rollout: the answer may not queue behind the
+    `generate` in progress (a busy engine taken for a dead one is restarted)."""
+    import threading
+
+    if engine.contract_name == "fake":
+        pytest.skip("the fake's generate returns at once: nothing to overlap")
+    busy = threading.Thread(target=engine.generate, args=([_req([5, 6, 7], 192) for _ in range(4)], T))
+    busy.start()
+    try:
+        time.sleep(0.5)  # the generate has the engine
+        t0 = time.monotonic()
+        assert engine.health(timeout=30.0)
+        answered = time.monotonic() - t0
+        still_busy = busy.is_alive()
+    finally:
+        busy.join(T)
+    assert still_busy, "the generate ended before the health check: make it longer"
+    assert answered < 5.0
+
+
 def test_dead_engine_fails_fast_with_clear_message(engine):
     _kill(engine)
     # The death is detected, not waited out: a call that ran into its deadline would say "timed out" /

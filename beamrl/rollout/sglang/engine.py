@@ -215,23 +215,33 @@ class SGLangEngine(SGLangClient):
     # ------------------------------------------------------------------ the one way to call the engine
     def _run(self, make_coro: Callable[[], Any], timeout: float, what: str,
              error_cls: type[Exception] = EngineError, on_timeout: Callable[[], None] | None = None) -> Any:
+        """Run the coroutine `make_coro()` on the engine's loop: one call at a time (one event loop), waiting at
+        most `timeout` s for a call in progress and then at most `timeout` s for this one."""
         if timeout <= 0:
             raise ValueError(f"{what}: timeout must be > 0, got {timeout}")
-        with self._lock:
-            self._check_alive(error_cls)
-            loop = self._engine.loop
-            try:
-                return loop.run_until_complete(asyncio.wait_for(make_coro(), timeout))
-            except (asyncio.TimeoutError, TimeoutError):
-                if on_timeout is not None:
-                    on_timeout()
-                self._note_children()
-                extra = f" ({self._dead_reason})" if self._dead_reason else ""
-                raise error_cls(f"SGLang engine: {what} timed out after {timeout:g} s{extra}") from None
-            except error_cls:
-                raise
-            except Exception as e:  # SGLang raises ValueError/AssertionError/... with its own message
-                raise error_cls(f"SGLang engine: {what} failed: {type(e).__name__}: {e}") from e
+        if not self._lock.acquire(timeout=timeout):
+            raise error_cls(f"SGLang engine: {what} waited {timeout:g} s for another call to finish")
+        try:
+            return self._run_locked(make_coro, timeout, what, error_cls, on_timeout)
+        finally:
+            self._lock.release()
+
+    def _run_locked(self, make_coro: Callable[[], Any], timeout: float, what: str,
+                    error_cls: type[Exception], on_timeout: Callable[[], None] | None = None) -> Any:
+        self._check_alive(error_cls)
+        loop = self._engine.loop
+        try:
+            return loop.run_until_complete(asyncio.wait_for(make_coro(), timeout))
+        except (asyncio.TimeoutError, TimeoutError):
+            if on_timeout is not None:
+                on_timeout()
+            self._note_children()
+            extra = f" ({self._dead_reason})" if self._dead_reason else ""
+            raise error_cls(f"SGLang engine: {what} timed out after {timeout:g} s{extra}") from None
+        except error_cls:
+            raise
+        except Exception as e:  # SGLang raises ValueError/AssertionError/... with its own message
+            raise error_cls(f"SGLang engine: {what} failed: {type(e).__name__}: {e}") from e
 
     def _call(self, endpoint: str, fields: dict[str, Any] | None, timeout: float,
               error_cls: type[Exception] = WeightSyncError) -> Any:
@@ -263,12 +273,22 @@ class SGLangEngine(SGLangClient):
         return out if isinstance(out, list) else [out]
 
     def health(self, timeout: float) -> bool:
-        tm = self._engine.tokenizer_manager if self._engine is not None else None
+        """Idle, the scheduler must answer within `timeout`. While another call runs (`EngineActor` asks from its
+        control thread during long rollouts), the engine is healthy while all its processes run: a health check
+        must not queue behind a `generate` and take a busy engine for a dead one."""
+        if self._engine is None or timeout <= 0:
+            return False
+        if not self._lock.acquire(timeout=min(timeout, 1.0)):
+            self._note_children()
+            return self._dead_reason is None
         try:
-            self._run(lambda: tm.get_internal_state(), timeout, "health")
+            tm = self._engine.tokenizer_manager
+            self._run_locked(lambda: tm.get_internal_state(), timeout, "health", EngineError)
             return True
         except (EngineError, ValueError):
             return False
+        finally:
+            self._lock.release()
 
     def abort_all(self, timeout: float) -> None:
         tm = self._engine.tokenizer_manager if self._engine is not None else None
