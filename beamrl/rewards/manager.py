@@ -129,6 +129,9 @@ class RewardManager:
                     f"{run.breaker_trips[comp.name]}"
                 )
         self._tripped_last_batch = set(run.breaker_trips)
+        for comp in self.components:
+            if comp.name not in run.breaker_trips:  # a trip has its own line
+                self._log_failures(comp, per_comp[comp.name])
         totals = [
             sum(
                 c.weight * s.score
@@ -145,6 +148,17 @@ class RewardManager:
             metrics=self._metrics(per_comp, totals, wall, run.breaker_trips),
             breaker_trips=dict(run.breaker_trips),
         )
+
+    def _log_failures(self, comp: RewardComponentConfig, scores: list[ComponentScore]) -> None:
+        """One line per component and batch with failed calls (skips are the breaker's line): counted in the
+        metrics too, but a reward function that fails on every sample must not look like a policy scoring 0."""
+        failed = [s for s in scores if s.status in ("error", "timeout", "crash")]
+        if not failed:
+            return
+        counts = ", ".join(f"{sum(s.status == st for s in failed)} {label}"
+                           for st, label in (("error", "errors"), ("timeout", "timeouts"), ("crash", "crashes")))
+        self.log(f"reward {comp.name!r}: {len(failed)} of its {len(scores)} calls in this batch failed ({counts}), "
+                 f"scored by on_error={comp.on_error!r}. First failure: {failed[0].message}")
 
     @staticmethod
     def _to_score(comp: RewardComponentConfig, out: CallOutcome, index: int) -> ComponentScore:

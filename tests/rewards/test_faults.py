@@ -73,9 +73,15 @@ def test_hanging_component_costs_the_others_nothing_and_the_batch_about_one_time
         # batch timeout. The bound leaves room for a loaded 2-core machine (a helper saw 20 s at load 22).
         assert wall < 45.0, f"a batch took {wall:.1f} s; the hanging component's per-call timeout is 2 s"
     # Once per batch: the trip (naming the component and its first failure), then the retry, then the trip.
-    assert len(notices) == 3, notices
-    assert all("'hang'" in n and "did not return within 2 s" in n and "tripped after 3" in n for n in notices[::2])
-    assert notices[1] == "reward 'hang': retrying in this batch (its breaker had tripped in the previous one)"
+    breaker = [n for n in notices if "'hang'" in n]
+    assert len(breaker) == 3, notices
+    assert all("did not return within 2 s" in n and "tripped after 3" in n for n in breaker[::2])
+    assert breaker[1] == "reward 'hang': retrying in this batch (its breaker had tripped in the previous one)"
+    # and once per batch the raising component's failures, with the first one (the tripped component has no such line)
+    raised = [n for n in notices if "'raiser'" in n]
+    assert len(raised) == 2 and len(notices) == 5, notices
+    assert all(f"{sum(raises)} of its 64 calls in this batch failed ({sum(raises)} errors" in n
+               and "cannot grade" in n for n in raised)
 
 
 @pytest.mark.parametrize("fn, bad, why", [("segfaults_on_crash", "crash", "SIGSEGV"),

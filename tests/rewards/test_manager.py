@@ -54,9 +54,18 @@ def test_exceptions_and_bad_returns_are_counted_and_the_run_continues():
         comp("str", "returns_string"),
         comp("die", "dies_on_die"),
     ]
-    with RewardManager(comps, pool(1)) as rm:
+    notices = []
+    with RewardManager(comps, pool(1), log=notices.append) as rm:
         res = rm.score(samples("ok", "bad", "die", "ok"))
+        first_batch = list(notices)
         again = rm.score(samples("ok"))  # the pool still works after failures and a dead worker
+    # every component with failed calls says so on the console, once per batch, with its first failure
+    assert len(first_batch) == 4, first_batch
+    zero, skip, text, die = first_batch
+    assert "'zero': 1 of its 4 calls in this batch failed (1 errors, 0 timeouts, 0 crashes)" in zero
+    assert "on_error='skip'" in skip and "'str': 4 of its 4 calls" in text and "must return a finite float" in text
+    assert "'die': 1 of its 4 calls" in die and "1 crashes" in die and "died (exit code 3)" in die
+    assert notices[4:] == [n for n in notices[4:] if "'str'" in n] and len(notices) == 5  # only str fails again
     assert res.scores("zero") == [1.0, 0.0, 1.0, 1.0]
     assert res.scores("skip") == [1.0, None, 1.0, 1.0]
     assert res.metrics["reward/zero/errors"] == 1.0 and res.metrics["reward/zero/mean"] == 0.75
