@@ -32,9 +32,10 @@ class ConfigError(ValueError):
 
 
 class Section(BaseModel):
-    """Base of every config section: unknown keys are errors; assignments are re-validated."""
+    """Base of every config section: unknown keys are errors; assignments are re-validated; no float field takes
+    inf or nan (a timeout of `.inf` would fail deep inside a wait, or never end)."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=(), allow_inf_nan=False)
 
 
 def registry_choice(registry: "Registry", *extra: str) -> Any:

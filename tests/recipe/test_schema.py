@@ -62,6 +62,16 @@ def test_wrong_type(base_raw):
     assert e.value.path == "trainer.tp"
 
 
+@pytest.mark.parametrize("section, key, value", [("timeouts", "sync_s", float("inf")),
+                                                 ("rollout", "health_check_interval_s", float("inf")),
+                                                 ("trainer", "lr", float("nan"))])
+def test_no_float_field_takes_inf_or_nan(base_raw, section, key, value):
+    base_raw.setdefault(section, {})[key] = value  # YAML's .inf / .nan
+    with pytest.raises(RecipeError) as e:
+        validate_recipe(base_raw)
+    assert e.value.path == f"{section}.{key}" and "finite" in str(e.value)
+
+
 def test_reward_sections_are_the_reward_packages_own_configs(base_raw):
     """No mirror: the recipe's `rewards` items and `reward_pool` are beamrl.rewards' config classes, so a
     field added there is a recipe field with the same name."""
