@@ -87,6 +87,9 @@ def _check_batches(r: "Recipe") -> None:
     if r.algorithm.advantage == "grpo" and r.rollout.n_samples_per_prompt < 2:
         raise RecipeError("rollout.n_samples_per_prompt", r.rollout.n_samples_per_prompt,
                           "GRPO computes advantages within a group: at least 2 samples per prompt")
+    if r.sft is not None and r.sft.batch < tr.dp:
+        raise RecipeError("sft.batch", r.sft.batch, f"at least one pair per data-parallel rank: >= trainer dp = "
+                          f"{tr.dp} (each rank trains on its share of every SFT step)")
 
 
 def _check_rollout_on_device(r: "Recipe") -> None:

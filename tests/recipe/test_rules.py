@@ -30,6 +30,7 @@ CASES = [
     (["trainer.global_batch_size=24"], "trainer.global_batch_size", "prompts_per_step * n_samples_per_prompt"),
     (["rollout.n_samples_per_prompt=1", "trainer.global_batch_size=8"], "rollout.n_samples_per_prompt", "group"),
     (["rollout.top_k=0"], "rollout.top_k", "-1"),
+    (["sft={steps: 2, lr: 0.001, batch: 2}"], "sft.batch", "data-parallel rank"),
     (["rollout.server_args={mem_fraction_static: 0.5}"], "rollout.server_args.mem_fraction_static",
      "rollout.mem_fraction"),
     # the placement arguments come from the plan and the run's API key, one set per engine process
