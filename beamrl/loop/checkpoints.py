@@ -151,7 +151,7 @@ class RunCheckpoints:
         os.replace(staging, final)
         _fsync_dir(self.root)
         if replaced is not None:
-            shutil.rmtree(replaced, ignore_errors=True)
+            self._remove(replaced)
         self._rotate(keep=final)
         self.log(f"checkpoint step {step} published at {final} ({time.perf_counter() - t0:.1f} s after the save "
                  f"started)")
@@ -160,10 +160,17 @@ class RunCheckpoints:
         done = published(self.root)
         for old in done[: max(0, len(done) - self.keep_last)]:
             if old != keep:
-                shutil.rmtree(old, ignore_errors=True)
+                self._remove(old)
         for suffix in (STAGING_SUFFIX, REPLACED_SUFFIX):
             for stale in self.root.glob(f"step_*{suffix}"):
-                shutil.rmtree(stale, ignore_errors=True)
+                self._remove(stale)
+
+    def _remove(self, path: Path) -> None:
+        """Delete an old checkpoint folder; a failure is said (the run goes on, but the disk fills up)."""
+        def said(_fn, target, exc_info) -> None:
+            self.log(f"checkpoint rotation could not delete {target}: {exc_info[1]}")
+
+        shutil.rmtree(path, onerror=said)
 
 
 def _damage(error: BaseException) -> str | None:

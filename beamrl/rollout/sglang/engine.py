@@ -23,6 +23,7 @@ import asyncio
 import atexit
 import os
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -416,4 +417,6 @@ def _kill_pids(pids: list[int], grace: float = 5.0) -> None:
             procs += [*p.children(recursive=True), p]
         except psutil.NoSuchProcess:
             continue
-    stop_processes(procs, grace)
+    left = stop_processes(procs, grace)
+    if left:
+        print(f"[beamrl] SGLang engine: processes {left} survived SIGKILL", file=sys.stderr, flush=True)
