@@ -318,6 +318,7 @@ class EngineGroup:
         # errors are read, never dropped unread (Ray reports a dropped call's error as unhandled, asynchronously).
         self._abandoned: list = []
         self.tp_sizes = [0] * len(engines)  # as each engine reports it once started
+        self.health_errors: dict[int, str] = {}  # engine -> why its last health check raised (said on failure)
         try:
             self._start(list(range(len(engines))))
         except BaseException:
@@ -396,10 +397,12 @@ class EngineGroup:
         """Engine `k`'s leader and every follower answer `health` within `timeout` s (stopped or dead: False)."""
         if not self.nodes[k]:
             return False
+        self.health_errors.pop(k, None)
         try:
             return all(ray_get([a.health.remote(timeout) for a in self.nodes[k]], timeout + 30,
                                f"{self.names[k]}.health"))
-        except Exception:  # noqa: BLE001 - any failure to answer is "not healthy"
+        except Exception as exc:  # noqa: BLE001 - any failure to answer is "not healthy"; the cause is kept
+            self.health_errors[k] = f"{type(exc).__name__}: {exc}"
             return False
 
     def generate_async(self, groups: list[list[GenerateRequest]], timeout: float) -> "PendingGenerate":
@@ -472,7 +475,9 @@ class EngineGroup:
         if self.recovery is not None:
             for e in sorted({k for k, _, _ in pending.inflight.values()} - set(failed)):
                 if not self.engine_health(e, self.recovery.health_timeout_s):
-                    failed[e] = (f"{self.names[e]} failed its health check while generating", [])
+                    cause = self.health_errors.get(e)
+                    failed[e] = (f"{self.names[e]} failed its health check while generating"
+                                 + (f" ({cause})" if cause else ""), [])
         for e, (_, lost) in failed.items():  # everything else in flight on a failed engine is lost with it
             for ref in [r for r, (k, _, _) in pending.inflight.items() if k == e]:
                 lost.extend(pending.inflight.pop(ref)[1])

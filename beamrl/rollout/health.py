@@ -58,11 +58,14 @@ class HealthMonitor:
         self.last_error: dict[int, str] = {}  # engine index -> why its last restart failed
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._cause: str | None = None  # why the last health check raised (None: it answered)
 
     def _healthy(self, engine: RolloutEngine) -> bool:
+        self._cause = None
         try:
             return bool(engine.health(self.config.timeout))
-        except Exception:  # noqa: BLE001 - any failure to answer is "unhealthy"
+        except Exception as exc:  # noqa: BLE001 - any failure to answer is "unhealthy"; the cause is said
+            self._cause = f"{type(exc).__name__}: {exc}"
             return False
 
     def check_once(self, indices: list[int] | None = None) -> list[bool]:
@@ -76,7 +79,9 @@ class HealthMonitor:
                 self.failures[i] = 0
                 continue
             self.failures[i] += 1
-            self.on_event(f"engine {i} failed its health check ({self.failures[i]}/{self.config.max_failures})")
+            cause = f": {self._cause}" if self._cause else ""
+            self.on_event(f"engine {i} failed its health check ({self.failures[i]}/{self.config.max_failures})"
+                          f"{cause}")
             if self.failures[i] >= self.config.max_failures:
                 self.restart(i, f"{self.failures[i]} failed health check(s)")
         return states

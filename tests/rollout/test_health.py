@@ -120,3 +120,15 @@ def test_a_restart_that_cannot_be_described_still_counts_as_done():
     assert mon.restart(0, "killed") is True
     assert router.engines[0] is made[0] and router.is_healthy(0)
     assert any("restarted" in e and "no description: RuntimeError: the new engine died at once" in e for e in events)
+
+
+def test_a_health_check_that_raises_says_why():
+    """An engine whose `health` raises (a bug, a lost connection) is unhealthy, and the event names the cause."""
+    engines, router, mon, made, events, restarted = _setup(max_failures=2)
+
+    def broken(timeout):
+        raise ConnectionError("actor lost")
+
+    engines[0].health = broken
+    assert mon.check_once() == [False, True]
+    assert any("engine 0 failed its health check (1/2): ConnectionError: actor lost" in e for e in events), events
