@@ -5,8 +5,9 @@ of an engine) inside a Ray actor (`beamrl.loop.actors.EngineActor`), which also 
 taking the caller down.
 
 Every call runs the tokenizer manager's coroutine on `engine.loop` under `asyncio.wait_for`, so it has a
-timeout and never hangs; calls are serialized by a lock (one event loop). Child-process liveness is checked
-before each call, so a dead engine fails at once with the dead process named.
+timeout and never hangs; calls are serialized by a lock (one event loop), and each waits at most its timeout for
+the call in progress; `health` does not wait (while a call runs, the engine is healthy if its processes run).
+Child-process liveness is checked before each call, so a dead engine fails at once with the dead process named.
 
 Process-level effects, on purpose (SGLang assumes it owns the process):
 - the engine is started in a worker thread so that start-up has a timeout; its log (and the scheduler's,
