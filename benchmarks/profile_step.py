@@ -283,6 +283,27 @@ def _dump(path: Path, obj) -> None:
     path.write_bytes(pickle.dumps(obj, protocol=5))
 
 
+def load_capture(out: Path, name: str):
+    """One object this script pickled into `<out>/capture/` (its own bytes: never point this at others' files)."""
+    return pickle.loads((out / "capture" / f"{name}.pkl").read_bytes())
+
+
+def captured_trainer(args, out: Path):
+    """The trainer an actor holds, built in this process (one thread) from a capture run, and the captured GRPO
+    `train_step` arguments: `(recipe, trainer, (args, kwargs))`."""
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(20000 + os.getpid() % 20000))
+    import torch
+
+    torch.set_num_threads(1)  # as in the trainer actor
+    from beamrl.loop.setup import trainer_setup
+    from beamrl.trainer.megatron.worker import MegatronTrainer
+
+    recipe, model = _recipe_and_model(args, out)
+    trainer = MegatronTrainer(trainer_setup(recipe, model), hf_checkpoint=str(out / "run" / "sft_checkpoint"))
+    return recipe, trainer, load_capture(out, "grpo_train_step")
+
+
 def run_phases(args, out: Path) -> dict:
     from beamrl.recipe.load import load_recipe
 
@@ -458,18 +479,7 @@ def _sft_capture(recipe, dp_size: int):
 
 
 def trainer_internals(args, out: Path) -> dict:
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(20000 + os.getpid() % 20000))
-    import torch
-
-    torch.set_num_threads(1)  # as in the trainer actor
-    from beamrl.loop.setup import trainer_setup
-    from beamrl.trainer.megatron.worker import MegatronTrainer
-
-    recipe, model = _recipe_and_model(args, out)
-    trainer = MegatronTrainer(trainer_setup(recipe, model), hf_checkpoint=str(out / "run" / "sft_checkpoint"))
-    cap = out / "capture"
-    (grpo_args, grpo_kwargs) = pickle.loads((cap / "grpo_train_step.pkl").read_bytes())
+    recipe, trainer, (grpo_args, grpo_kwargs) = captured_trainer(args, out)
     sft_micro, sft_loss = _sft_capture(recipe, 1)
     t0 = time.thread_time()
     blob = pickle.dumps((sft_micro, sft_loss), protocol=5)
@@ -490,7 +500,7 @@ def trainer_internals(args, out: Path) -> dict:
                         "sequences": sum(mb.num_sequences for mb in micro),
                         "cpu_ms": cpu_min_ms(step, args.repeats), "ops": op_profile(step, args.top),
                         "python": python_profile(step, args.top)}
-    probe = pickle.loads((cap / "probe_batch.pkl").read_bytes())
+    probe = load_capture(out, "probe_batch")
     trainer.set_routing_replay(False)
     result["verify_logprobs_cpu_ms"] = cpu_min_ms(lambda: trainer.compute_logprobs(probe, 1.0), args.repeats)
     result["export_cpu_ms"] = cpu_min_ms(lambda: [u for u in trainer.export_hf()], args.repeats)
@@ -510,10 +520,8 @@ def engine_internals(args, out: Path) -> dict:
     engine = engine_factory(recipe.rollout, EngineLaunch(
         checkpoint=ckpt, dtype=recipe.model.dtype, device="cpu", seed=recipe.run.seed, name="native-0", port=30000,
         start_timeout=recipe.timeouts.generate_s, return_routed_experts=True, memory_saver=False))()
-    cap = out / "capture"
-    groups = pickle.loads((cap / "generate_requests.pkl").read_bytes())
-    requests = [r for g in groups for r in g]
-    probe = pickle.loads((cap / "probe_sequences.pkl").read_bytes())
+    requests = [r for g in load_capture(out, "generate_requests") for r in g]
+    probe = load_capture(out, "probe_sequences")
     _, tensors = load_checkpoint(ckpt)
     named = list(tensors.items())
 

@@ -14,8 +14,6 @@ going cold), not Python's or Ray's.
 from __future__ import annotations
 
 import argparse
-import os
-import pickle
 import statistics
 import sys
 import time
@@ -34,18 +32,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args(argv)
 
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(20000 + os.getpid() % 20000))
-    import torch
-
-    torch.set_num_threads(1)  # as in the trainer actor
     import benchmarks.profile_step as ps
-    from beamrl.loop.setup import trainer_setup
-    from beamrl.trainer.megatron.worker import MegatronTrainer
 
-    recipe, model = ps._recipe_and_model(ps.parse_args(["--out", str(args.capture)]), args.capture)
-    trainer = MegatronTrainer(trainer_setup(recipe, model), hf_checkpoint=str(args.capture / "run" / "sft_checkpoint"))
-    (grpo_args, grpo_kwargs) = pickle.loads((args.capture / "capture" / "grpo_train_step.pkl").read_bytes())
+    _, trainer, (grpo_args, grpo_kwargs) = ps.captured_trainer(ps.parse_args(["--out", str(args.capture)]),
+                                                               args.capture)
     trainer.set_routing_replay(grpo_kwargs.get("replay", True))
 
     def step():
