@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 # SGLang ServerArgs that a first-class field (or another section) already sets: naming them in `server_args`
 # would give a setting two sources. SGLang name -> the field to set instead.
 SERVER_ARGS_OWNED = {
-    **{sglang: f"rollout.{ours}" for ours, sglang in SGLANG_NAMES.items()}, "tp": "rollout.engine_tp",
+    **{sglang: f"rollout.{ours}" for ours, sglang in SGLANG_NAMES.items()},
     "attention_backend": "rollout.attention_backend", "swa_full_tokens_ratio": "rollout.swa_full_tokens_ratio",
     "model_path": "model.checkpoint", "random_seed": "run.seed", "dtype": "model.dtype",
 }
@@ -76,7 +76,9 @@ class RolloutConfig(Section):
         if self.engine == "sglang" and self.server_args:
             from beamrl.rollout.sglang.cli_args import check
 
-            check(self.server_args)  # an unknown key or a value SGLang's parser refuses, named now, not at launch
+            # an unknown key, another spelling of a field (which the checks above would miss) or a value SGLang's
+            # command line cannot say or its parser refuses: named now, not at launch
+            check(self.server_args)
         if self.engine == "native":
             defaults = {name: RolloutConfig.model_fields[name].get_default(call_default_factory=True)
                         for name in SGLANG_ONLY}

@@ -39,6 +39,12 @@ CASES = [
     # SGLang's own parser, at load: a key this SGLang does not know, a value it refuses
     (["rollout.server_args={cuda_graph_bs: [1, 2]}"], "rollout.server_args.cuda_graph_bs", "not an SGLang"),
     (["rollout.server_args={context_length: lots}"], "rollout.server_args.context_length", "refuses"),
+    # another spelling of a field: it would slip past the checks above, which look at field names
+    (["rollout.server_args={tensor_parallel_size: 2}"], "rollout.server_args.tensor_parallel_size", "tp_size"),
+    (["rollout.server_args={nccl_init_addr: 'h:1'}"], "rollout.server_args.nccl_init_addr", "dist_init_addr"),
+    (["rollout.server_args={model: /x}"], "rollout.server_args.model", "model_path"),
+    # a value SGLang's command line cannot say (this flag's default is None; leaving it out is not False)
+    (["rollout.server_args={enable_lora: false}"], "rollout.server_args.enable_lora", "cannot be said"),
     (["rollout.deterministic=true"], "rollout.attention_backend", "fa3"),
     (["rollout.deterministic=true", "rollout.attention_backend=trtllm_mha"], "rollout.attention_backend", "fa3"),
     (["rollout.engine=native"], "rollout.engine_tp", "native engine"),

@@ -162,6 +162,13 @@ class SGLangEngineConfig:
         if clash:
             raise SGLangConfigError(f"SGLangEngineConfig.server_args must not override modelled fields: "
                                     f"{sorted(clash)}")
+        from beamrl.rollout.sglang import cli_args
+
+        for key, value in self.server_args.items():
+            try:  # also refuses another spelling of a field (`tensor_parallel_size`), which the clash check misses
+                cli_args.parse(key, value)
+            except ValueError as e:
+                raise SGLangConfigError(f"SGLangEngineConfig.server_args.{key}={value!r}: {e}") from None
 
     @property
     def tp_per_node(self) -> int:
@@ -204,12 +211,11 @@ class SGLangEngineConfig:
 
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of the in-process `sglang.Engine` (always token ids in/out: skip_tokenizer_init). A
-        list or dict in `server_args` becomes the value SGLang's command line makes of it (`cli_args.parse`), so
-        both launch paths give SGLang the same value."""
+        `server_args` value becomes the value SGLang's command line makes of it (`cli_args.parse`), so both launch
+        paths give SGLang the same value."""
         from beamrl.rollout.sglang import cli_args
 
-        extra = {k: cli_args.parse(k, v) if isinstance(v, (list, tuple, dict)) else v
-                 for k, v in self.server_args.items()}
+        extra = {k: cli_args.parse(k, v) for k, v in self.server_args.items()}
         return {**self._modelled_kwargs(), **extra}
 
     def launch_argv(self) -> list[str]:

@@ -1,0 +1,65 @@
+"""`cli_args`: recipe values as SGLang 0.5.23's own parser takes them, and the keys it names."""
+
+import argparse
+import os
+import subprocess
+import sys
+
+import pytest
+
+from beamrl.rollout.sglang import cli_args
+from beamrl.rollout.sglang.config import PLACEMENT_ARGS
+from beamrl.rollout.config import SERVER_ARGS_OWNED
+
+
+def test_false_reaches_sglang_for_a_flag_pair_and_a_plain_flag():
+    # --x/--no-x whose default is None: False must say --no-x (was: nothing, which SGLang reads as None)
+    assert cli_args.render("enable_tf32_matmul", False) == ["--no-enable-tf32-matmul"]
+    assert cli_args.parse("enable_tf32_matmul", False) is False
+    assert cli_args.parse("enable_tf32_matmul", True) is True
+    # a store_true flag whose default is False: False is its default, said by leaving it out
+    assert cli_args.render("disable_radix_cache", False) == []
+    assert cli_args.parse("disable_radix_cache", True) is True
+
+
+def test_a_value_the_command_line_cannot_say_is_refused():
+    with pytest.raises(ValueError, match="cannot be said"):  # --enable-lora can set True; its default is None
+        cli_args.render("enable_lora", False)
+    with pytest.raises(ValueError, match="cannot be said"):
+        cli_args.render("disable_radix_cache", 1)  # not a bool: neither the constant nor the default
+
+
+@pytest.mark.parametrize("alias, field", [("tensor_parallel_size", "tp_size"), ("ep", "ep_size"),
+                                          ("model", "model_path"), ("nccl_init_addr", "dist_init_addr")])
+def test_another_spelling_of_a_field_is_refused_naming_the_field(alias, field):
+    with pytest.raises(ValueError, match=f"write {field}"):
+        cli_args.parse(alias, 2)
+
+
+def test_an_option_whose_flag_differs_from_its_field_is_written_as_sglang_spells_it():
+    assert cli_args.render("fp8_gemm_runner_backend", "auto")[0] == "--fp8-gemm-backend"
+    assert cli_args.parse("fp8_gemm_runner_backend", "auto") == "auto"
+
+
+def test_list_items_that_are_dicts_are_written_as_json():
+    """SGLang's --lora-paths takes `name=path` items or JSON objects (was: a dict item became Python's repr)."""
+    items = [{"lora_name": "a", "lora_path": "/p"}, "b=/q"]
+    assert cli_args.render("lora_paths", items)[1] == '{"lora_name": "a", "lora_path": "/p"}'
+    assert cli_args.parse("lora_paths", items) == items
+
+
+def test_every_key_beamrl_guards_is_an_sglang_field_name():
+    """The placement and first-class-field checks compare field names: a name that is not one guards nothing."""
+    _, by_dest, _ = cli_args._sglang_parser()
+    assert set(PLACEMENT_ARGS) | set(SERVER_ARGS_OWNED) <= set(by_dest)
+
+
+def test_checking_server_args_leaves_the_environment_as_it_was():
+    """Importing sglang sets cache-folder variables; a recipe check must not (Ray's processes inherit them)."""
+    code = ("import os; before = dict(os.environ); from beamrl.rollout.sglang import cli_args; "
+            "cli_args.check({'context_length': 8}); import sglang; "
+            "print([k for k in os.environ if before.get(k) != os.environ[k]])")
+    env = {k: v for k, v in os.environ.items() if not k.endswith("_CACHE_DIR") and k != "CUDA_CACHE_PATH"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"
