@@ -63,3 +63,15 @@ def test_checking_server_args_leaves_the_environment_as_it_was():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_without_sglang_the_recipe_error_names_the_key(monkeypatch):
+    from beamrl.config import ConfigError
+
+    cli_args._sglang_parser.cache_clear()
+    monkeypatch.setitem(sys.modules, "sglang.srt.server_args", None)  # import of it raises ImportError
+    try:
+        with pytest.raises(ConfigError, match="server_args.context_length.*not importable"):
+            cli_args.check({"context_length": 8})
+    finally:
+        cli_args._sglang_parser.cache_clear()
