@@ -242,7 +242,8 @@ class RLDriver:
             dead = [k for k, ok in enumerate(self.engines.health(r.timeouts.health_s)) if not ok]
             if not dead:
                 raise
-            self.engines.recovery.recover({k: f"dead at the weight sync to version {version} ({e})" for k in dead})
+            self.engines.recovery.recover({k: f"dead at the weight sync to version {version} ({e}); its health "
+                                              f"check failed{self.engines.health_cause(k)}" for k in dead})
             metrics = publish_weights(self.trainer, self.engines, request)
         metrics["engine/restarts"] = float(self.engines.recovery.take_restarts())  # (the rollout's are in the batch)
         self.version = version

@@ -289,7 +289,13 @@ class EngineHandle:
                                timeout + 30, f"{self.name}.generate"), f"{self.name}.generate")
 
     def health(self, timeout: float) -> bool:
-        return self.group.engine_health(self.index, timeout)
+        """The group's check of this engine; a check that failed to answer raises its error, so the health
+        monitor (which takes any raise as unhealthy) can say why."""
+        ok = self.group.engine_health(self.index, timeout)
+        error = self.group.health_errors.get(self.index)
+        if error is not None:
+            raise error
+        return ok
 
     def shutdown(self) -> None:
         self.group.stop_engine(self.index)
@@ -318,7 +324,7 @@ class EngineGroup:
         # errors are read, never dropped unread (Ray reports a dropped call's error as unhandled, asynchronously).
         self._abandoned: list = []
         self.tp_sizes = [0] * len(engines)  # as each engine reports it once started
-        self.health_errors: dict[int, str] = {}  # engine -> why its last health check raised (said on failure)
+        self.health_errors: dict[int, Exception] = {}  # engine -> why its last health check raised
         try:
             self._start(list(range(len(engines))))
         except BaseException:
@@ -395,15 +401,20 @@ class EngineGroup:
 
     def engine_health(self, k: int, timeout: float) -> bool:
         """Engine `k`'s leader and every follower answer `health` within `timeout` s (stopped or dead: False)."""
+        self.health_errors.pop(k, None)  # (first: a stopped engine keeps no cause from before)
         if not self.nodes[k]:
             return False
-        self.health_errors.pop(k, None)
         try:
             return all(ray_get([a.health.remote(timeout) for a in self.nodes[k]], timeout + 30,
                                f"{self.names[k]}.health"))
         except Exception as exc:  # noqa: BLE001 - any failure to answer is "not healthy"; the cause is kept
-            self.health_errors[k] = f"{type(exc).__name__}: {exc}"
+            self.health_errors[k] = exc
             return False
+
+    def health_cause(self, k: int) -> str:
+        """` (<error>)` when engine `k`'s last health check raised rather than answered; else empty."""
+        exc = self.health_errors.get(k)
+        return f" ({type(exc).__name__}: {exc})" if exc is not None else ""
 
     def generate_async(self, groups: list[list[GenerateRequest]], timeout: float) -> "PendingGenerate":
         """Submit every group (the router picks a healthy engine per group) and return a handle for `collect`."""
@@ -475,9 +486,8 @@ class EngineGroup:
         if self.recovery is not None:
             for e in sorted({k for k, _, _ in pending.inflight.values()} - set(failed)):
                 if not self.engine_health(e, self.recovery.health_timeout_s):
-                    cause = self.health_errors.get(e)
-                    failed[e] = (f"{self.names[e]} failed its health check while generating"
-                                 + (f" ({cause})" if cause else ""), [])
+                    failed[e] = (f"{self.names[e]} failed its health check while generating{self.health_cause(e)}",
+                                 [])
         for e, (_, lost) in failed.items():  # everything else in flight on a failed engine is lost with it
             for ref in [r for r, (k, _, _) in pending.inflight.items() if k == e]:
                 lost.extend(pending.inflight.pop(ref)[1])
