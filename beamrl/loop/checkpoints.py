@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -146,7 +147,7 @@ class RunCheckpoints:
         replaced = None
         if final.exists():  # the same step saved again (a resumed run): keep the old one until the rename
             replaced = final.with_name(final.name + REPLACED_SUFFIX)
-            shutil.rmtree(replaced, ignore_errors=True)
+            self._remove(replaced)  # left by a crash; if it stays, the replace below fails loudly
             os.replace(final, replaced)
         os.replace(staging, final)
         _fsync_dir(self.root)
@@ -166,11 +167,17 @@ class RunCheckpoints:
                 self._remove(stale)
 
     def _remove(self, path: Path) -> None:
-        """Delete an old checkpoint folder; a failure is said (the run goes on, but the disk fills up)."""
-        def said(_fn, target, exc_info) -> None:
-            self.log(f"checkpoint rotation could not delete {target}: {exc_info[1]}")
-
-        shutil.rmtree(path, onerror=said)
+        """Delete an old checkpoint folder; a failure is said, in one line per folder (the run goes on, but the
+        disk fills up)."""
+        errors: list[tuple[str, BaseException]] = []
+        if sys.version_info >= (3, 12):  # `onerror` is deprecated there
+            shutil.rmtree(path, onexc=lambda _fn, target, exc: errors.append((target, exc)))
+        else:
+            shutil.rmtree(path, onerror=lambda _fn, target, info: errors.append((target, info[1])))
+        if errors:
+            target, exc = errors[0]
+            more = f" (and {len(errors) - 1} more entries)" if len(errors) > 1 else ""
+            self.log(f"checkpoint rotation could not delete {path}: {target}: {exc}{more}")
 
 
 def _damage(error: BaseException) -> str | None:
