@@ -36,6 +36,10 @@ def _mean_std(xs: list[float]) -> tuple[float, float]:
     return m, math.sqrt(sum((x - m) ** 2 for x in xs) / len(xs))
 
 
+def _counted(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}es" if noun.endswith("sh") else f"{n} {noun}s"
+
+
 def _print_to_stderr(message: str) -> None:
     print(f"[beamrl] {message}", file=sys.stderr, flush=True)
 
@@ -65,6 +69,7 @@ class RewardManager:
         self.pool = RewardWorkerPool(self.plans, start_timeout_s=self.pool_config.start_timeout_s)
         self.log = log
         self._tripped_last_batch: set[str] = set()
+        self._traceback_shown: set[str] = set()  # components whose failure traceback the log has shown
         self._started = False
 
     def __enter__(self) -> RewardManager:
@@ -151,14 +156,20 @@ class RewardManager:
 
     def _log_failures(self, comp: RewardComponentConfig, scores: list[ComponentScore]) -> None:
         """One line per component and batch with failed calls (skips are the breaker's line): counted in the
-        metrics too, but a reward function that fails on every sample must not look like a policy scoring 0."""
+        metrics too, but a reward function that fails on every sample must not look like a policy scoring 0. The
+        first failure's traceback is shown once per component; later batches show its first line."""
         failed = [s for s in scores if s.status in ("error", "timeout", "crash")]
         if not failed:
             return
-        counts = ", ".join(f"{sum(s.status == st for s in failed)} {label}"
-                           for st, label in (("error", "errors"), ("timeout", "timeouts"), ("crash", "crashes")))
+        counts = ", ".join(_counted(n, noun) for n, noun in (
+            (sum(s.status == st for s in failed), noun) for st, noun in (("error", "error"), ("timeout", "timeout"),
+                                                                        ("crash", "crash"))) if n)
+        message = failed[0].message or ""
+        if comp.name in self._traceback_shown:
+            message = message.split("\n", 1)[0]
+        self._traceback_shown.add(comp.name)
         self.log(f"reward {comp.name!r}: {len(failed)} of its {len(scores)} calls in this batch failed ({counts}), "
-                 f"scored by on_error={comp.on_error!r}. First failure: {failed[0].message}")
+                 f"scored by on_error={comp.on_error!r}. First failure: {message}")
 
     @staticmethod
     def _to_score(comp: RewardComponentConfig, out: CallOutcome, index: int) -> ComponentScore:

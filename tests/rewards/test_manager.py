@@ -62,9 +62,9 @@ def test_exceptions_and_bad_returns_are_counted_and_the_run_continues():
     # every component with failed calls says so on the console, once per batch, with its first failure
     assert len(first_batch) == 4, first_batch
     zero, skip, text, die = first_batch
-    assert "'zero': 1 of its 4 calls in this batch failed (1 errors, 0 timeouts, 0 crashes)" in zero
+    assert "'zero': 1 of its 4 calls in this batch failed (1 error), " in zero  # no zero counts
     assert "on_error='skip'" in skip and "'str': 4 of its 4 calls" in text and "must return a finite float" in text
-    assert "'die': 1 of its 4 calls" in die and "1 crashes" in die and "died (exit code 3)" in die
+    assert "'die': 1 of its 4 calls" in die and "(1 crash)" in die and "died (exit code 3)" in die
     assert notices[4:] == [n for n in notices[4:] if "'str'" in n] and len(notices) == 5  # only str fails again
     assert res.scores("zero") == [1.0, 0.0, 1.0, 1.0]
     assert res.scores("skip") == [1.0, None, 1.0, 1.0]
@@ -128,3 +128,14 @@ def test_timeout_also_kills_subprocesses_of_the_function(tmp_path):
     while time.monotonic() < deadline and running(child):
         time.sleep(0.05)
     assert not running(child), "the function's subprocess outlived its killed worker"
+
+
+def test_a_failure_traceback_is_shown_once_per_component_then_its_first_line():
+    notices = []
+    with RewardManager([comp("zero", "raises_on_bad", on_error="zero")], pool(1), log=notices.append) as rm:
+        for _ in range(3):
+            rm.score(samples("bad", "ok"))
+    assert len(notices) == 3
+    first, *later = notices
+    assert "\n" in first and "raised" in first  # the traceback under its first line, once
+    assert all("\n" not in n and "raised" in n for n in later), later
