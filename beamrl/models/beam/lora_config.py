@@ -70,8 +70,8 @@ class LoRAConfig(Section):
     def _check(self) -> "LoRAConfig":
         if self.rank < 1:
             raise LoRAConfigError("rank", self.rank, "must be an integer >= 1")
-        if not (self.alpha > 0 and self.alpha != float("inf")):
-            raise LoRAConfigError("alpha", self.alpha, "must be a positive finite number")
+        if not self.alpha > 0:  # (inf and nan: refused by every Section)
+            raise LoRAConfigError("alpha", self.alpha, "must be > 0")
         if not self.targets:
             raise LoRAConfigError("targets", [], f"is empty; choose from {list(ALL_TARGETS)}")
         for i, t in enumerate(self.targets):

@@ -170,7 +170,7 @@ class OptimizerConfig(Section):
 
     lr: float = Field(gt=0)
     weight_decay: float = Field(0.0, ge=0)
-    grad_clip: float = Field(1.0, gt=0)
+    grad_clip: float | None = Field(1.0, gt=0, description="largest gradient norm; null: no clipping")
     optimizer: Literal["adam"] = "adam"
     adam_beta1: float = Field(0.9, ge=0, lt=1)
     adam_beta2: float = Field(0.999, ge=0, lt=1)

@@ -103,6 +103,21 @@ def _beam_builder(cfg: TrainerSetup):
     return tconfig, build
 
 
+def megatron_optimizer_config(setup: "TrainerSetup"):
+    """Megatron's `OptimizerConfig` for `setup`: Megatron's own names on the left (grad_clip -> clip_grad, ...);
+    this is the boundary to Megatron. `grad_clip: null` is Megatron's 0 (no clipping)."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    t, s = setup.trainer, setup.lr_schedule
+    return OptimizerConfig(
+        optimizer=t.optimizer, lr=t.lr, min_lr=s.min_lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1,
+        adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, clip_grad=0.0 if t.grad_clip is None else t.grad_clip,
+        bf16=setup.params_dtype == torch.bfloat16, params_dtype=setup.params_dtype,
+        use_distributed_optimizer=t.distributed_optimizer,
+        optimizer_cpu_offload=t.optimizer_offload_fraction > 0,
+        optimizer_offload_fraction=t.optimizer_offload_fraction)
+
+
 class MegatronTrainer(TrainerWorker):
     """One rank of the Megatron policy trainer (see the module docstring and `TrainerWorker`)."""
 
@@ -184,19 +199,11 @@ class MegatronTrainer(TrainerWorker):
         return chunks
 
     def _build_optimizer(self):
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer import get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-        # Megatron's own names on the right (grad_clip -> clip_grad, ...): this is the boundary to Megatron.
         t, s = self.config.trainer, self.config.lr_schedule
-        opt_config = OptimizerConfig(
-            optimizer=t.optimizer, lr=t.lr, min_lr=s.min_lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1,
-            adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, clip_grad=t.grad_clip,
-            bf16=self.config.params_dtype == torch.bfloat16, params_dtype=self.config.params_dtype,
-            use_distributed_optimizer=t.distributed_optimizer,
-            optimizer_cpu_offload=t.optimizer_offload_fraction > 0,
-            optimizer_offload_fraction=t.optimizer_offload_fraction)
-        optimizer = get_megatron_optimizer(opt_config, [c for c in self.chunks])
+        optimizer = get_megatron_optimizer(megatron_optimizer_config(self.config), [c for c in self.chunks])
         self.transformer_config.grad_scale_func = optimizer.scale_loss
         scheduler = OptimizerParamScheduler(
             optimizer, init_lr=0.0 if s.warmup_steps else t.lr, max_lr=t.lr, min_lr=s.min_lr,

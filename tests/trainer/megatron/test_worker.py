@@ -5,7 +5,8 @@ import pytest
 from beamrl.config import ConfigError
 from beamrl.models.beam import preset
 from beamrl.trainer.megatron.config import TrainerConfig
-from beamrl.trainer.megatron.worker import LRSchedule, TrainerConfigError, TrainerSetup, _split_sequences
+from beamrl.trainer.megatron.worker import (LRSchedule, TrainerConfigError, TrainerSetup, _split_sequences,
+                                           megatron_optimizer_config)
 from beamrl.trainer.protocol import PackedBatch
 
 
@@ -40,3 +41,12 @@ def test_split_sequences_keeps_alignment():
     assert [p.cu_seqlens.tolist() for p in parts] == [[0, 2, 5], [0, 2]]
     assert parts[1].fields["adv"].tolist() == [3.0, 3.0] and parts[1].loss_mask.tolist() == [0.0, 1.0]
     assert _split_sequences(b, 8) == [b]
+
+
+@pytest.mark.parametrize("grad_clip, clip_grad", [(0.5, 0.5), (None, 0.0)])
+def test_grad_clip_reaches_megatron_and_null_turns_clipping_off(grad_clip, clip_grad):
+    """Megatron clips only when clip_grad > 0; recipes refuse inf, so null is the way to say "no clipping"."""
+    setup = TrainerSetup(model=preset("tiny"), trainer=_trainer(grad_clip=grad_clip))
+    assert megatron_optimizer_config(setup).clip_grad == clip_grad
+    with pytest.raises(ValueError, match="grad_clip"):  # pydantic's error, named (a recipe gets a ConfigError)
+        _trainer(grad_clip=0.0)
