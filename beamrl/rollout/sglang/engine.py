@@ -5,8 +5,9 @@ of an engine) inside a Ray actor (`beamrl.loop.actors.EngineActor`), which also 
 taking the caller down.
 
 Every call runs the tokenizer manager's coroutine on `engine.loop` under `asyncio.wait_for`, so it has a
-timeout and never hangs; calls are serialized by a lock (one event loop), and each waits at most its timeout for
-the call in progress; `health` does not wait (while a call runs, the engine is healthy if its processes run).
+timeout and never hangs; calls are serialized by a lock (one event loop), and a call's timeout bounds it whole, its
+wait for the call in progress included; `health` does not wait (while a call runs, the engine is healthy if its
+processes run).
 Child-process liveness is checked before each call, so a dead engine fails at once with the dead process named.
 
 Process-level effects, on purpose (SGLang assumes it owns the process):
@@ -217,19 +218,25 @@ class SGLangEngine(SGLangClient):
     # ------------------------------------------------------------------ the one way to call the engine
     def _run(self, make_coro: Callable[[], Any], timeout: float, what: str,
              error_cls: type[Exception] = EngineError, on_timeout: Callable[[], None] | None = None) -> Any:
-        """Run the coroutine `make_coro()` on the engine's loop: one call at a time (one event loop), waiting at
-        most `timeout` s for a call in progress and then at most `timeout` s for this one."""
+        """Run the coroutine `make_coro()` on the engine's loop: one call at a time (one event loop). `timeout`
+        bounds the whole call, the wait for a call in progress included."""
         if timeout <= 0:
             raise ValueError(f"{what}: timeout must be > 0, got {timeout}")
+        deadline = time.monotonic() + timeout
         if not self._lock.acquire(timeout=timeout):
             raise error_cls(f"SGLang engine: {what} waited {timeout:g} s for another call to finish")
         try:
-            return self._run_locked(make_coro, timeout, what, error_cls, on_timeout)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise error_cls(f"SGLang engine: {what} waited its {timeout:g} s for another call to finish")
+            return self._run_locked(make_coro, left, what, error_cls, on_timeout, budget=timeout)
         finally:
             self._lock.release()
 
     def _run_locked(self, make_coro: Callable[[], Any], timeout: float, what: str,
-                    error_cls: type[Exception], on_timeout: Callable[[], None] | None = None) -> Any:
+                    error_cls: type[Exception], on_timeout: Callable[[], None] | None = None,
+                    budget: float | None = None) -> Any:
+        """`_run` with the lock held: at most `timeout` s (what is left of the call's `budget`, said on timeout)."""
         self._check_alive(error_cls)
         loop = self._engine.loop
         try:
@@ -239,7 +246,7 @@ class SGLangEngine(SGLangClient):
                 on_timeout()
             self._note_children()
             extra = f" ({self._dead_reason})" if self._dead_reason else ""
-            raise error_cls(f"SGLang engine: {what} timed out after {timeout:g} s{extra}") from None
+            raise error_cls(f"SGLang engine: {what} timed out after {budget or timeout:g} s{extra}") from None
         except error_cls:
             raise
         except Exception as e:  # SGLang raises ValueError/AssertionError/... with its own message
