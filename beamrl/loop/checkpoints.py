@@ -169,6 +169,8 @@ class RunCheckpoints:
     def _remove(self, path: Path) -> None:
         """Delete an old checkpoint folder; a failure is said, in one line per folder (the run goes on, but the
         disk fills up)."""
+        if not os.path.lexists(path):
+            return
         errors: list[tuple[str, BaseException]] = []
         if sys.version_info >= (3, 12):  # `onerror` is deprecated there
             shutil.rmtree(path, onexc=lambda _fn, target, exc: errors.append((target, exc)))
@@ -176,8 +178,8 @@ class RunCheckpoints:
             shutil.rmtree(path, onerror=lambda _fn, target, info: errors.append((target, info[1])))
         if errors:
             target, exc = errors[0]
-            more = f" (and {len(errors) - 1} more entries)" if len(errors) > 1 else ""
-            self.log(f"checkpoint rotation could not delete {path}: {target}: {exc}{more}")
+            more = f" (and {len(errors) - 1} more files or folders)" if len(errors) > 1 else ""
+            self.log(f"checkpoints: could not delete {path}: {target}: {exc}{more}")
 
 
 def _damage(error: BaseException) -> str | None:

@@ -242,8 +242,9 @@ class RLDriver:
             dead = [k for k, ok in enumerate(self.engines.health(r.timeouts.health_s)) if not ok]
             if not dead:
                 raise
-            self.engines.recovery.recover({k: f"dead at the weight sync to version {version} ({e}); its health "
-                                              f"check failed{self.engines.health_cause(k)}" for k in dead})
+            said = (str(e).splitlines() or [type(e).__name__])[0]  # (recover keeps a reason's first line)
+            self.engines.recovery.recover({k: f"dead at the weight sync to version {version}: its health check "
+                                              f"failed{self.engines.health_cause(k)}; the sync: {said}" for k in dead})
             metrics = publish_weights(self.trainer, self.engines, request)
         metrics["engine/restarts"] = float(self.engines.recovery.take_restarts())  # (the rollout's are in the batch)
         self.version = version

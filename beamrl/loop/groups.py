@@ -412,9 +412,12 @@ class EngineGroup:
             return False
 
     def health_cause(self, k: int) -> str:
-        """` (<error>)` when engine `k`'s last health check raised rather than answered; else empty."""
+        """` (<error's first line>)` when engine `k`'s last health check raised rather than answered; else empty
+        (Ray's death notices run to many lines; the reasons this goes into are one line each)."""
         exc = self.health_errors.get(k)
-        return f" ({type(exc).__name__}: {exc})" if exc is not None else ""
+        if exc is None:
+            return ""
+        return f" ({type(exc).__name__}: {(str(exc).splitlines() or [''])[0]})"
 
     def generate_async(self, groups: list[list[GenerateRequest]], timeout: float) -> "PendingGenerate":
         """Submit every group (the router picks a healthy engine per group) and return a handle for `collect`."""

@@ -25,6 +25,7 @@ def check_recipe(r: "Recipe") -> None:
     _check_trainer_on_device(r)
     _check_batches(r)
     _check_rollout_on_device(r)
+    _check_server_args(r)
     _check_algorithm(r)
     _check_rewards(r)
 
@@ -100,6 +101,17 @@ def _check_rollout_on_device(r: "Recipe") -> None:
     if r.cluster.device == "cpu" and ro.attention_backend not in (None, "torch_native"):
         raise RecipeError("rollout.attention_backend", ro.attention_backend, "cluster.device=cpu allows only "
                           "null or 'torch_native'")
+
+
+def _check_server_args(r: "Recipe") -> None:
+    """What the rollout section alone cannot see (its own rules name unknown keys and first-class fields)."""
+    args = r.rollout.server_args
+    if r.cluster.device == "cpu" and args:  # (the native engine refuses them in its own section)
+        raise RecipeError("rollout.server_args", args, "SGLang's CPU engine runs beamrl's CPU settings "
+                          "(SGLangEngineConfig.on_cpu) and would ignore them; they apply on cluster.device=cuda")
+    if r.trainer.lora is not None and "json_model_override_args" in args:
+        raise RecipeError("rollout.server_args.json_model_override_args", args["json_model_override_args"],
+                          "with trainer.lora set beamrl passes the LoRA config to the engines through it")
 
 
 def _check_placement(r: "Recipe") -> None:

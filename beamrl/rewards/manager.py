@@ -165,9 +165,10 @@ class RewardManager:
             (sum(s.status == st for s in failed), noun) for st, noun in (("error", "error"), ("timeout", "timeout"),
                                                                         ("crash", "crash"))) if n)
         message = failed[0].message or ""
-        if comp.name in self._traceback_shown:
-            message = message.split("\n", 1)[0]
-        self._traceback_shown.add(comp.name)
+        if "\n" in message:  # a traceback under the first line (timeouts and crashes have none)
+            if comp.name in self._traceback_shown:
+                message = message.split("\n", 1)[0]
+            self._traceback_shown.add(comp.name)
         self.log(f"reward {comp.name!r}: {len(failed)} of its {len(scores)} calls in this batch failed ({counts}), "
                  f"scored by on_error={comp.on_error!r}. First failure: {message}")
 

@@ -92,6 +92,15 @@ def test_a_rotation_that_cannot_delete_says_so_once_per_folder(tmp_path, monkeyp
     assert "step_1" in said[0] and "Permission denied" in said[0] and "2 more" in said[0]
 
 
+def test_saving_a_step_again_replaces_it_without_a_word_of_failure(tmp_path):
+    ckpts, trainer, logs = _run(tmp_path, steps=(1, 2))
+    ckpts.save(trainer, 2, weight_version=2, data_state={"index": 22})  # a resumed run saves step 2 again
+    ckpts.wait(trainer)
+    assert not [line for line in logs if "could not delete" in line], logs
+    assert [step_of(p) for p in published(ckpts.root)] == [1, 2]
+    assert load_driver_state(ckpts.root / "step_2")["data"] == {"index": 22}
+
+
 def test_an_async_save_is_published_only_when_written(tmp_path):
     logs = []
     ckpts = RunCheckpoints(tmp_path / "ckpts", 2, True, 60.0, logs.append)

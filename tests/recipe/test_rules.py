@@ -45,6 +45,11 @@ CASES = [
     (["rollout.server_args={model: /x}"], "rollout.server_args.model", "model_path"),
     # a value SGLang's command line cannot say (this flag's default is None; leaving it out is not False)
     (["rollout.server_args={enable_lora: false}"], "rollout.server_args.enable_lora", "cannot be said"),
+    # what beamrl sets for every engine, named at load (it failed at engine start)
+    (["rollout.server_args={log_level: info}"], "rollout.server_args.log_level", "beamrl sets it"),
+    (["rollout.server_args={device: cuda}"], "rollout.server_args.device", "cluster.device"),
+    (["trainer.lora={rank: 4}", "rollout.server_args={json_model_override_args: '{}'}"],
+     "rollout.server_args.json_model_override_args", "trainer.lora"),
     (["rollout.deterministic=true"], "rollout.attention_backend", "fa3"),
     (["rollout.deterministic=true", "rollout.attention_backend=trtllm_mha"], "rollout.attention_backend", "fa3"),
     (["rollout.engine=native"], "rollout.engine_tp", "native engine"),
@@ -86,6 +91,8 @@ CPU_CASES = [
     (["sync.transport=disk", "rollout.engine=sglang", "rollout.deterministic=true", "rollout.attention_backend=fa3"],
      "rollout.deterministic", "CPU engine"),
     (["rollout.engine=sglang", "rollout.attention_backend=fa3"], "rollout.attention_backend", "cpu"),
+    # the CPU engine is built from its own settings: server_args would be dropped without a word
+    (["rollout.engine=sglang", "rollout.server_args={context_length: 64}"], "rollout.server_args", "ignore"),
 ]
 
 

@@ -67,6 +67,12 @@ def dies_on_die(completion):
     return 1.0
 
 
+def dies_or_raises(completion):
+    if completion == "die":
+        os._exit(3)
+    return raises_on_bad(completion)
+
+
 def with_metrics(completion):
     return RewardOutput(score=0.5, metrics={"length": float(len(completion)), "mean": 7.0})
 

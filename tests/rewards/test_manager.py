@@ -139,3 +139,13 @@ def test_a_failure_traceback_is_shown_once_per_component_then_its_first_line():
     first, *later = notices
     assert "\n" in first and "raised" in first  # the traceback under its first line, once
     assert all("\n" not in n and "raised" in n for n in later), later
+
+
+def test_a_crash_without_a_traceback_does_not_use_up_the_one_traceback():
+    notices = []
+    with RewardManager([comp("c", "dies_or_raises", on_error="zero")], pool(1), log=notices.append) as rm:
+        for batch in ("die", "bad", "bad"):
+            rm.score(samples(batch, "ok"))
+    crash, first_error, later_error = notices
+    assert "crash" in crash and "\n" not in crash
+    assert "\n" in first_error and "\n" not in later_error

@@ -38,18 +38,27 @@ def _sglang_parser() -> tuple[_Parser, dict[str, argparse.Action], dict[str, arg
     environ = dict(os.environ)
     try:
         from sglang.srt.server_args import ServerArgs
-    except ImportError as e:
-        raise ValueError(f"SGLang 0.5.23 is not importable here ({e}); its parser checks server_args") from None
+    except Exception as e:  # noqa: BLE001 - missing, or a native library that fails to load: named, not a traceback
+        raise ValueError(f"SGLang 0.5.23 is not importable here ({type(e).__name__}: {e}); its parser checks "
+                         "server_args") from None
     finally:
-        if fresh:  # importing sglang sets cache-folder defaults (TRITON_CACHE_DIR, ...): a check must not
-            os.environ.clear()  # change this process's environment, which Ray's processes started later inherit
-            os.environ.update(environ)
+        if fresh:  # importing sglang sets cache-folder defaults (TRITON_CACHE_DIR, ...): a check must not change
+            _restore(environ)  # this process's environment, which Ray's processes started later inherit
     parser = _Parser(allow_abbrev=False, add_help=False)
     ServerArgs.add_cli_args(parser)
     by_dest: dict[str, argparse.Action] = {}
     for a in parser._actions:
         by_dest.setdefault(a.dest, a)
     return parser, by_dest, {o: a for a in parser._actions for o in a.option_strings}
+
+
+def _restore(environ: dict[str, str]) -> None:
+    """Undo the changes to `os.environ` since `environ` was taken (key by key: other threads never see it empty)."""
+    for key in [k for k in os.environ if k not in environ]:
+        del os.environ[key]
+    for key, value in environ.items():
+        if os.environ.get(key) != value:
+            os.environ[key] = value
 
 
 def flag(key: str) -> str:
@@ -82,8 +91,12 @@ def render(key: str, value: Any) -> list[str]:
     value (False for a flag whose default is None, ...)."""
     action = action_for(key)
     option = _option(action)
-    if isinstance(action, argparse.BooleanOptionalAction) and isinstance(value, bool):
-        return [option] if value else ["--no-" + option[2:]]
+    if isinstance(action, argparse.BooleanOptionalAction):  # --x / --no-x
+        if isinstance(value, bool):
+            return [option] if value else ["--no-" + option[2:]]
+        if value is None and action.default is None:
+            return []
+        raise ValueError(f"{option} takes true or false (leaving it out gives its default, {action.default!r})")
     if action.nargs == 0:  # a flag that stores its constant
         if value is action.const or value == action.const and type(value) is type(action.const):
             return [option]
@@ -96,6 +109,8 @@ def render(key: str, value: Any) -> list[str]:
             return []
         raise ValueError(f"None cannot be said on SGLang's command line (the default is {action.default!r}): "
                          "leave the key out")
+    if isinstance(value, bool) and not (action.choices and value in action.choices):
+        raise ValueError(f"{option} takes a value, not {value!r} (it would arrive as the string {str(value)!r})")
     if isinstance(value, (list, tuple)) and action.nargs in ("+", "*"):
         return [option, *(_item(v) for v in value)]
     return [option, _item(value)]

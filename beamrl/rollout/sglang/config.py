@@ -54,8 +54,8 @@ class SGLangEngineConfig:
     """Launch arguments of one SGLang engine (sglang-integration.md §3-§7).
 
     `server_args` are passed through (`{"context_length": 4096}` -> `context_length=4096` /
-    `--context-length 4096`; `True` -> a bare flag; lists and dicts as SGLang's parser takes them, `cli_args`) for
-    options beamrl does not model; they may not override a modelled field.
+    `--context-length 4096`; every value as SGLang's parser takes it, or refused where its command line cannot
+    say it: `cli_args`) for options beamrl does not model; they may not override a modelled field.
 
     Multi-node engines (scale-out): every node runs one server with the same arguments except `node_rank`;
     `nnodes` nodes split the `engine_tp` ranks evenly and meet at `dist_init_addr` (the leader's host:port).

@@ -129,7 +129,11 @@ class SGLangEngine(SGLangClient):
         def launch() -> None:
             try:
                 import sglang
+                from sglang.srt.environ import redirect_third_party_caches
 
+                # what importing sglang does; said again here: a recipe check that imported sglang earlier in this
+                # process put the environment back (cli_args)
+                redirect_third_party_caches()
                 box["engine"] = sglang.Engine(**self.config.engine_kwargs())
             except BaseException as e:  # noqa: BLE001 - reported to the caller below
                 box["error"] = e

@@ -48,6 +48,19 @@ def test_list_items_that_are_dicts_are_written_as_json():
     assert cli_args.parse("lora_paths", items) == items
 
 
+def test_every_argument_beamrl_sets_on_a_gpu_engine_is_refused_in_server_args_at_load():
+    """The engine config refuses server_args that override what beamrl sets (at engine start); the recipe's rules
+    must name each such key at load. (json_model_override_args: the LoRA rule in recipe/rules.py.)"""
+    from beamrl.models.beam.lora_config import LoRAConfig
+    from beamrl.rollout.sglang.config import SGLangEngineConfig
+
+    cfg = SGLangEngineConfig(model_path="/x", engine_tp=2, attention_backend="fa3", nnodes=2, node_rank=0,
+                             dist_init_addr="h:1", base_gpu_id=1, api_key="k", host="10.0.0.1", lora=LoRAConfig())
+    set_by_beamrl = set(cfg._modelled_kwargs()) - {"json_model_override_args"}
+    assert set_by_beamrl <= set(SERVER_ARGS_OWNED) | set(PLACEMENT_ARGS), (
+        set_by_beamrl - set(SERVER_ARGS_OWNED) - set(PLACEMENT_ARGS))
+
+
 def test_every_key_beamrl_guards_is_an_sglang_field_name():
     """The placement and first-class-field checks compare field names: a name that is not one guards nothing."""
     _, by_dest, _ = cli_args._sglang_parser()
@@ -75,3 +88,16 @@ def test_without_sglang_the_recipe_error_names_the_key(monkeypatch):
             cli_args.check({"context_length": 8})
     finally:
         cli_args._sglang_parser.cache_clear()
+
+
+def test_null_and_non_bools_for_a_flag_pair():
+    assert cli_args.render("enable_tf32_matmul", None) == []  # its default is None: leaving it out says that
+    with pytest.raises(ValueError, match="true or false"):
+        cli_args.render("lora_strict_loading", None)  # default False: null would have turned it on
+    with pytest.raises(ValueError, match="true or false"):
+        cli_args.render("enable_tf32_matmul", "true")
+
+
+def test_a_bool_for_an_option_that_takes_a_value_is_refused():
+    with pytest.raises(ValueError, match="not False"):
+        cli_args.parse("served_model_name", False)  # was the string 'False'
