@@ -37,6 +37,15 @@ class Section(BaseModel):
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=(), allow_inf_nan=False)
 
+    def refuse_changed(self, fields: tuple[str, ...], because: str) -> None:
+        """`ConfigError` for the first of `fields` whose value is not its default: the caller has found that it would
+        have no effect (`because` says why), and a setting must never be silently ignored. (Compared with the
+        default, not "set in the file": a dumped and reloaded recipe sets every field.)"""
+        for name in fields:
+            value = getattr(self, name)
+            if value != type(self).model_fields[name].get_default(call_default_factory=True):
+                raise ConfigError(name, value, f"has no effect: {because}; remove it")
+
 
 def registry_choice(registry: "Registry", *extra: str) -> Any:
     """A `str` field type that must name an entry of `registry` (or one of `extra`, e.g. "none") when the

@@ -81,7 +81,7 @@ class OverlongConfig(Section):
 
     enabled: bool = False
     buffer: int = Field(512, gt=0)
-    penalty: float = Field(1.0, ge=0)
+    penalty: float = Field(1.0, gt=0)
 
 
 class AlgorithmConfig(Section):

@@ -36,6 +36,7 @@ class DataConfig(Section):
     @model_validator(mode="after")
     def _check(self) -> "DataConfig":
         if self.format == "synthetic-addition":
+            self.refuse_changed(("split",), "format 'synthetic-addition' is generated in code, in one split")
             if self.source is not None:
                 raise ConfigError("source", self.source, "format 'synthetic-addition' is generated in code; remove "
                                   "source")

@@ -10,11 +10,20 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from beamrl.config import ConfigError
 from beamrl.recipe.errors import RecipeError
 from beamrl.recipe.schema import REWARD_REF
 
 if TYPE_CHECKING:
     from beamrl.recipe.schema import Recipe
+
+
+def _refuse_changed(section, prefix: str, fields: tuple[str, ...], because: str) -> None:
+    """`Section.refuse_changed` for a rule that spans sections: the error names the field's recipe path."""
+    try:
+        section.refuse_changed(fields, because)
+    except ConfigError as e:
+        raise RecipeError(f"{prefix}.{e.path}", e.value, e.allowed) from None
 
 
 def check_recipe(r: "Recipe") -> None:
@@ -75,6 +84,12 @@ def _check_trainer_on_device(r: "Recipe") -> None:
         if tr.optimizer_offload_fraction > 0:
             raise RecipeError("trainer.optimizer_offload_fraction", tr.optimizer_offload_fraction,
                               "optimizer state is already in host memory on cluster.device=cpu; set 0")
+    if tr.main_grads_dtype == "bf16" and r.model.dtype == "float32":
+        raise RecipeError("trainer.main_grads_dtype", "bf16", "Megatron keeps the gradients of float32 parameters "
+                          "in float32; bf16 main grads need model.dtype: bfloat16")
+    if r.cluster.device == "cpu":
+        _refuse_changed(r.cluster, "cluster", ("gpu_type",), "it sizes GPU memory (--dry-run), and cluster.device=cpu "
+                    "has none")
 
 
 def _check_batches(r: "Recipe") -> None:
@@ -85,6 +100,10 @@ def _check_batches(r: "Recipe") -> None:
                           f"must divide the rollout batch prompts_per_step * n_samples_per_prompt = "
                           f"{r.rollout.prompts_per_step} * {r.rollout.n_samples_per_prompt} = {samples} "
                           "(each rollout is split into whole optimizer steps)")
+    if samples == tr.global_batch_size:
+        _refuse_changed(r.algorithm, "algorithm", ("eps_clip_low", "eps_clip_high"), "one optimizer step per rollout "
+                    "(trainer.global_batch_size = prompts_per_step * n_samples_per_prompt), so the policy ratio is "
+                    "1 and PPO's clip never acts; a smaller global_batch_size gives several steps, where it does")
     if r.algorithm.advantage == "grpo" and r.rollout.n_samples_per_prompt < 2:
         raise RecipeError("rollout.n_samples_per_prompt", r.rollout.n_samples_per_prompt,
                           "GRPO computes advantages within a group: at least 2 samples per prompt")
@@ -98,6 +117,9 @@ def _check_rollout_on_device(r: "Recipe") -> None:
     if ro.deterministic and r.cluster.device == "cpu":
         raise RecipeError("rollout.deterministic", True, "SGLang refuses deterministic inference with the CPU "
                           "engine's torch_native attention; set false on cluster.device=cpu")
+    if r.cluster.device == "cpu" and ro.engine == "sglang":
+        _refuse_changed(ro, "rollout", ("mem_fraction", "swa_full_tokens_ratio"), "SGLang's CPU engine sizes its own "
+                    "small pool (SGLangEngineConfig.on_cpu); it applies on cluster.device=cuda")
     if r.cluster.device == "cpu" and ro.attention_backend not in (None, "torch_native"):
         raise RecipeError("rollout.attention_backend", ro.attention_backend, "cluster.device=cpu allows only "
                           "null or 'torch_native'")
@@ -140,6 +162,9 @@ def _check_algorithm(r: "Recipe") -> None:
     if a.overlong.enabled and a.overlong.buffer >= r.rollout.max_new_tokens:
         raise RecipeError("algorithm.overlong.buffer", a.overlong.buffer,
                           f"must be smaller than rollout.max_new_tokens={r.rollout.max_new_tokens}")
+    if a.routing_replay is False and r.rollout.return_routed_experts is True:
+        raise RecipeError("rollout.return_routed_experts", True, "the engine's routes are used only by "
+                          "algorithm.routing_replay, which is false; set null or false")
     if a.routing_replay is True and r.rollout.return_routed_experts is False:
         raise RecipeError("rollout.return_routed_experts", False, "algorithm.routing_replay needs the engine's routes; "
                           "set true (or null)")

@@ -32,7 +32,8 @@ SERVER_ARGS_OWNED = {
                      "disable_overlap_schedule"), "nothing: beamrl sets it for every engine"),
 }
 # Fields only the SGLang engine reads: the native engine must leave them at their defaults.
-SGLANG_ONLY = ("engine_tp", "server_args", "attention_backend", "deterministic")
+SGLANG_ONLY = ("engine_tp", "server_args", "attention_backend", "deterministic", "mem_fraction",
+               "swa_full_tokens_ratio")
 
 
 class RolloutConfig(Section):

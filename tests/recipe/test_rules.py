@@ -30,6 +30,13 @@ CASES = [
     (["trainer.global_batch_size=24"], "trainer.global_batch_size", "prompts_per_step * n_samples_per_prompt"),
     (["rollout.n_samples_per_prompt=1", "trainer.global_batch_size=8"], "rollout.n_samples_per_prompt", "group"),
     (["rollout.top_k=0"], "rollout.top_k", "-1"),
+    # settings that would have no effect, named at load
+    (["trainer.global_batch_size=32", "algorithm.eps_clip_high=0.28"], "algorithm.eps_clip_high",
+     "one optimizer step per rollout"),
+    (["algorithm.routing_replay=false", "rollout.return_routed_experts=true"], "rollout.return_routed_experts",
+     "routing_replay"),
+    (["trainer.main_grads_dtype=bf16", "model.dtype=float32"], "trainer.main_grads_dtype", "model.dtype"),
+    (["algorithm.overlong={enabled: true, penalty: 0}"], "algorithm.overlong.penalty", "greater than 0"),
     (["sft={steps: 2, lr: 0.001, batch: 2}"], "sft.batch", "data-parallel rank"),
     (["rollout.server_args={mem_fraction_static: 0.5}"], "rollout.server_args.mem_fraction_static",
      "rollout.mem_fraction"),
@@ -91,6 +98,11 @@ CPU_CASES = [
     (["sync.transport=disk", "rollout.engine=sglang", "rollout.deterministic=true", "rollout.attention_backend=fa3"],
      "rollout.deterministic", "CPU engine"),
     (["rollout.engine=sglang", "rollout.attention_backend=fa3"], "rollout.attention_backend", "cpu"),
+    (["rollout.engine=sglang", "rollout.mem_fraction=0.5"], "rollout.mem_fraction", "CPU engine"),
+    (["rollout.engine=sglang", "rollout.swa_full_tokens_ratio=0.5"], "rollout.swa_full_tokens_ratio", "CPU engine"),
+    (["rollout.mem_fraction=0.5"], "rollout.mem_fraction", "native engine"),  # the native engine sizes nothing
+    (["cluster.gpu_type=b200"], "cluster.gpu_type", "no effect"),
+    (["data.split=test"], "data.split", "synthetic-addition"),
     # the CPU engine is built from its own settings: server_args would be dropped without a word
     (["rollout.engine=sglang", "rollout.server_args={context_length: 64}"], "rollout.server_args", "ignore"),
 ]
