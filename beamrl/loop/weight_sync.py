@@ -246,7 +246,8 @@ def resync_on_rank(trainer, rank: int, receivers, engine_names, engine_tp, index
     if rank == 0:
         ws.replace_engine(index, ActorReceiver(receivers[index], engine_names[index], engine_tp[index]))
         targets = [ws.engines[index]]
-    report = ws.sync(MegatronExportSource(trainer), engines=targets, version=req.version)
+    # what every sync of this trainer sends (LoRA: the adapters; the full export left a restarted LoRA engine on W0)
+    report = ws.sync(export_source(trainer), engines=targets, version=req.version)
     return None if report is None else asdict(report)
 
 
