@@ -206,7 +206,7 @@ class TrainStepResult:
     grad_norm: float
     lr: float
     num_micro_batches: int
-    skipped: bool = False  # the optimizer skipped the update (non-finite gradients)
+    skipped: bool = False  # the optimizer skipped the update (non-finite gradients raise before it: never those)
     metrics: dict[str, float] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, float]:

@@ -183,7 +183,7 @@ class MegatronTrainer(TrainerWorker):
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=self.config.trainer.main_grads_dtype == "fp32", overlap_grad_reduce=False,
             use_distributed_optimizer=self.config.trainer.distributed_optimizer,
-            check_for_nan_in_grad=False, average_in_collective=False)
+            check_for_nan_in_grad=True, average_in_collective=False)  # NaN/inf grads raise, naming the bucket
         chunks = []
         for i in range(self.config.parallel.num_model_chunks):
             vp_stage = i if vpp else None
@@ -342,8 +342,10 @@ class MegatronTrainer(TrainerWorker):
         return {"replay/route_mismatches": float(mismatched), "replay/routes_checked": float(checked)}
 
     def optimizer_step(self) -> tuple[bool, float, float]:
-        """The second half of `train_step`: clip, Adam update, LR schedule. Returns (updated, grad norm, lr used);
-        a step with non-finite gradients is skipped (updated False) and does not advance the schedule."""
+        """The second half of `train_step`: clip, Adam update, LR schedule. Returns (updated, grad norm, lr used).
+        Non-finite gradients never get here: Megatron's grad check (`check_for_nan_in_grad`) raises in the backward's
+        reduction, naming the bucket, so no NaN reaches the weights (there is no loss scaler to skip such a step:
+        bf16 and fp32 runs have none). A step Megatron skips (updated False) does not advance the schedule."""
         self._require_awake("optimizer_step")
         lr = float(self.optimizer.param_groups[0]["lr"])
         try:
