@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -202,8 +203,7 @@ class TrainerGroup:
         caller handles `CarriedSync.report()`'s `ActorCallError` as that of a failed `sync_weights`."""
         shares = self._shares(micro_batches)
         out = self._gather([a.train_step_then_sync.remote(
-            Wire((shares[d], loss_fn)), replay=replay, temperature=temperature, receivers=engines.actors,
-            engine_names=engines.names, engine_tp=engines.tp_sizes, request=request)
+            Wire((shares[d], loss_fn)), replay=replay, temperature=temperature, **engines.sync_arguments(request))
             for a, d in zip(self.actors, self.dp_ranks)], self.timeout + _sync_wait(request),
             "trainer.train_step_then_sync")
         failed = next(((r, err) for r, (_, _, err) in enumerate(out) if err is not None), None)
@@ -227,7 +227,7 @@ class TrainerGroup:
         """One weight sync, verification included (`beamrl.loop.weight_sync.SyncRequest`): every rank runs the
         orchestrator; rank 0's report is returned. A failure raises `ActorCallError` with the engine's words."""
         out = self._all("sync_weights", _sync_wait(request), lambda a: a.sync_weights.remote(
-            receivers=engines.actors, engine_names=engines.names, engine_tp=engines.tp_sizes, request=request))
+            **engines.sync_arguments(request)))
         return out[0]
 
     def save_lora_adapter(self, out_dir: str) -> str:
@@ -237,7 +237,7 @@ class TrainerGroup:
     def sync_restarted(self, engines: "EngineGroup", index: int, request) -> dict:
         """Bring restarted engine `index` to `request.version` (a subset sync through the same orchestrator)."""
         return self._all("sync_restarted", _sync_wait(request), lambda a: a.sync_restarted.remote(
-            receivers=engines.actors, engine_names=engines.names, engine_tp=engines.tp_sizes, index=index,
+            receivers=engines.leaders, engine_names=engines.names, engine_tp=engines.tp_sizes, index=index,
             request=request))[0]
 
     def sleep(self, timeout: float) -> list[dict]:
@@ -334,8 +334,27 @@ class EngineGroup:
 
     @property
     def actors(self) -> list:
-        """Each engine's leader (node rank 0): every API call goes there (none once shut down)."""
+        """Each running engine's leader (node rank 0): every API call goes there (none once shut down). Not in
+        engine order when an engine is stopped: `leaders` is."""
         return [nodes[0] for nodes in self.nodes if nodes]
+
+    @property
+    def leaders(self) -> list:
+        """Engine k's leader at position k, None where engine k is stopped (lines up with `names`, `tp_sizes`)."""
+        return [nodes[0] if nodes else None for nodes in self.nodes]
+
+    @property
+    def running(self) -> list[int]:
+        """The indices of the engines that are not stopped."""
+        return [k for k, nodes in enumerate(self.nodes) if nodes]
+
+    def sync_arguments(self, request) -> dict:
+        """The engines' side of a trainer sync call: receivers in engine order (None for a stopped engine) with
+        their names and TP sizes, and `request` restricted to the running engines when one is stopped."""
+        running = self.running
+        if len(running) < len(self.nodes):
+            request = dataclasses.replace(request, engines=tuple(running))
+        return dict(receivers=self.leaders, engine_names=self.names, engine_tp=self.tp_sizes, request=request)
 
     @property
     def followers(self) -> list[list]:
@@ -536,9 +555,10 @@ class EngineGroup:
 
     def score(self, sequences: list[list[int]], timeout: float) -> dict[str, list[list[float]]]:
         """Prompt logprobs of `sequences` on every engine, by engine name."""
-        out = ray_get([a.call.remote("score", sequences=sequences, timeout=timeout) for a in self.actors],
+        running = self.running
+        out = ray_get([self.nodes[k][0].call.remote("score", sequences=sequences, timeout=timeout) for k in running],
                       timeout + 30, "engines.score")
-        return dict(zip(self.names, out))
+        return {self.names[k]: o for k, o in zip(running, out)}
 
     def shutdown(self) -> None:
         """Leaders first (a leader's shutdown stops its engine's TP ranks on every node), then the followers."""

@@ -157,6 +157,9 @@ class SyncRequest:
     #: Colocated buckets from every trainer rank: per engine, the trainer rank on each of its TP ranks' devices
     #: (`beamrl.loop.weight_update.rank_colocations`); () : every bucket from rank 0.
     colocations: tuple[tuple[int, ...], ...] = ()
+    #: The engines this sync reaches (indices), when some are stopped (a restart that failed while another engine
+    #: was healthy: the next rollout's health round starts it again, and its restart resyncs it); None: every one.
+    engines: tuple[int, ...] | None = None
 
     def probe_check(self) -> ProbeCheck | None:
         """The orchestrator's post-sync check of this request's probe (None without probe sequences)."""
@@ -223,7 +226,11 @@ def sync_on_rank(trainer, rank: int, receivers, engine_names, engine_tp, req: Sy
     """Run inside every trainer rank (a collective): the sync of `req.version`. Rank 0 returns the report as a
     dict; other ranks return None."""
     ws = _orchestrator(trainer, rank, receivers, engine_names, engine_tp, req)
-    report = ws.sync(export_source(trainer), version=req.version)
+    if req.engines is None:
+        report = ws.sync(export_source(trainer), version=req.version)
+    else:  # the running engines only (a subset sync on every rank, so the collectives match)
+        targets = [ws.engines[i] for i in req.engines] if rank == 0 else []
+        report = ws.sync(export_source(trainer), engines=targets, version=req.version)
     return None if report is None else asdict(report)
 
 

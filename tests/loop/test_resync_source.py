@@ -23,7 +23,7 @@ def test_a_resync_sends_what_every_sync_sends(monkeypatch, lora):
     trainer = SimpleNamespace(lora=lora, export_lora_layout=lambda: [], export_hf_layout=lambda: [])
     recorder = _Recorder()
     monkeypatch.setattr(W, "_orchestrator", lambda *args, **kwargs: recorder)
-    request = SimpleNamespace(version=3)
+    request = W.SyncRequest(3, "shm", 1, 60.0)
     W.sync_on_rank(trainer, 1, [], [], [], request)  # rank 1: no engine to replace
     W.resync_on_rank(trainer, 1, [], [], [], 0, request)
     expected = W.LoRAExportSource if lora is not None else W.MegatronExportSource
