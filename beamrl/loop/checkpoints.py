@@ -14,13 +14,13 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import sys
 import time
 from pathlib import Path
 from typing import Callable
 
 from beamrl import manifest
 from beamrl.loop.run_state import STATE_FILE, load_driver_state, save_driver_state
+from beamrl.removal import remove_tree, undeleted_line
 from beamrl.trainer.megatron.checkpoint import META_FILE, CheckpointDamagedError
 from beamrl.trainer.megatron.checkpoint import check as check_trainer_checkpoint
 
@@ -169,17 +169,9 @@ class RunCheckpoints:
     def _remove(self, path: Path) -> None:
         """Delete an old checkpoint folder; a failure is said, in one line per folder (the run goes on, but the
         disk fills up)."""
-        if not os.path.lexists(path):
-            return
-        errors: list[tuple[str, BaseException]] = []
-        if sys.version_info >= (3, 12):  # `onerror` is deprecated there
-            shutil.rmtree(path, onexc=lambda _fn, target, exc: errors.append((target, exc)))
-        else:
-            shutil.rmtree(path, onerror=lambda _fn, target, info: errors.append((target, info[1])))
+        errors = remove_tree(path)
         if errors:
-            target, exc = errors[0]
-            more = f" (and {len(errors) - 1} more files or folders)" if len(errors) > 1 else ""
-            self.log(f"checkpoints: could not delete {path}: {target}: {exc}{more}")
+            self.log(f"checkpoints: {undeleted_line(path, errors)}")
 
 
 def _damage(error: BaseException) -> str | None:

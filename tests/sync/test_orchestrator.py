@@ -413,3 +413,23 @@ def test_disk_transport_keeps_only_the_last_version_and_the_run_end_removes_it(h
     sync.discard_buffers()
     assert not root.exists()
     assert hosted_engine.weight_version == v0 + 2  # the engine keeps what it loaded
+
+
+def test_disk_transport_resync_at_the_same_version_reuses_its_checkpoint_and_old_versions_go(
+        hosted_engine, trainer_model, tmp_path):
+    """A restarted engine's resync (a subset sync: another transport instance on the run's root) at the version the
+    run already wrote loads that checkpoint (it refused: "already exists"); an instance that did not write the old
+    versions (the one built after an engine was replaced) still removes them."""
+    root = tmp_path / "sync"
+    v0 = hosted_engine.weight_version
+    sync = WeightSync(transport_factory("disk", tmp_path), [hosted_engine], timeouts=TIMEOUTS, initial_version=v0,
+                      progress=None)
+    perturb(trainer_model, seed=1)
+    sync.sync(StateDictSource.of_model(trainer_model))
+    sync.sync(StateDictSource.of_model(trainer_model), engines=[hosted_engine], version=v0 + 1)
+    assert hosted_engine.weight_version == v0 + 1
+    other = WeightSync(transport_factory("disk", tmp_path), [hosted_engine], timeouts=TIMEOUTS,
+                       initial_version=v0 + 1, progress=None)
+    perturb(trainer_model, seed=2)
+    other.sync(StateDictSource.of_model(trainer_model))
+    assert [p.name for p in root.iterdir()] == [f"v{v0 + 2:06d}"]

@@ -21,6 +21,7 @@ from beamrl.models.beam.config import BeamConfig
 from beamrl.protocols.flat_bucket import FlatBucket
 from beamrl.protocols.manifest import BucketLayout, SyncManifest
 from beamrl.protocols.weights import WeightReceiver, WeightSyncError
+from beamrl.removal import remove_tree, undeleted_line
 from beamrl.sync.packing import bucket_views
 from beamrl.sync.transports import TRANSPORTS
 from beamrl.sync.transports.base import PackTarget, ReceiverTransport
@@ -40,7 +41,6 @@ class DiskTransport(ReceiverTransport):
         self.max_shard_bytes = max_shard_bytes
         self.keep_previous = keep_previous
         self._buckets: dict[int, FlatBucket] = {}
-        self._last_dir: Path | None = None
 
     def version_dir(self, version: int) -> Path:
         return self.root / f"v{version:06d}"
@@ -67,38 +67,51 @@ class DiskTransport(ReceiverTransport):
         manifest = self._require_session("finalize")
         version = manifest.version
         out = self.version_dir(version)
-        if out.exists():
-            raise WeightSyncError(f"disk transport: {out} already exists; refusing to overwrite another version")
-        from beamrl.models.beam.checkpoint import save_checkpoint  # lazy: safetensors is optional elsewhere
+        from beamrl.models.beam.checkpoint import check_checkpoint, save_checkpoint  # lazy: safetensors
 
-        if torch.cuda.is_available():  # packing from GPU tensors into host buffers is asynchronous
-            torch.cuda.synchronize()
-        tensors = {n: t for b in self._buckets.values() for n, t in b.unflatten()}
-        try:
-            save_checkpoint(self.config, tensors, out, max_shard_bytes=self.max_shard_bytes)
-        except Exception as exc:
-            shutil.rmtree(out, ignore_errors=True)
-            raise WeightSyncError(f"disk transport: writing checkpoint {out} failed: {exc}") from exc
-        finally:
+        if out.exists():
+            # Written by this run already (the root is the run's own): a restarted engine's resync, or the retry of
+            # a load that failed, at the same version: the same weights. It must be whole.
             self._buckets = {}
+            try:
+                check_checkpoint(out)
+            except Exception as exc:
+                raise WeightSyncError(f"disk transport: {out} exists but is not a whole checkpoint: {exc}") from exc
+        else:
+            if torch.cuda.is_available():  # packing from GPU tensors into host buffers is asynchronous
+                torch.cuda.synchronize()
+            tensors = {n: t for b in self._buckets.values() for n, t in b.unflatten()}
+            try:
+                save_checkpoint(self.config, tensors, out, max_shard_bytes=self.max_shard_bytes)
+            except Exception as exc:
+                shutil.rmtree(out, ignore_errors=True)
+                raise WeightSyncError(f"disk transport: writing checkpoint {out} failed: {exc}") from exc
+            finally:
+                self._buckets = {}
         self._touched = True
         self._call_all("update_weights_from_disk", lambda r: r.update_weights_from_disk(str(out), timeout), timeout)
         self._call_all("update_weight_version", lambda r: r.update_weight_version(version, timeout), timeout)
-        self._drop_last_version()
-        self._last_dir, self.manifest = out, None
+        self._drop_versions(keep=out)
+        self.manifest = None
 
-    def _drop_last_version(self) -> None:
-        """Remove the previous version's checkpoint (the engines have loaded a newer one), unless `keep_previous`."""
-        if self._last_dir is not None and not self.keep_previous:
-            shutil.rmtree(self._last_dir, ignore_errors=True)
-            self._last_dir = None
+    def _drop_versions(self, keep: Path | None) -> None:
+        """Remove every version's checkpoint under the root but `keep` (the engines have loaded it), unless
+        `keep_previous`. Found by listing, not remembered: another instance on the same root (a subset sync's, or
+        the one built after an engine was replaced) may have written them."""
+        if self.keep_previous or not self.root.is_dir():
+            return
+        for old in sorted(self.root.glob("v[0-9]*")):
+            if old != keep and old.is_dir():
+                errors = remove_tree(old)
+                if errors:
+                    print(f"[weight sync] disk transport: {undeleted_line(old, errors)}", flush=True)
 
     def discard_buffers(self) -> None:
         """The run is ending: besides the base's bookkeeping, remove the last version's checkpoint (unless
         `keep_previous`) and the transport's directory once it is empty; the engines loaded the weights long ago."""
         super().discard_buffers()
         self._buckets = {}
-        self._drop_last_version()
+        self._drop_versions(keep=None)
         try:
             self.root.rmdir()  # only when empty: never anything the transport did not write
         except OSError:
