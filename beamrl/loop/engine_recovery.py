@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from beamrl.loop.groups import EngineGroup, EngineHandle
+from beamrl.loop.groups import EngineGroup, EngineHandle, TrainerRankError
 from beamrl.protocols.rollout import EngineError
 from beamrl.rollout.health import HealthConfig, HealthMonitor
 
@@ -38,7 +38,8 @@ class EngineRecovery:
         self.monitor = HealthMonitor(engines.router, self._rebuild,
                                      HealthConfig(interval=interval_s, timeout=health_timeout_s, max_failures=1,
                                                   max_restarts=max_restarts),
-                                     on_event=lambda msg: log(f"rollout: {msg}"), describe=self._describe)
+                                     on_event=lambda msg: log(f"rollout: {msg}"), describe=self._describe,
+                                     fatal=(TrainerRankError,))  # the trainer's failure ends the run as such
         self._restarts = 0
         engines.recovery = self
 

@@ -46,8 +46,12 @@ class HealthMonitor:
 
     def __init__(self, router: EngineRouter, factory: Callable[[int], RolloutEngine],
                  config: HealthConfig = HealthConfig(), on_event: Callable[[str], None] = print,
-                 describe: Callable[[int], str] | None = None) -> None:
+                 describe: Callable[[int], str] | None = None,
+                 fatal: tuple[type[BaseException], ...] = ()) -> None:
         self.router = router
+        # Errors of the factory that are not the engine's (a dead trainer rank during the resync): raised to the
+        # caller, never counted as a failed restart to retry.
+        self.fatal = fatal
         self.factory = factory
         self.config = config
         self.on_event = on_event
@@ -111,7 +115,7 @@ class HealthMonitor:
         t0 = time.monotonic()
         try:
             new = self.factory(index)
-        except RestartBudgetExceeded:
+        except (RestartBudgetExceeded, *self.fatal):
             raise
         except Exception as e:  # noqa: BLE001 - stay unhealthy; retried next round
             self.last_error[index] = f"{type(e).__name__}: {e}"

@@ -81,3 +81,19 @@ def test_the_rollout_boundary_check_asks_only_engines_a_failed_call_would_not_re
     engines.router.engines[1].health = lambda timeout: False
     rec.check()
     assert asked == [2, 2] and engines.starts == 1 and synced == [1] and engines.router.is_healthy(1)
+
+
+def test_a_trainer_rank_that_dies_during_the_resync_ends_the_run_as_a_trainer_failure():
+    """Not "engine 0: restart failed", retried while the budget lasts: the driver's dead-rank path must see it."""
+    from beamrl.loop.groups import TrainerRankError
+
+    engines = _Engines(failures=0)
+
+    def resync(k):
+        raise TrainerRankError("trainer.sync_restarted: trainer rank 1 died", 1, "node-1")
+
+    rec = EngineRecovery(engines, resync, max_restarts=4, interval_s=60, health_timeout_s=1, log=[].append,
+                         sleep=[].append)
+    with pytest.raises(TrainerRankError, match="rank 1 died"):
+        rec.recover({0: "actor died"})
+    assert rec.monitor.attempts == 1
