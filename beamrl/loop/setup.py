@@ -240,7 +240,7 @@ def trainer_setup(recipe: Recipe, model: BeamConfig, lr: float | None = None):
     trainer = recipe.trainer if lr is None else recipe.trainer.model_copy(update={"lr": lr, "lora": None})
     seed = trainer.seed if trainer.seed is not None else recipe.run.seed
     return TrainerSetup(model=model, trainer=trainer, dtype=recipe.model.dtype, seed=seed,
-                        timeout_s=recipe.timeouts.train_step_s)
+                        timeout_s=recipe.timeouts.train_step_s, device=recipe.cluster.device)
 
 
 def start_trainer(run: RunContext, hf_checkpoint: str, lr: float | None = None,

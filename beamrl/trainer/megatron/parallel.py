@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import platform
 
 import torch
 import torch.distributed as dist
@@ -16,19 +17,27 @@ import torch.distributed as dist
 from beamrl.trainer.megatron.config import ParallelConfig
 
 
-def device_for_rank() -> torch.device:
-    """CUDA device `LOCAL_RANK` when CUDA is available, else CPU."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
+def device_for_rank(expected: str | None = None) -> torch.device:
+    """CUDA device `LOCAL_RANK` when CUDA is available, else CPU. `expected` (the recipe's cluster.device): a
+    `RuntimeError` naming it when this process has the other kind (a GPU run must not train on CPU unnoticed)."""
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() \
+        else torch.device("cpu")
+    if expected is not None and device.type != expected:
+        why = ("torch.cuda.is_available() is False in this process" if expected == "cuda"
+               else "this process sees CUDA, where the CPU compatibility layer never runs")
+        raise RuntimeError(f"cluster.device={expected!r}, but {why} (trainer rank {os.environ.get('RANK', '?')} on "
+                           f"{platform.node()})")
+    return device
 
 
-def initialize_parallel(parallel: ParallelConfig, seed: int = 1234, timeout_s: float = 600.0) -> torch.device:
+def initialize_parallel(parallel: ParallelConfig, seed: int = 1234, timeout_s: float = 600.0,
+                        expected_device: str | None = None) -> torch.device:
     """Join the world (from the torchrun-style env) and create Megatron's parallel groups; returns the device.
 
     On a machine without CUDA this activates `beamrl.compat.megatron_cpu` and uses gloo. If Megatron's groups
-    already exist (e.g. several trainers in one test process) they are destroyed and rebuilt."""
-    device = device_for_rank()
+    already exist (e.g. several trainers in one test process) they are destroyed and rebuilt. `expected_device`:
+    see `device_for_rank`."""
+    device = device_for_rank(expected_device)
     if device.type == "cpu":
         from beamrl.compat import megatron_cpu
 

@@ -64,10 +64,15 @@ class TrainerSetup:
     lr_schedule: LRSchedule = field(default_factory=LRSchedule)
     #: Sequences per micro-batch in `compute_logprobs` (a packed batch is split into such micro-batches).
     logprob_micro_batch_sequences: int = 8
+    #: The recipe's cluster.device ("cuda" or "cpu"): a rank that finds another device fails, naming it, instead of
+    #: training elsewhere. None: whatever this machine has (tests and tools).
+    device: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in RUN_DTYPES:
             raise TrainerConfigError(f"TrainerSetup.dtype={self.dtype!r}; allowed: {list(RUN_DTYPES)}")
+        if self.device not in (None, "cuda", "cpu"):
+            raise TrainerConfigError(f"TrainerSetup.device={self.device!r}; allowed: 'cuda', 'cpu' or None")
         if self.logprob_micro_batch_sequences < 1:
             raise TrainerConfigError("TrainerSetup.logprob_micro_batch_sequences must be >= 1")
         if not 0 <= self.lr_schedule.min_lr <= self.trainer.lr:
@@ -126,7 +131,8 @@ class MegatronTrainer(TrainerWorker):
         """`model_factory(config) -> (TransformerConfig, builder)` replaces the Beam model (tests of the
         training plumbing with stock Megatron models); leave it None for Beam."""
         self.config = config
-        self.device = initialize_parallel(config.parallel, seed=config.seed, timeout_s=config.timeout_s)
+        self.device = initialize_parallel(config.parallel, seed=config.seed, timeout_s=config.timeout_s,
+                                          expected_device=config.device)
         if dist.get_world_size() != config.trainer.num_gpus:
             raise TrainerConfigError(f"trainer.num_gpus={config.trainer.num_gpus} but this trainer's world has "
                                      f"{dist.get_world_size()} ranks")

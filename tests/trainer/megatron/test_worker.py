@@ -50,3 +50,16 @@ def test_grad_clip_reaches_megatron_and_null_turns_clipping_off(grad_clip, clip_
     assert megatron_optimizer_config(setup).clip_grad == clip_grad
     with pytest.raises(ValueError, match="grad_clip"):  # pydantic's error, named (a recipe gets a ConfigError)
         _trainer(grad_clip=0.0)
+
+
+def test_a_rank_on_the_wrong_kind_of_device_says_so_instead_of_training_there():
+    import torch
+
+    from beamrl.trainer.megatron.parallel import device_for_rank
+
+    here, other = ("cuda", "cpu") if torch.cuda.is_available() else ("cpu", "cuda")
+    assert device_for_rank(here).type == here and device_for_rank(None).type == here
+    with pytest.raises(RuntimeError, match=f"cluster.device='{other}'"):
+        device_for_rank(other)
+    with pytest.raises(TrainerConfigError, match="device"):
+        TrainerSetup(model=preset("tiny"), trainer=_trainer(), device="tpu")
