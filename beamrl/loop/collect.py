@@ -12,6 +12,7 @@ from beamrl.loop import step as S
 from beamrl.loop.groups import EngineGroup
 from beamrl.loop.rollouts import Rollout
 from beamrl.loop.setup import RunContext
+from beamrl.protocols.rollout import EngineError
 
 
 @dataclass
@@ -38,6 +39,7 @@ class PendingRollout:
     handle: Any  # EngineGroup.generate_async's
     started: float
     data_state: dict
+    version: int  # the weight version the engines were synced to when it was submitted: every result's
     done: RolloutBatch | None = None
 
 
@@ -47,7 +49,8 @@ class RolloutCollector:
     def __init__(self, run: RunContext, engines: EngineGroup):
         self.run, self.engines = run, engines
 
-    def start(self, step: int) -> PendingRollout:
+    def start(self, step: int, version: int) -> PendingRollout:
+        """Submit step `step`'s prompts; the engines serve weight `version` (checked on every result)."""
         r = self.run.recipe
         if self.engines.recovery is not None:  # a call boundary: restart dead engines before submitting
             self.engines.recovery.check()
@@ -57,7 +60,7 @@ class RolloutCollector:
                                  self.run.return_routed_experts)
         t0 = time.perf_counter()
         handle = self.engines.generate_async(groups, timeout=r.timeouts.generate_s)
-        return PendingRollout(step, prompts, handle, t0, data_state)
+        return PendingRollout(step, prompts, handle, t0, data_state, version)
 
     def collect_early(self, pending: PendingRollout) -> PendingRollout:
         """Finish `pending` now (before a weight update); `finish` then returns the stored batch."""
@@ -71,6 +74,7 @@ class RolloutCollector:
         t_wait = time.perf_counter()
         results = self.engines.collect(pending.handle)
         wait_s = time.perf_counter() - t_wait  # < rollout_s when generation ran while the trainer trained
+        _check_versions(results, pending.version)
         rollouts, n_aborted = S.drop_aborted(S.to_rollouts(pending.prompts, results, 0))
         gen_s = time.perf_counter() - pending.started
         metrics = S.score(rollouts, self.run.tokenizer, self.run.rewards)
@@ -103,6 +107,7 @@ class RolloutCollector:
             groups = S.make_requests(more, r.rollout, r.run.seed, pending.step, round_, self.run.stop_ids,
                                      self.run.return_routed_experts)
             results = self.engines.generate(groups, timeout=r.timeouts.generate_s)
+            _check_versions(results, pending.version)
             extra, _ = S.drop_aborted(S.to_rollouts(more, results, next_group))
             next_group += len(more)
             S.score(extra, self.run.tokenizer, self.run.rewards)
@@ -112,3 +117,12 @@ class RolloutCollector:
         if not kept:  # nothing informative at all: train on the original batch (advantages are all zero)
             kept = rollouts
         return kept, metrics
+
+
+def _check_versions(results, version: int) -> None:
+    """Every result comes from weights `version`: an engine that serves others (a sync that did not reach it) must
+    not feed the trainer samples of another policy unnoticed."""
+    wrong = sorted({r.weight_version for group in results for r in group if r.weight_version != version})
+    if wrong:
+        raise EngineError(f"rollout results from weight version(s) {wrong}, but the engines were synced to version "
+                          f"{version}: an engine serves weights the last sync did not give it")

@@ -145,9 +145,9 @@ class RLDriver:
         for step in range(start_step, r.run.num_steps):
             t0 = time.perf_counter()
             memory = coloc.before_rollout()
-            batch = self.collector.finish(pending if pending is not None else self.collector.start(step))
+            batch = self.collector.finish(pending if pending is not None else self.collector.start(step, self.version))
             last = step + 1 == r.run.num_steps
-            pending = self.collector.start(step + 1) if one_step_off and not last else None  # overlaps training
+            pending = self.collector.start(step + 1, self.version) if one_step_off and not last else None  # overlaps
             memory.update(coloc.before_train())
             # Nothing runs between the train step and the sync unless a rollout is in flight (one step off): then
             # the last train step's call carries the sync too (one round trip fewer).

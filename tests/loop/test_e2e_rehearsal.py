@@ -54,12 +54,12 @@ def test_engine_spanning_two_nodes_survives_a_killed_node_process(tmp_path, monk
     killed: list[int] = []
     start = RolloutCollector.start
 
-    def start_then_kill_the_follower(self, step):
+    def start_then_kill_the_follower(self, step, version):
         if step != 1:
-            return start(self, step)
+            return start(self, step, version)
         (follower,) = self.engines.followers[0]
         (pid,) = ray_get(follower.process_ids.remote(), 60, "follower server pid")
-        pending = start(self, step)  # step 1's requests are in flight on the engine ...
+        pending = start(self, step, version)  # step 1's requests are in flight on the engine ...
         os.killpg(pid, signal.SIGKILL)  # ... when the follower node's server (and its TP rank) dies
         killed.append(pid)
         return pending

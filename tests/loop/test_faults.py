@@ -43,11 +43,11 @@ def test_engine_killed_mid_rollout_is_restarted_resynced_and_the_batch_is_whole(
         os.kill(pid, signal.SIGKILL)
         killed.append(pid)
 
-    def start_then_kill(self, step):
+    def start_then_kill(self, step, version):
         if step != 1:
-            return start(self, step)
+            return start(self, step, version)
         pid = self.engines.pids(0)[0]  # asked before any request is in flight
-        pending = start(self, step)  # step 1's requests are in flight on the engine ...
+        pending = start(self, step, version)  # step 1's requests are in flight on the engine ...
         os.kill(pid, signal.SIGKILL)  # ... when its process dies
         killed.append(pid)
         return pending
