@@ -3,6 +3,7 @@ trainer and learning rate; its HF export becomes the policy that the RL trainer 
 
 from __future__ import annotations
 
+import os
 import time
 
 from beamrl.data.loader import PromptLoader
@@ -10,6 +11,8 @@ from beamrl.loop.log import log
 from beamrl.loop.losses import SFTLoss
 from beamrl.loop.rollouts import split_micro_batches
 from beamrl.loop.setup import RunContext, start_trainer
+from beamrl.models.beam.checkpoint import check_checkpoint
+from beamrl.removal import remove_tree, undeleted_line
 from beamrl.trainer.protocol import PackedBatch
 
 
@@ -19,9 +22,18 @@ def sft_warm_start(run: RunContext) -> str:
     r = run.recipe
     sft = r.sft
     out = run.out_dir / "sft_checkpoint"
-    if (out / "config.json").exists():
+    if out.exists():
+        try:  # whole since it is renamed into place once written; headers only, seconds even when huge
+            check_checkpoint(out)
+        except Exception as exc:  # noqa: BLE001 - said with what to do, never trained on
+            raise RuntimeError(f"SFT: {out} exists but is not a whole checkpoint ({type(exc).__name__}: {exc}); "
+                               "delete it to run the SFT warm start again") from exc
         log(f"SFT: reusing {out}")
         return str(out)
+    partial = out.with_name(out.name + ".partial")  # a crash mid-export leaves only this, never `out`
+    errors = remove_tree(partial)
+    if errors:
+        raise RuntimeError(f"SFT: {undeleted_line(partial, errors)}")
     log(f"SFT warm start: {sft.steps} steps of {sft.batch} (prompt, answer) pairs at lr {sft.lr:g}, on a trainer "
         "of its own")
     trainer = start_trainer(run, run.initial_checkpoint, lr=sft.lr)
@@ -33,9 +45,10 @@ def sft_warm_start(run: RunContext) -> str:
             res = trainer.train_step(pbs, loss, replay=False)
             if i % max(1, sft.steps // 10) == 0 or i == sft.steps - 1:
                 log(f"SFT step {i + 1}/{sft.steps}: nll {res.loss:.4f} ({time.perf_counter() - t0:.1f} s)")
-        trainer.export_hf_checkpoint(str(out))
+        trainer.export_hf_checkpoint(str(partial))
     finally:
         trainer.shutdown()
+    os.replace(partial, out)
     return str(out)
 
 
