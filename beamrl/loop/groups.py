@@ -23,12 +23,15 @@ RANK_DEATH_GRACE_S = 10.0
 
 
 def shutdown_actors(actors: list, names: list[str]) -> None:
-    """Ask each actor to release its resources (30 s each), then kill it; best effort at teardown."""
+    """Ask each actor to release its resources (30 s each), then kill it; best effort at teardown. A shutdown that
+    failed is said: what the actor started (an SGLang server's process group) may outlive it."""
     for a, n in zip(actors, names):
         try:
             ray_get(a.shutdown.remote(), 30, f"{n}.shutdown")
-        except Exception:  # noqa: BLE001 - the actor is killed next anyway
-            pass
+        except Exception as exc:  # noqa: BLE001 - the actor is killed next anyway
+            said = (str(exc).splitlines() or [type(exc).__name__])[0]
+            log(f"{n}: its shutdown did not complete ({said}); killing the actor: processes it started may "
+                "outlive it")
         try:
             ray.kill(a)
         except Exception:  # noqa: BLE001 - Ray itself may already be gone

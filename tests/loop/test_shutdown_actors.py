@@ -1,0 +1,22 @@
+"""Teardown says which actor's shutdown did not complete (it was dropped silently; an SGLang server's process
+group can outlive its actor). Ray is replaced by stand-ins here; real teardowns run in every e2e test."""
+
+from types import SimpleNamespace
+
+from beamrl.loop import groups
+from beamrl.loop.ray_utils import ActorCallError
+
+
+def test_a_failed_shutdown_is_said_and_the_actor_still_killed(monkeypatch, capsys):
+    def no_answer(ref, timeout, what):
+        raise ActorCallError(f"{what}: no answer within 30 s\nmore lines from Ray")
+
+    killed = []
+    monkeypatch.setattr(groups, "ray_get", no_answer)
+    monkeypatch.setattr(groups.ray, "kill", killed.append)
+    actor = SimpleNamespace(shutdown=SimpleNamespace(remote=lambda: "ref"))
+    groups.shutdown_actors([actor], ["sglang-0"])
+    out = capsys.readouterr()
+    said = out.out + out.err
+    assert "sglang-0: its shutdown did not complete (sglang-0.shutdown: no answer within 30 s)" in said
+    assert "more lines" not in said and killed == [actor]
