@@ -16,6 +16,9 @@ import time
 import traceback
 
 
+#: How long a killed background writer gets to exit before the rank goes on without reaping it.
+REAP_S = 10.0
+
 class BackgroundWrite:
     """`fn()` running in a forked child; poll with `done()`, collect with `wait()`."""
 
@@ -47,6 +50,15 @@ class BackgroundWrite:
                 self._exit = os.waitstatus_to_exitcode(status)
         return self._exit is not None
 
+    def _reap(self, within_s: float) -> bool:
+        """Reap the killed child within `within_s`; False if it has not exited by then (never blocks longer)."""
+        deadline = time.monotonic() + within_s
+        while time.monotonic() < deadline:
+            if os.waitpid(self.pid, os.WNOHANG)[0]:
+                return True
+            time.sleep(0.05)
+        return False
+
     def wait(self, timeout_s: float, poll_s: float = 0.05) -> bool:
         """Wait for the child; True if it wrote everything. A child still running after `timeout_s` is killed
         (False): the checkpoint is then never published."""
@@ -54,9 +66,11 @@ class BackgroundWrite:
         while not self.done():
             if time.monotonic() > deadline:
                 os.kill(self.pid, 9)
-                os.waitpid(self.pid, 0)
+                reaped = self._reap(REAP_S)  # a writer stuck in uninterruptible I/O (a hung NFS) dies only later
                 self._exit = -9
-                sys.stderr.write(f"[beamrl] background write of {self.what} exceeded {timeout_s:.0f} s; killed\n")
+                sys.stderr.write(f"[beamrl] background write of {self.what} exceeded {timeout_s:.0f} s; killed"
+                                 + ("" if reaped else f" (pid {self.pid} not gone after {REAP_S:.0f} s: stuck in "
+                                                      "I/O; it is reaped when it exits)") + "\n")
                 break
             time.sleep(poll_s)
         return self._exit == 0
