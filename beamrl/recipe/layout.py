@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from beamrl.cluster.placement import Placement, plan_placement
 from beamrl.cluster.report import format_placement, ranges
 from beamrl.models.beam import BeamConfig
+from beamrl.models.beam.lora_config import DENSE_MLP_TARGETS, EXPERT_TARGETS
 from beamrl.recipe.errors import RecipeError, in_section
 
 if TYPE_CHECKING:
@@ -28,6 +29,18 @@ def check_model_fit(r: "Recipe", c: BeamConfig) -> None:
         r.trainer.check_model(c)
     if not c.moe_layers and r.algorithm.routing_replay:
         raise RecipeError("algorithm.routing_replay", True, "the model has no MoE layers to replay")
+    if resolved_routing_replay(r, c) and r.rollout.return_routed_experts is False:
+        raise RecipeError("rollout.return_routed_experts", False, "routing replay is on (algorithm.routing_replay "
+                          "null is on for a MoE model) and needs the engine's routes; set true or null, or "
+                          "algorithm.routing_replay: false")
+    lora = r.trainer.lora
+    if lora is not None:
+        dense = len(c.moe_layers) < c.num_hidden_layers
+        for i, target in enumerate(lora.targets):
+            if target in EXPERT_TARGETS and not c.moe_layers or target in DENSE_MLP_TARGETS and not dense:
+                kind = "MoE" if target in EXPERT_TARGETS else "dense MLP"
+                raise RecipeError(f"trainer.lora.targets[{i}]", target, f"the model has no {kind} layers: this "
+                                  "target would get no adapter")
     with in_section("rollout"):
         r.rollout.check_model(c)
     seq = r.data.max_prompt_len + r.rollout.max_new_tokens

@@ -54,6 +54,20 @@ def test_dense_model_rules(base_raw):
         check_model_fit(_recipe(base_raw, "trainer.ep=1", "trainer.global_batch_size=8",
                                 "algorithm.routing_replay=true"), dense)
     assert e.value.path == "algorithm.routing_replay"
+    # a LoRA target of a layer kind the model lacks would get no adapter
+    with pytest.raises(RecipeError) as e:
+        check_model_fit(_recipe(base_raw, "trainer.ep=1", "trainer.global_batch_size=8",
+                                "algorithm.routing_replay=null", "rollout.return_routed_experts=null",
+                                "trainer.lora={rank: 4, targets: [self_attn.q_proj, mlp.experts.up_proj]}"), dense)
+    assert e.value.path == "trainer.lora.targets[1]" and "no MoE layers" in str(e.value)
+
+
+def test_routing_replay_on_by_default_needs_the_engines_routes(base_raw):
+    """routing_replay null is on for a MoE model: with return_routed_experts false it failed at the first step."""
+    with pytest.raises(RecipeError) as e:
+        check_model_fit(_recipe(base_raw, "algorithm.routing_replay=null", "rollout.return_routed_experts=false"),
+                        preset("tiny"))
+    assert e.value.path == "rollout.return_routed_experts" and "null is on" in str(e.value)
 
 
 def test_engine_kv_heads(base_raw):
