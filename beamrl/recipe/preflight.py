@@ -168,6 +168,10 @@ def load_reward_functions(r: "Recipe") -> list:
         except Exception as e:  # noqa: BLE001 - a user module can raise anything at import
             raise RecipeError(f"rewards[{i}].fn", comp.fn, f"{type(e).__name__}: {e}" if not isinstance(e, ValueError)
                               else str(e)) from None
+        default = type(comp).model_fields["max_concurrency"].get_default()
+        if not functions[-1].is_async and comp.max_concurrency != default:
+            raise RecipeError(f"rewards[{i}].max_concurrency", comp.max_concurrency, f"{comp.fn} is a sync function: "
+                              "each worker runs one call at a time; raise num_workers for more calls at once")
     return functions
 
 

@@ -44,6 +44,13 @@ def test_dry_run_misspelt_reward_module_is_one_line_naming_the_field(capsys):
     assert "No module named 'beamrl_no_such_pkg'" in err
 
 
+def test_dry_run_names_max_concurrency_of_a_sync_reward_function(capsys):
+    """A sync function runs one call per worker: max_concurrency would be ignored (it was, silently)."""
+    assert main(["train", "quickstart", "--dry-run", "rewards.0.max_concurrency=8"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("beamrl train: rewards[0].max_concurrency=8") and "num_workers" in err
+
+
 def test_bad_override_exit_code_and_message(capsys):
     assert main(["train", "quickstart", "--dry-run", "trainer.learning_rate=1"]) == 2
     err = capsys.readouterr().err
