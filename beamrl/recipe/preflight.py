@@ -149,6 +149,9 @@ def check_data_source(r: "Recipe") -> str:
     if not looks_like_path(d.source):
         return f"data.source: hub dataset {d.source!r} (loaded by the run; offline only from the HF cache)"
     path = Path(d.source).expanduser()
+    if d.split != type(d).model_fields["split"].get_default():
+        raise RecipeError("data.split", d.split, "a local data.source loads all its files as one split (every "
+                          ".jsonl/.parquet of a directory); point data.source at that split's files and remove it")
     if not path.exists():
         raise RecipeError("data.source", d.source, f"no such file or directory: {path.resolve()}")
     if path.is_dir() and not any(p.suffix in LOCAL_BUILDERS for p in path.iterdir()):

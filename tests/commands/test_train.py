@@ -149,6 +149,13 @@ def test_dry_run_catches_each_tokenizer_problem_by_field(real_data, capsys, over
     assert "\n" not in err and "sentencepiece" not in err.lower()
 
 
+def test_dry_run_names_a_split_that_a_local_source_would_ignore(real_data, capsys):
+    """Local files load as one split: data.split: test on them trained on whatever the files held."""
+    assert main(_dapo(real_data, *PRESET, "data.tokenizer=byte", "data.split=test")) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("beamrl train: data.split='test'") and "one split" in err, err
+
+
 def test_dry_run_accepts_real_data_with_a_tokenizer_beside_the_checkpoint(real_data, capsys):
     assert main(_dapo(real_data, *_from_checkpoint(real_data / "with-tok"), "data.tokenizer=null",
                       "data.chat_template=true")) == 0
