@@ -13,6 +13,12 @@ def remove_tree(path: str | Path) -> list[tuple[str, BaseException]]:
     (entry, error) in the order met, for the caller to say."""
     if not os.path.lexists(path):
         return []
+    if os.path.islink(path) or not os.path.isdir(path):  # rmtree refuses links and files: remove the entry itself
+        try:
+            os.unlink(path)
+            return []
+        except OSError as exc:
+            return [(str(path), exc)]
     errors: list[tuple[str, BaseException]] = []
     if sys.version_info >= (3, 12):  # `onerror` is deprecated there
         shutil.rmtree(path, onexc=lambda _fn, target, exc: errors.append((target, exc)))

@@ -81,7 +81,14 @@ class OverlongConfig(Section):
 
     enabled: bool = False
     buffer: int = Field(512, gt=0)
-    penalty: float = Field(1.0, gt=0)
+    penalty: float = Field(1.0, ge=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> "OverlongConfig":
+        if self.enabled and self.penalty == 0:
+            raise ConfigError("penalty", 0.0, "has no effect: a penalty of 0 changes no reward; set it > 0 or "
+                              "enabled: false")
+        return self
 
 
 class AlgorithmConfig(Section):

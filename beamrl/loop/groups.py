@@ -22,16 +22,23 @@ from beamrl.sync import shm
 RANK_DEATH_GRACE_S = 10.0
 
 
-def shutdown_actors(actors: list, names: list[str]) -> None:
-    """Ask each actor to release its resources (30 s each), then kill it; best effort at teardown. A shutdown that
-    failed is said: what the actor started (an SGLang server's process group) may outlive it."""
-    for a, n in zip(actors, names):
+def shutdown_actors(actors: list, names: list[str], together: bool = False, timeout_s: float = 30.0) -> None:
+    """Ask each actor to release its resources (`timeout_s` each, one after another; `together`: all asked at once,
+    `timeout_s` for all, for peers that may be stuck alike, such as trainer ranks left in a collective), then kill
+    it; best effort at teardown. A shutdown that failed is said: what the actor started (an SGLang server's
+    process group) may outlive it."""
+    def said(n: str, exc: BaseException) -> None:
+        first = (str(exc).splitlines() or [type(exc).__name__])[0]
+        log(f"{n}: its shutdown did not complete ({first}); killing the actor: processes it started may outlive it")
+
+    asked = [a.shutdown.remote() for a in actors] if together else None
+    deadline = time.monotonic() + timeout_s
+    for i, (a, n) in enumerate(zip(actors, names)):
         try:
-            ray_get(a.shutdown.remote(), 30, f"{n}.shutdown")
+            ref = asked[i] if together else a.shutdown.remote()
+            ray_get(ref, max(0.1, deadline - time.monotonic()) if together else timeout_s, f"{n}.shutdown")
         except Exception as exc:  # noqa: BLE001 - the actor is killed next anyway
-            said = (str(exc).splitlines() or [type(exc).__name__])[0]
-            log(f"{n}: its shutdown did not complete ({said}); killing the actor: processes it started may "
-                "outlive it")
+            said(n, exc)
         try:
             ray.kill(a)
         except Exception:  # noqa: BLE001 - Ray itself may already be gone
@@ -255,7 +262,9 @@ class TrainerGroup:
         return self._all("export_hf_checkpoint", None, lambda a: a.export_hf_checkpoint.remote(out_dir=out_dir))[0]
 
     def shutdown(self) -> None:
-        shutdown_actors(self.actors, [f"trainer-{r}" for r in range(len(self.actors))])
+        # together: after a failed step the live ranks may sit in a collective with the failed one (30 s each,
+        # one after another, was half an hour at 64 ranks)
+        shutdown_actors(self.actors, [f"trainer-{r}" for r in range(len(self.actors))], together=True)
         self.actors = []
         self._remove_left_files()  # a rank whose shutdown failed or timed out
 

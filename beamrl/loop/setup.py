@@ -210,6 +210,9 @@ def start_ray(run: "RunContext", resources: Resources, verbose: bool = False) ->
     tmp: Path | None = None
     stop = ray.shutdown
     if cl.device == "cpu":
+        # The run's processes see no GPU on a machine that has one: Ray does not hide GPUs from actors that ask for
+        # none, and a CPU recipe must run on the CPU (the trainer refuses another device: TrainerSetup.device).
+        env = {**env, "env_vars": {**env.get("env_vars", {}), "CUDA_VISIBLE_DEVICES": ""}}
         tmp = new_temp_dir()
         if cl.num_nodes == 1:
             init_local_ray(num_cpus=2, temp_dir=tmp, resources={WORKER_SLOT: cl.gpus_per_node, node_resource(0): 1},

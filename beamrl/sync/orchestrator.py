@@ -244,8 +244,11 @@ class WeightSync:
         run_concurrently(what, [(self._label(e, i), (lambda e=e: call(e))) for i, e in enumerate(engines)], timeout,
                          bounded_calls=bounded(engines))
 
-    def _require_healthy(self, transport: WeightTransport) -> None:
-        bad = {**getattr(transport, "unhealthy", {}), **self.unhealthy}
+    def _require_healthy(self, transport: WeightTransport, targets: Sequence[WeightReceiver]) -> None:
+        """Refuse a sync to an engine marked by an earlier failed sync (only the targets': a stopped engine's mark
+        must not block the sync of the others)."""
+        labels = {self._label(e, self.engines.index(e) if e in self.engines else i) for i, e in enumerate(targets)}
+        bad = {k: v for k, v in {**getattr(transport, "unhealthy", {}), **self.unhealthy}.items() if k in labels}
         if bad:
             detail = "; ".join(f"{k}: {v}" for k, v in bad.items())
             raise WeightSyncError(f"refusing to sync: engine(s) failed an earlier sync and must be restarted first "
@@ -275,7 +278,7 @@ class WeightSync:
         calls in issue order (`calls_in_issue_order`: the Ray and pipe proxies) the pause is only issued: the
         session's `begin` goes out behind it at once, and `_settle` checks the replies afterwards (one round trip
         instead of two). Returns the calls to settle (what, [(engine, pending call)]); [] when all were waited for."""
-        self._require_healthy(transport)
+        self._require_healthy(transport, targets)
         transport.connect(self.timeouts.connect)
         if not targets:
             return []

@@ -91,7 +91,8 @@ def test_scaled_down_grpo_dapo_math(cluster):
     two engines of TP4 that span two whole nodes each (their leaders on plan nodes 2 and 4)."""
     r = load_recipe("grpo_dapo_math", CPU + [
         f"cluster.num_nodes={NODES}", "trainer.num_gpus=4", "trainer.tp=2", "trainer.ep=4", "rollout.engine_tp=4",
-        "trainer.use_fused_kernels=false", "trainer.optimizer_offload_fraction=0", "rollout.num_engines=2"])
+        "trainer.use_fused_kernels=false", "trainer.optimizer_offload_fraction=0", "rollout.num_engines=2",
+        "rollout.swa_full_tokens_ratio=0.8"])  # (the CPU engine sizes its own pool: the GPU ratio is refused)
     plan = placement_of(r)
     assert [[p.node for p in e.nodes] for e in plan.engines] == [[2, 3], [4, 5]]
     ran, groups = _place(plan)

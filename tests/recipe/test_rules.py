@@ -36,7 +36,7 @@ CASES = [
     (["algorithm.routing_replay=false", "rollout.return_routed_experts=true"], "rollout.return_routed_experts",
      "routing_replay"),
     (["trainer.main_grads_dtype=bf16", "model.dtype=float32"], "trainer.main_grads_dtype", "model.dtype"),
-    (["algorithm.overlong={enabled: true, penalty: 0}"], "algorithm.overlong.penalty", "greater than 0"),
+    (["algorithm.overlong={enabled: true, penalty: 0}"], "algorithm.overlong.penalty", "no effect"),
     (["sft={steps: 2, lr: 0.001, batch: 2}"], "sft.batch", "data-parallel rank"),
     (["rollout.server_args={mem_fraction_static: 0.5}"], "rollout.server_args.mem_fraction_static",
      "rollout.mem_fraction"),

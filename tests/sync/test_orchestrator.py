@@ -247,6 +247,20 @@ def test_a_replaced_engine_takes_the_next_full_syncs_and_its_failure_marks_are_d
     assert all(torch.equal(a, b) for a, b in zip(restarted.parameters(), trainer_model.parameters()))
 
 
+def test_a_marked_engine_blocks_only_syncs_that_target_it(trainer_model):
+    """An engine marked by a failed sync and left stopped (its restart failed while another was healthy) must not
+    block the subset sync of the running ones (it refused them all: "must be restarted first")."""
+    models = [type(trainer_model)(preset("tiny"), dtype=torch.float32, seed=s).eval() for s in (5, 6)]
+    receivers = [model_receiver(m, name=f"eng-{i}") for i, m in enumerate(models)]
+    sync = WeightSync(lambda recs: TRANSPORTS.get("colocated")(recs), receivers, timeouts=TIMEOUTS, progress=None)
+    source = StateDictSource(list(trainer_model.named_parameters()))
+    sync.sync(source)
+    sync.mark_unhealthy("eng-1", "died during the probe")
+    assert sync.sync(source, engines=[receivers[0]], version=2).version == 2 == receivers[0].weight_version
+    with pytest.raises(WeightSyncError, match="eng-1: died during the probe"):
+        sync.sync(source, version=3)  # a full sync still includes it: refused
+
+
 def test_the_probe_runs_on_the_first_sync_then_every_nth(hosted_engine, trainer_model):
     """`ProbeCheck.every`: syncs 1, 1 + N, 1 + 2N, ... are verified (the first at once, so a wrong layout shows in
     the first step); the others still check every bucket's checksum and the served version."""
@@ -409,27 +423,29 @@ def test_disk_transport_keeps_only_the_last_version_and_the_run_end_removes_it(h
     for seed in (1, 2):
         perturb(trainer_model, seed=seed)
         sync.sync(StateDictSource.of_model(trainer_model))
-    assert [p.name for p in root.iterdir()] == [f"v{v0 + 2:06d}"]
+    assert [p.name.split("-")[0] for p in root.iterdir()] == [f"v{v0 + 2:06d}"]
     sync.discard_buffers()
     assert not root.exists()
     assert hosted_engine.weight_version == v0 + 2  # the engine keeps what it loaded
 
 
-def test_disk_transport_resync_at_the_same_version_reuses_its_checkpoint_and_old_versions_go(
+def test_disk_transport_resync_at_the_same_version_writes_the_current_weights_and_old_versions_go(
         hosted_engine, trainer_model, tmp_path):
-    """A restarted engine's resync (a subset sync: another transport instance on the run's root) at the version the
-    run already wrote loads that checkpoint (it refused: "already exists"); an instance that did not write the old
-    versions (the one built after an engine was replaced) still removes them."""
+    """A restarted engine's resync (a subset sync: another transport instance on the run's root) at the current
+    version gets the trainer's weights of now, though that version was written before with other weights (the
+    trainer stepped since; it refused "already exists"); an instance that did not write the old versions (the one
+    built after an engine was replaced) still removes them."""
     root = tmp_path / "sync"
     v0 = hosted_engine.weight_version
     sync = WeightSync(transport_factory("disk", tmp_path), [hosted_engine], timeouts=TIMEOUTS, initial_version=v0,
-                      progress=None)
+                      probe=ProbeCheck(PROBES, tolerance=1e-4), progress=None)
     perturb(trainer_model, seed=1)
     sync.sync(StateDictSource.of_model(trainer_model))
-    sync.sync(StateDictSource.of_model(trainer_model), engines=[hosted_engine], version=v0 + 1)
-    assert hosted_engine.weight_version == v0 + 1
+    perturb(trainer_model, seed=2)  # the trainer steps; the engine is resynced at the version it holds
+    report = sync.sync(StateDictSource.of_model(trainer_model), engines=[hosted_engine], version=v0 + 1)
+    assert report.verified and report.max_abs_logprob_diff <= 1e-4 and hosted_engine.weight_version == v0 + 1
     other = WeightSync(transport_factory("disk", tmp_path), [hosted_engine], timeouts=TIMEOUTS,
                        initial_version=v0 + 1, progress=None)
-    perturb(trainer_model, seed=2)
+    perturb(trainer_model, seed=3)
     other.sync(StateDictSource.of_model(trainer_model))
-    assert [p.name for p in root.iterdir()] == [f"v{v0 + 2:06d}"]
+    assert [p.name.split("-")[0] for p in root.iterdir()] == [f"v{v0 + 2:06d}"]

@@ -3,8 +3,8 @@
 The slow but simplest path (any engine that can read the shared filesystem). It is a FULL update: each bucket is
 packed into its own host buffer, and at `finalize` the buffers' tensors are written by
 `beamrl.models.beam.checkpoint.save_checkpoint`, which validates every name, shape and dtype against the Beam
-weight table (host memory ~ one model copy). Each version gets its own directory `<root>/v<version>`; engines load
-it and are then told the new version (`update_weight_version`, SGLang `/update_weight_version`). No engine
+weight table (host memory ~ one model copy). Each write gets its own directory `<root>/v<version>-<id>`; engines
+load it and are then told the new version (`update_weight_version`, SGLang `/update_weight_version`). No engine
 session is opened: SGLang's disk loader does not need one, and it restores the old weights itself when a load
 fails.
 """
@@ -12,6 +12,7 @@ fails.
 from __future__ import annotations
 
 import shutil
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -43,7 +44,10 @@ class DiskTransport(ReceiverTransport):
         self._buckets: dict[int, FlatBucket] = {}
 
     def version_dir(self, version: int) -> Path:
-        return self.root / f"v{version:06d}"
+        """A new directory for `version`'s checkpoint. Unique per write: a restarted engine's resync at the current
+        version may carry other weights than an earlier write of that version (the trainer may have stepped since),
+        so nothing already on disk is ever loaded in its place."""
+        return self.root / f"v{version:06d}-{uuid.uuid4().hex[:8]}"
 
     def connect(self, timeout: float) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -67,27 +71,18 @@ class DiskTransport(ReceiverTransport):
         manifest = self._require_session("finalize")
         version = manifest.version
         out = self.version_dir(version)
-        from beamrl.models.beam.checkpoint import check_checkpoint, save_checkpoint  # lazy: safetensors
+        from beamrl.models.beam.checkpoint import save_checkpoint  # lazy: safetensors is optional elsewhere
 
-        if out.exists():
-            # Written by this run already (the root is the run's own): a restarted engine's resync, or the retry of
-            # a load that failed, at the same version: the same weights. It must be whole.
+        if torch.cuda.is_available():  # packing from GPU tensors into host buffers is asynchronous
+            torch.cuda.synchronize()
+        tensors = {n: t for b in self._buckets.values() for n, t in b.unflatten()}
+        try:
+            save_checkpoint(self.config, tensors, out, max_shard_bytes=self.max_shard_bytes)
+        except Exception as exc:
+            shutil.rmtree(out, ignore_errors=True)  # (a partial write of ours; the error is raised just below)
+            raise WeightSyncError(f"disk transport: writing checkpoint {out} failed: {exc}") from exc
+        finally:
             self._buckets = {}
-            try:
-                check_checkpoint(out)
-            except Exception as exc:
-                raise WeightSyncError(f"disk transport: {out} exists but is not a whole checkpoint: {exc}") from exc
-        else:
-            if torch.cuda.is_available():  # packing from GPU tensors into host buffers is asynchronous
-                torch.cuda.synchronize()
-            tensors = {n: t for b in self._buckets.values() for n, t in b.unflatten()}
-            try:
-                save_checkpoint(self.config, tensors, out, max_shard_bytes=self.max_shard_bytes)
-            except Exception as exc:
-                shutil.rmtree(out, ignore_errors=True)
-                raise WeightSyncError(f"disk transport: writing checkpoint {out} failed: {exc}") from exc
-            finally:
-                self._buckets = {}
         self._touched = True
         self._call_all("update_weights_from_disk", lambda r: r.update_weights_from_disk(str(out), timeout), timeout)
         self._call_all("update_weight_version", lambda r: r.update_weight_version(version, timeout), timeout)

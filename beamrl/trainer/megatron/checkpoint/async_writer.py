@@ -19,6 +19,7 @@ import traceback
 #: How long a killed background writer gets to exit before the rank goes on without reaping it.
 REAP_S = 10.0
 
+
 class BackgroundWrite:
     """`fn()` running in a forked child; poll with `done()`, collect with `wait()`."""
 
@@ -70,7 +71,7 @@ class BackgroundWrite:
                 self._exit = -9
                 sys.stderr.write(f"[beamrl] background write of {self.what} exceeded {timeout_s:.0f} s; killed"
                                  + ("" if reaped else f" (pid {self.pid} not gone after {REAP_S:.0f} s: stuck in "
-                                                      "I/O; it is reaped when it exits)") + "\n")
+                                                      "I/O; it stays a zombie until this rank exits)") + "\n")
                 break
             time.sleep(poll_s)
         return self._exit == 0
