@@ -150,6 +150,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def quickstart_recipe() -> dict:
+    """The quickstart recipe as beamrl runs it: loaded and validated, every default filled in (a field the file
+    leaves out, such as the PPO clip it refuses to set, is read at its default, as the run does)."""
+    from beamrl.recipe import load_recipe
+
+    return load_recipe(RECIPE).model_dump()
+
+
 def settings_from_recipe(recipe: dict, steps: int, sft_steps: int, vocab: tuple[str, ...], target_params: int,
                          threads: int, trl_init: str = "beam", trl_model: str = "qwen2",
                          seed: int | None = None) -> TaskSettings:
@@ -432,12 +440,10 @@ def main(argv: list[str] | None = None) -> int:
               "delete it first, or choose another --out", file=sys.stderr)
         return 2
     clear_earlier_outputs(args.out)
-    import yaml
-
     from beamrl.data.digit_tokenizer import DigitTokenizer
 
     vocab = DigitTokenizer.vocab
-    recipe = yaml.safe_load(RECIPE.read_text())
+    recipe = quickstart_recipe()
     s = settings_from_recipe(recipe, args.steps, args.sft_steps, vocab, beam_tiny_params(len(vocab)),
                              args.trl_threads, args.trl_init, args.trl_model[0], args.seed)
     s = replace(s, beamrl_set=tuple(args.beamrl_set))

@@ -7,7 +7,6 @@ import json
 import math
 
 import pytest
-import yaml
 
 from benchmarks import trl_vs_beamrl as bench
 
@@ -36,7 +35,7 @@ def test_beamrl_set_takes_loop_modes_and_refuses_the_shared_budget(capsys):
 
 
 def test_settings_follow_the_quickstart_recipe():
-    recipe = yaml.safe_load(bench.RECIPE.read_text())
+    recipe = bench.quickstart_recipe()
     s = bench.settings_from_recipe(recipe, steps=7, sft_steps=3, vocab=("a", "b"), target_params=10, threads=1)
     assert (s.steps, s.sft_steps) == (7, 3)
     assert s.prompts_per_step == recipe["rollout"]["prompts_per_step"]
@@ -156,7 +155,7 @@ def test_prompt_loader_order_is_beamrls_loader_order():
 
 
 def test_settings_carry_the_models_and_the_data_order():
-    recipe = yaml.safe_load(bench.RECIPE.read_text())
+    recipe = bench.quickstart_recipe()
     s = bench.settings_from_recipe(recipe, 1, 1, ("a",), 1, 1, trl_model="beam")
     assert s.trl_model == "beam" and s.model_seed == recipe["model"]["seed"]
     assert (s.data_shuffle, s.data_shuffle_seed) == (True, recipe["data"]["shuffle_seed"])
