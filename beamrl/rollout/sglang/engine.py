@@ -80,6 +80,22 @@ def log_tail(path: str | Path | None, lines: int = 40) -> str:
     return "\n".join(text[-lines:])
 
 
+
+def _close_sockets(*owners: Any) -> None:
+    """Close the ZMQ sockets `owners` hold at once, dropping unsent messages (linger 0), and end their contexts.
+    Left open, a context that the garbage collector finalizes later waits forever to deliver messages to the
+    scheduler this engine killed: a process that collects it (pytest's last `gc.collect()`) never exits."""
+    import zmq
+
+    contexts = {}
+    for owner in owners:
+        for value in list(vars(owner).values()):
+            if isinstance(value, zmq.Socket) and not value.closed:
+                contexts[id(value.context)] = value.context
+                value.close(linger=0)
+    for context in contexts.values():
+        context.destroy(linger=0)
+
 class SGLangEngine(SGLangClient):
     """In-process SGLang engine. `start()` launches it (also done by the constructor unless `start=False`)."""
 
@@ -213,6 +229,7 @@ class SGLangEngine(SGLangClient):
         if watchdog is not None:
             watchdog.stop()
         _kill_pids(self._child_pids)
+        _close_sockets(self._engine, self._engine.tokenizer_manager)
         self._stop.set()
         self._engine = None
         self._dead_reason = "SGLang engine was shut down"
