@@ -19,7 +19,7 @@ from beamrl.loop.checkpoints import RunCheckpoints, published, restore_driver_st
 from beamrl.loop.collect import PendingRollout, RolloutBatch, RolloutCollector
 from beamrl.loop.colocated import ColocatedMemory, engines_stage_memory, trainer_sleeps
 from beamrl.loop.engine_recovery import EngineRecovery
-from beamrl.loop.groups import CarriedSync, EngineGroup, TrainerGroup, TrainerRankError
+from beamrl.loop.groups import CarriedSync, EngineGroup, TrainerGroup, TrainerRankError, first_line
 from beamrl.loop.log import log
 from beamrl.loop.ray_utils import ActorCallError
 from beamrl.loop.run_dir import plan_start
@@ -242,9 +242,9 @@ class RLDriver:
             dead = [k for k, ok in enumerate(self.engines.health(r.timeouts.health_s)) if not ok]
             if not dead:
                 raise
-            said = (str(e).splitlines() or [type(e).__name__])[0]  # (recover keeps a reason's first line)
             self.engines.recovery.recover({k: f"dead at the weight sync to version {version}: its health check "
-                                              f"failed{self.engines.health_cause(k)}; the sync: {said}" for k in dead})
+                                              f"failed{self.engines.health_cause(k)}; the sync: {first_line(e)}"
+                                           for k in dead})  # (recover keeps a reason's first line)
             metrics = publish_weights(self.trainer, self.engines, request)
         metrics["engine/restarts"] = float(self.engines.recovery.take_restarts())  # (the rollout's are in the batch)
         self.version = version

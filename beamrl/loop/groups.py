@@ -28,8 +28,8 @@ def shutdown_actors(actors: list, names: list[str], together: bool = False, time
     it; best effort at teardown. A shutdown that failed is said: what the actor started (an SGLang server's
     process group) may outlive it."""
     def said(n: str, exc: BaseException) -> None:
-        first = (str(exc).splitlines() or [type(exc).__name__])[0]
-        log(f"{n}: its shutdown did not complete ({first}); killing the actor: processes it started may outlive it")
+        log(f"{n}: its shutdown did not complete ({first_line(exc)}); killing the actor: processes it started may "
+            "outlive it")
 
     asked = [a.shutdown.remote() for a in actors] if together else None
     deadline = time.monotonic() + timeout_s
@@ -83,7 +83,8 @@ def _opened(wire: Wire, what: str):
         raise EngineError(f"{what}: its result could not be unpickled: {type(e).__name__}: {e}") from e
 
 
-def _first_line(err: BaseException) -> str:
+def first_line(err: BaseException) -> str:
+    """`err`'s message on one line: its first line, spaces collapsed (Ray's notices run to many), or its type."""
     text = str(err).strip()
     return " ".join(text.splitlines()[0].split()) if text else type(err).__name__
 
@@ -142,7 +143,7 @@ class TrainerGroup:
         """A dead rank: `TrainerRankError` (the run cannot go on). A live rank's failed call (e.g. a refused weight
         sync): `ActorCallError` with its words, for the caller to handle."""
         if died:
-            return TrainerRankError(f"trainer rank {self._name(rank)} died during {what}: {_first_line(err)}", rank,
+            return TrainerRankError(f"trainer rank {self._name(rank)} died during {what}: {first_line(err)}", rank,
                                     self.labels[rank])
         cause = getattr(err, "cause", None) or err
         return ActorCallError(f"{what}: trainer rank {self._name(rank)}: {type(cause).__name__}: {cause}")
@@ -448,7 +449,7 @@ class EngineGroup:
         exc = self.health_errors.get(k)
         if exc is None:
             return ""
-        return f" ({type(exc).__name__}: {(str(exc).splitlines() or [''])[0]})"
+        return f" ({type(exc).__name__}: {first_line(exc)})"
 
     def generate_async(self, groups: list[list[GenerateRequest]], timeout: float) -> "PendingGenerate":
         """Submit every group (the router picks a healthy engine per group) and return a handle for `collect`."""
