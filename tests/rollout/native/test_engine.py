@@ -289,7 +289,7 @@ def test_engine_from_checkpoint_config(cfg, tmp_path):
 
 
 _SENDER = textwrap.dedent("""
-    import sys, torch
+    import os, sys, torch
     from beamrl.models.beam import preset
     from beamrl.models.beam.weights import random_state_dict
     from beamrl.sync.packing import pack_session
@@ -300,6 +300,10 @@ _SENDER = textwrap.dedent("""
     for b in pack_session(list(sd.items()), 2, 1 << 17)[1]:
         broadcast_from_rank0(pg, b.buffer)
     destroy_update_group(pg)
+    # Its work is done: leave without the interpreter's teardown, where a gloo/store thread still joinable once
+    # aborted the process ("terminate called without an active exception", exit -6) after a complete broadcast.
+    sys.stderr.flush()
+    os._exit(0)
 """)
 
 
