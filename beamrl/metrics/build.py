@@ -27,5 +27,6 @@ def build_metrics_logger(logging: LoggingConfig, output_dir: str | Path, run_nam
         from beamrl.metrics.wandb_backend import WandbLogger
 
         w = logging.wandb
-        loggers.append(WandbLogger(w.project, run_name, out, w.mode, w.entity, config=run_config))
+        loggers.append(WandbLogger(w.project, run_name, out, w.mode, w.entity, config=run_config,
+                                   finish_timeout_s=w.finish_timeout_s))
     return MultiLogger(loggers)

@@ -10,12 +10,15 @@ from beamrl.config import Section
 
 
 class WandbConfig(Section):
-    """Weights & Biases. `mode: offline` never touches the network (sync the run later with `wandb sync`)."""
+    """Weights & Biases. `mode: offline` never touches the network (sync the run later with `wandb sync`).
+    `finish_timeout_s`: how long the end of a run waits for wandb to finish (online: its upload); after that the
+    run ends anyway and says how to upload the rest (`wandb sync <dir>`)."""
 
     enabled: bool = False
     project: str = "beamrl"
     entity: str | None = None
     mode: Literal["offline", "online"] = "offline"
+    finish_timeout_s: float = Field(300.0, gt=0)
 
 
 class SamplesConfig(Section):

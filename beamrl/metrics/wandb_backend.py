@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+import sys
+import threading
 from pathlib import Path
 from typing import Any
 
 
 class WandbLogger:
+    """One wandb run under `output_dir/wandb/`. `close` waits at most `finish_timeout_s` for wandb's finish (online:
+    the upload of what is left), then says where the run's files are and how to upload them, and returns."""
+
     def __init__(self, project: str, run_name: str, output_dir: str | Path, mode: str = "offline",
-                 entity: str | None = None, config: dict[str, Any] | None = None):
+                 entity: str | None = None, config: dict[str, Any] | None = None, finish_timeout_s: float = 300.0):
         if mode not in ("offline", "online"):
             raise ValueError(f"logging.wandb.mode={mode!r}: allowed 'offline', 'online'")
         import wandb
 
+        self.finish_timeout_s = finish_timeout_s
         self.dir = Path(output_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self._run = wandb.init(project=project, entity=entity, name=run_name, dir=str(self.dir), mode=mode,
@@ -26,4 +32,23 @@ class WandbLogger:
         self._run.log(dict(metrics), step=step)
 
     def close(self) -> None:
-        self._run.finish()
+        run_dir = self.run_dir
+        errors: list[BaseException] = []
+
+        def finish() -> None:
+            try:
+                self._run.finish()
+            except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+                errors.append(e)
+
+        # A daemon thread: an upload stuck on the network must not hold the end of the run (or the interpreter's).
+        worker = threading.Thread(target=finish, name="beamrl-wandb-finish", daemon=True)
+        worker.start()
+        worker.join(self.finish_timeout_s)
+        if worker.is_alive():
+            print(f"[beamrl] wandb did not finish within logging.wandb.finish_timeout_s={self.finish_timeout_s:g} s; "
+                  f"the run's records are in {run_dir}: upload them with `wandb sync {run_dir}`",
+                  file=sys.stderr, flush=True)
+            return
+        if errors:
+            raise errors[0]

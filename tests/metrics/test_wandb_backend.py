@@ -67,3 +67,43 @@ def test_offline_run_dir_without_network(tmp_path, monkeypatch):
 def test_bad_mode(tmp_path):
     with pytest.raises(ValueError, match="offline"):
         WandbLogger("p", "r", tmp_path, mode="disabled")
+
+
+def test_a_finish_that_hangs_is_bounded_and_names_the_sync_command(tmp_path, monkeypatch, capsys):
+    for var in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(var, str(tmp_path / var.lower()))
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    lg = WandbLogger("beamrl-test", "unit", tmp_path / "run", mode="offline", finish_timeout_s=0.5)
+    lg.log(0, {"reward/mean": 0.5})
+    real_finish, release = lg._run.finish, __import__("threading").Event()
+
+    def stuck_upload():  # an online upload that never gets through
+        release.wait(60)
+        real_finish()
+
+    lg._run.finish = stuck_upload
+    t0 = time.monotonic()
+    lg.close()
+    elapsed = time.monotonic() - t0
+    release.set()  # let wandb finish for real, so nothing is left running
+    assert elapsed < 10, f"close() waited {elapsed:.1f} s for a finish bounded at 0.5 s"
+    err = capsys.readouterr().err
+    assert "finish_timeout_s=0.5" in err and f"wandb sync {lg.run_dir}" in err
+
+
+def test_a_finish_that_fails_is_raised(tmp_path, monkeypatch):
+    for var in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(var, str(tmp_path / var.lower()))
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    lg = WandbLogger("beamrl-test", "unit", tmp_path / "run", mode="offline")
+    real_finish = lg._run.finish
+
+    def broken():
+        real_finish()
+        raise OSError("disk full")
+
+    lg._run.finish = broken
+    with pytest.raises(OSError, match="disk full"):
+        lg.close()
