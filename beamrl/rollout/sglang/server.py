@@ -45,8 +45,15 @@ class SGLangServer:
         return self.log_path.parent / "server-secrets.yaml"
 
     def command(self) -> list[str]:
+        """The server's command line, behind `beamrl.tether`: the server dies with the process that started it (an
+        actor killed without its shutdown must not leave a server holding its GPUs)."""
+        from beamrl import tether
+
         extra = ["--config", str(self.secrets_path)] if self.config.api_key else []
-        return [self.python, "-m", "sglang.launch_server", *self.config.launch_argv(), *extra]
+        # -I: the tether needs only the standard library, and must not run the CPU shims' sitecustomize that the
+        # server's environment puts on PYTHONPATH (the server still gets that environment).
+        return [sys.executable, "-I", tether.__file__, str(os.getpid()), "--",
+                self.python, "-m", "sglang.launch_server", *self.config.launch_argv(), *extra]
 
     def _env(self) -> dict[str, str] | None:
         c = self.config
@@ -108,6 +115,7 @@ class SGLangServer:
 
     @property
     def pid(self) -> int | None:
+        """The server's process group (its leader is the tether, the server's parent)."""
         return None if self.process is None else self.process.pid
 
     def is_running(self) -> bool:
@@ -129,7 +137,8 @@ class SGLangServer:
         error paths). Returns once all of them have exited; a process still there after SIGKILL and `grace` s is
         named on stderr.
 
-        The server process goes first, by SIGKILL. SGLang's server takes SIGTERM as "drain, then exit", which it
+        The server process goes first, by SIGKILL (the tether, the group's leader, sends it on SIGTERM and exits;
+        if the tether does not, it is SIGKILLed itself). SGLang's server takes SIGTERM as "drain, then exit", which it
         notices within 5 s, and its children dying before it as a crash, which costs 5 s of diagnostics; either way
         a stop took 5-6 s. It holds nothing a later run needs, and SGLang's own `Engine.shutdown` ends its scheduler
         processes by SIGKILL too. Its scheduler and detokenizer die with it (SGLang gives them a parent-death
@@ -144,11 +153,15 @@ class SGLangServer:
             return
         proc, self.process = self.process, None
         if proc.poll() is None:
-            proc.kill()
+            proc.terminate()  # the tether: SIGKILL to the server, then it exits
             try:
                 proc.wait(grace)
             except subprocess.TimeoutExpired:
-                pass  # stuck in the kernel: its group is still stopped, and it is named below if it stays
+                proc.kill()
+                try:
+                    proc.wait(grace)
+                except subprocess.TimeoutExpired:
+                    pass  # stuck in the kernel: its group is still stopped, and it is named below if it stays
         left = stop_group(proc.pid, grace)
         if left:
             print(f"[beamrl] SGLang server {self.url}: processes {left} of its group survived SIGKILL",

@@ -34,3 +34,49 @@ def test_stop_ends_every_process_of_the_server_without_the_crash_path(tmp_path):
     after = "\n".join(server.log_path.read_text().splitlines()[logged:])
     assert not any(line in after for line in CRASH_PATH), after
     server.stop()  # idempotent
+
+
+# A process standing in for the engine actor: it starts the real server, says the server's group, and waits.
+_ACTOR = """
+import sys, torch
+from beamrl.rollout.sglang.config import SGLangEngineConfig
+from beamrl.rollout.sglang.server import SGLangServer
+server = SGLangServer(SGLangEngineConfig.on_cpu(sys.argv[1], dtype="float32", port=int(sys.argv[2])),
+                      log_path=sys.argv[3]).start(timeout=600)
+print(server.pid, flush=True)
+import time; time.sleep(900)
+"""
+
+
+def test_the_server_dies_with_an_actor_killed_without_its_shutdown(tmp_path):
+    """Ray kills a wedged or lost actor by SIGKILL: nothing of the server it started may outlive it (before the
+    tether, the server's own session kept it, and its GPU memory, alive)."""
+    import subprocess
+    import sys
+    import time
+
+    from beamrl import tether
+
+    BeamForCausalLM(preset("tiny"), dtype=torch.float32, seed=0).save_pretrained(tmp_path / "ckpt")
+    with reserve_port() as reserved:
+        port = reserved.port
+    from beamrl.processes import stop_group
+
+    actor = subprocess.Popen([sys.executable, "-c", _ACTOR, str(tmp_path / "ckpt"), str(port),
+                              str(tmp_path / "server.log")], stdout=subprocess.PIPE, text=True)
+    group = None
+    try:
+        group = int(actor.stdout.readline())
+        members = [p.pid for p in group_members(group)]
+        assert len(members) >= 4, members  # the tether, the server, its scheduler and detokenizer at least
+        actor.kill()
+        actor.wait(30)
+        deadline = time.monotonic() + 10 * tether.POLL_S + 20
+        while [p for p in members if running(p)] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [p for p in members if running(p)], "the server's processes outlived the killed actor"
+    finally:
+        if actor.poll() is None:
+            actor.kill()
+        if group is not None:
+            stop_group(group, 1.0)  # a failed test leaves nothing running
