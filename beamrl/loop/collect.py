@@ -78,7 +78,9 @@ class RolloutCollector:
         rollouts, n_aborted = S.drop_aborted(S.to_rollouts(pending.prompts, results, 0))
         gen_s = time.perf_counter() - pending.started
         metrics = S.score(rollouts, self.run.tokenizer, self.run.rewards)
+        rollouts, n_excluded = S.drop_excluded(rollouts)
         metrics["rollout/aborted_groups"] = float(n_aborted)
+        metrics["rollout/reward_excluded_samples"] = float(n_excluded)
         metrics["reward/mean"] = sum(x.raw_reward for x in rollouts) / len(rollouts)
         metrics.update(S.rollout_metrics(rollouts, r.rollout.max_new_tokens))
         if r.algorithm.dynamic_sampling.enabled:
@@ -111,6 +113,9 @@ class RolloutCollector:
             extra, _ = S.drop_aborted(S.to_rollouts(more, results, next_group))
             next_group += len(more)
             S.score(extra, self.run.tokenizer, self.run.rewards)
+            extra = [x for x in extra if not x.excluded]  # left out, as in the first round (the reward lines say so)
+            if not extra:
+                continue
             new, res = S.keep_informative_groups(extra, target, len({x.group for x in kept}))
             kept += new
         metrics["dynamic_sampling/groups_kept"] = float(len({x.group for x in kept}))

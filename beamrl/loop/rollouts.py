@@ -23,6 +23,7 @@ class Rollout:
     raw_reward: float = 0.0
     reward: float = 0.0  # shaped (what the advantage sees)
     advantage: float = 0.0
+    excluded: bool = False  # a reward component with on_error="skip" failed on it: no valid reward, not trained on
 
     @property
     def prompt_len(self) -> int:

@@ -40,6 +40,12 @@ def _counted(n: int, noun: str) -> str:
     return f"{n} {noun}" if n == 1 else f"{n} {noun}es" if noun.endswith("sh") else f"{n} {noun}s"
 
 
+def _handled(on_error: str) -> str:
+    """What became of a failed call's sample, for the console lines."""
+    return ("their samples are left out of training (on_error='skip')" if on_error == "skip" else
+            f"scored by on_error={on_error!r}")
+
+
 def _print_to_stderr(message: str) -> None:
     print(f"[beamrl] {message}", file=sys.stderr, flush=True)
 
@@ -129,8 +135,8 @@ class RewardManager:
                 skipped = sum(s.status == "skipped" for s in per_comp[comp.name])
                 self.log(
                     f"reward {comp.name!r}: circuit breaker tripped after {comp.breaker_after} consecutive "
-                    f"timeouts/crashes; {skipped} of its {n} calls in this batch were skipped (scored by "
-                    f"on_error={comp.on_error!r}); it is retried next batch. First failure: "
+                    f"timeouts/crashes; {skipped} of its {n} calls in this batch were skipped "
+                    f"({_handled(comp.on_error)}); it is retried next batch. First failure: "
                     f"{run.breaker_trips[comp.name]}"
                 )
         self._tripped_last_batch = set(run.breaker_trips)
@@ -146,12 +152,15 @@ class RewardManager:
             for i in range(n)
         ]
         failed = [any(per_comp[c.name][i].failed for c in self.components) for i in range(n)]
+        excluded = [any(per_comp[c.name][i].failed for c in self.components if c.on_error == "skip")
+                    for i in range(n)]
         return RewardBatchResult(
             totals=[float(t) for t in totals],
             components=per_comp,
             failed=failed,
             metrics=self._metrics(per_comp, totals, wall, run.breaker_trips),
             breaker_trips=dict(run.breaker_trips),
+            excluded=excluded,
         )
 
     def _log_failures(self, comp: RewardComponentConfig, scores: list[ComponentScore]) -> None:
@@ -170,7 +179,7 @@ class RewardManager:
                 message = message.split("\n", 1)[0]
             self._traceback_shown.add(comp.name)
         self.log(f"reward {comp.name!r}: {len(failed)} of its {len(scores)} calls in this batch failed ({counts}), "
-                 f"scored by on_error={comp.on_error!r}. First failure: {message}")
+                 f"{_handled(comp.on_error)}. First failure: {message}")
 
     @staticmethod
     def _to_score(comp: RewardComponentConfig, out: CallOutcome, index: int) -> ComponentScore:

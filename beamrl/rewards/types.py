@@ -88,13 +88,15 @@ class RewardBatchResult:
     before any shaping (overlong, KL). failed[i]: some component failed on sample i (see `FAILED`).
     metrics: `reward/<name>/{mean,std,count,none,errors,timeouts,crashes,skipped,breaker_tripped,time_mean_s,
     <metric>}`, `reward/total/{mean,std}`, `reward/wall_s`. breaker_trips: component name -> why its breaker
-    tripped in this batch (the first failure of the run of failures that tripped it)."""
+    tripped in this batch (the first failure of the run of failures that tripped it). excluded[i]: a component
+    with on_error="skip" failed on sample i, so sample i has no valid reward and must not be trained on."""
 
     totals: list[float]
     components: dict[str, list[ComponentScore]]
     failed: list[bool]
     metrics: dict[str, float]
     breaker_trips: dict[str, str] = field(default_factory=dict)
+    excluded: list[bool] = field(default_factory=list)
 
     def scores(self, name: str) -> list[float | None]:
         """Raw per-sample scores of component `name`."""

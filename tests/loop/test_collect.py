@@ -20,3 +20,53 @@ def test_results_from_another_weight_version_end_the_step_loudly():
     pending = PendingRollout(step=0, prompts=[], handle=None, started=0.0, data_state={}, version=4)
     with pytest.raises(EngineError, match=r"version\(s\) \[3\].*synced to version 4"):
         collector.finish(pending)
+
+
+def _collector_with_real_rewards(components, outputs_per_group):
+    """A collector whose engines (a stand-in) return `outputs_per_group` (token ids per sample) and whose rewards are
+    the real `RewardManager` (worker processes) on a decoder that spells id 9 as "bad" and other ids as digits."""
+    from beamrl.algorithms import AlgorithmConfig
+    from beamrl.data.sample import PromptSample
+    from beamrl.rewards import RewardManager, RewardPoolConfig
+
+    results = [[GenerateResult([1, 2], ids, [-0.5] * len(ids), "stop", weight_version=0) for ids in group]
+               for group in outputs_per_group]
+    engines = SimpleNamespace(collect=lambda handle: results, recovery=None)
+    recipe = SimpleNamespace(rollout=SimpleNamespace(max_new_tokens=3), algorithm=AlgorithmConfig())
+    tokenizer = SimpleNamespace(decode=lambda ids: "".join("bad" if i == 9 else str(i) for i in ids))
+    manager = RewardManager(components, RewardPoolConfig(num_workers=1))
+    run = SimpleNamespace(recipe=recipe, tokenizer=tokenizer, rewards=manager)
+    prompts = [PromptSample("p", [1, 2], "x", "d") for _ in outputs_per_group]
+    pending = PendingRollout(step=0, prompts=prompts, handle=None, started=0.0, data_state={}, version=0)
+    return RolloutCollector(run, engines), pending, manager
+
+
+def test_samples_whose_skip_reward_failed_are_not_trained_on_and_their_groups_use_the_others():
+    """on_error: skip means the sample has no valid reward: it is left out of the batch (before, it was trained on
+    with the failed component counted 0, as a wrong answer), and its group's advantages come from the rest."""
+    from beamrl.rewards import RewardComponentConfig
+
+    fns = "tests.rewards.sample_reward_fns"
+    comps = [RewardComponentConfig(name="len", fn=f"{fns}:needs_completion"),
+             RewardComponentConfig(name="grade", fn=f"{fns}:raises_on_bad", on_error="skip")]
+    collector, pending, manager = _collector_with_real_rewards(comps, [[[1], [9], [1, 2], [1, 2, 3]], [[9], [4]]])
+    with manager:
+        batch = collector.finish(pending)
+    outputs = [r.result.output_ids for r in batch.rollouts]
+    assert outputs == [[1], [1, 2], [1, 2, 3], [4]]  # both "bad" samples left out
+    assert batch.metrics["rollout/reward_excluded_samples"] == 2.0
+    assert [r.raw_reward for r in batch.rollouts] == [2.0, 3.0, 4.0, 2.0]  # len + 1 (grade) for the kept ones
+    first = [r.advantage for r in batch.rollouts[:3]]  # group 0: normalised over its three kept samples
+    assert first[0] < 0 < first[2] and first[1] == pytest.approx(0.0, abs=1e-6)
+    assert batch.rollouts[3].advantage == 0.0  # group 1 has one sample left: no signal
+    assert batch.metrics["reward/mean"] == pytest.approx(11.0 / 4)
+
+
+def test_a_step_whose_samples_were_all_left_out_ends_with_the_cause():
+    from beamrl.rewards import RewardComponentConfig
+
+    comps = [RewardComponentConfig(name="grade", fn="tests.rewards.sample_reward_fns:raises_on_bad",
+                                   on_error="skip")]
+    collector, pending, manager = _collector_with_real_rewards(comps, [[[9], [9]]])
+    with manager, pytest.raises(RuntimeError, match="every one of the 2 samples .* on_error='skip' failed"):
+        collector.finish(pending)

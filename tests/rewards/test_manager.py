@@ -68,6 +68,8 @@ def test_exceptions_and_bad_returns_are_counted_and_the_run_continues():
     assert notices[4:] == [n for n in notices[4:] if "'str'" in n] and len(notices) == 5  # only str fails again
     assert res.scores("zero") == [1.0, 0.0, 1.0, 1.0]
     assert res.scores("skip") == [1.0, None, 1.0, 1.0]
+    assert res.excluded == [False, True, False, False]  # only a failed "skip" component leaves a sample out
+    assert res.failed == [True, True, True, True]  # ('str' fails on every sample, scored 0)
     assert res.metrics["reward/zero/errors"] == 1.0 and res.metrics["reward/zero/mean"] == 0.75
     assert res.metrics["reward/skip/errors"] == 1.0 and res.metrics["reward/skip/mean"] == 1.0
     assert res.metrics["reward/str/errors"] == 4.0
