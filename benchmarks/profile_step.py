@@ -475,7 +475,7 @@ def _sft_capture(recipe, dp_size: int):
     samples = build_prompt_loader(recipe.data, recipe.rollout.prompts_per_step, tokenizer).samples
     loader = sft_loader(samples, recipe.sft.batch, recipe.run.seed)
     loader.next_batch(recipe.sft.batch)
-    return sft_step_batches(loader.next_batch(recipe.sft.batch), tokenizer, dp_size)
+    return sft_step_batches(loader.next_batch(recipe.sft.batch), tokenizer, dp_size, recipe.trainer.micro_batch_size)
 
 
 def trainer_internals(args, out: Path) -> dict:

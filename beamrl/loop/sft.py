@@ -9,7 +9,7 @@ import time
 from beamrl.data.loader import PromptLoader
 from beamrl.loop.log import log
 from beamrl.loop.losses import SFTLoss
-from beamrl.loop.rollouts import split_micro_batches
+from beamrl.loop.rollouts import micro_batch_count, split_micro_batches
 from beamrl.loop.setup import RunContext, start_trainer
 from beamrl.models.beam.checkpoint import check_checkpoint
 from beamrl.removal import remove_tree, undeleted_line
@@ -41,7 +41,8 @@ def sft_warm_start(run: RunContext) -> str:
     t0 = time.perf_counter()
     try:
         for i in range(sft.steps):
-            pbs, loss = sft_step_batches(loader.next_batch(sft.batch), run.tokenizer, trainer.dp_size)
+            pbs, loss = sft_step_batches(loader.next_batch(sft.batch), run.tokenizer, trainer.dp_size,
+                                         r.trainer.micro_batch_size)
             res = trainer.train_step(pbs, loss, replay=False)
             if i % max(1, sft.steps // 10) == 0 or i == sft.steps - 1:
                 log(f"SFT step {i + 1}/{sft.steps}: nll {res.loss:.4f} ({time.perf_counter() - t0:.1f} s)")
@@ -57,15 +58,16 @@ def sft_loader(samples, batch: int, run_seed: int) -> PromptLoader:
     return PromptLoader(list(samples), batch, shuffle=True, seed=run_seed + 1)
 
 
-def sft_step_batches(samples, tokenizer, dp_size: int) -> tuple[list[PackedBatch], SFTLoss]:
-    """One SFT step's packed batches, one per data-parallel rank (prompt + ground truth + eos, loss on the
-    answer and eos), and its loss (token mean over the whole step). Also used by benchmarks/profile_step.py."""
+def sft_step_batches(samples, tokenizer, dp_size: int, micro_batch_size: int) -> tuple[list[PackedBatch], SFTLoss]:
+    """One SFT step's packed micro-batches (prompt + ground truth + eos, loss on the answer and eos), cut as the RL
+    step cuts its own (`trainer.micro_batch_size` samples each, a multiple of the DP size: `micro_batch_count`),
+    and its loss (token mean over the whole step). Also used by benchmarks/profile_step.py."""
     eos = int(tokenizer.eos_token_id)
     seqs, masks = [], []
     for p in samples:
         answer = tokenizer.encode(str(p.ground_truth)) + [eos]
         seqs.append(list(p.prompt_ids) + answer)
         masks.append([0.0] * len(p.prompt_ids) + [1.0] * len(answer))
-    shares = split_micro_batches(list(zip(seqs, masks)), dp_size)
+    shares = split_micro_batches(list(zip(seqs, masks)), micro_batch_count(len(seqs), micro_batch_size, dp_size))
     pbs = [PackedBatch.from_sequences([x for x, _ in sh], loss_masks=[m for _, m in sh]) for sh in shares]
     return pbs, SFTLoss(float(sum(pb.num_loss_tokens for pb in pbs)))

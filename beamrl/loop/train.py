@@ -11,7 +11,7 @@ import torch
 from beamrl.algorithms import AlgorithmConfig, loss_normalizer, token_kl
 from beamrl.loop.groups import CarriedSync, EngineGroup, TrainerGroup
 from beamrl.loop.losses import PolicyLoss
-from beamrl.loop.rollouts import Rollout, build_packed_batch, split_micro_batches
+from beamrl.loop.rollouts import Rollout, build_packed_batch, micro_batch_count, split_micro_batches
 from beamrl.loop.weight_sync import SyncRequest
 from beamrl.models.beam.config import BeamConfig
 from beamrl.trainer.megatron.config import TrainerConfig
@@ -24,8 +24,7 @@ def micro_batches(rollouts: list[Rollout], trainer: TrainerConfig, dp_size: int,
     rank trains on an equal share)."""
     if len(rollouts) < dp_size:
         raise ValueError(f"{len(rollouts)} samples left after filtering cannot feed {dp_size} data-parallel ranks")
-    n_micro = max(1, len(rollouts) // trainer.micro_batch_size)
-    n_micro = max(dp_size, n_micro - n_micro % dp_size)
+    n_micro = micro_batch_count(len(rollouts), trainer.micro_batch_size, dp_size)
     return [build_packed_batch(chunk, model, replay) for chunk in split_micro_batches(rollouts, n_micro)]
 
 
