@@ -27,10 +27,11 @@ SERVER_ARGS_OWNED = {
     "model_path": "model.checkpoint", "random_seed": "run.seed", "dtype": "model.dtype",
     "device": "cluster.device", "enable_memory_saver": "trainer.sleep_during_rollout",
     "enable_weights_cpu_backup": "trainer.sleep_during_rollout",
-    # set by beamrl for every engine, with no setting of their own (the engine API beamrl speaks depends on them)
-    **dict.fromkeys(("skip_tokenizer_init", "log_level", "weight_version", "enable_fp32_lm_head",
-                     "disable_overlap_schedule"), "nothing: beamrl sets it for every engine"),
 }
+# SGLang ServerArgs that beamrl sets for every engine, with no setting of their own: the engine API beamrl speaks
+# depends on them.
+SERVER_ARGS_FIXED = ("skip_tokenizer_init", "log_level", "weight_version", "enable_fp32_lm_head",
+                     "disable_overlap_schedule")
 # Fields only the SGLang engine reads: the native engine must leave them at their defaults.
 SGLANG_ONLY = ("engine_tp", "server_args", "attention_backend", "deterministic", "mem_fraction",
                "swa_full_tokens_ratio")
@@ -77,9 +78,11 @@ class RolloutConfig(Section):
                 raise ConfigError(f"server_args.{key}", self.server_args[key], "set by beamrl for each engine process "
                                   "from the placement plan (cluster, engine_tp) and the run's API key; remove it")
             if key in SERVER_ARGS_OWNED:
-                owner = SERVER_ARGS_OWNED[key]
-                raise ConfigError(f"server_args.{key}", self.server_args[key], owner if owner.startswith("nothing")
-                                  else f"set {owner} instead (first-class field)")
+                raise ConfigError(f"server_args.{key}", self.server_args[key],
+                                  f"set {SERVER_ARGS_OWNED[key]} instead (first-class field)")
+            if key in SERVER_ARGS_FIXED:
+                raise ConfigError(f"server_args.{key}", self.server_args[key],
+                                  "nothing: beamrl sets it for every engine")
         if self.engine == "sglang" and self.server_args:
             from beamrl.rollout.sglang.cli_args import check
 

@@ -9,7 +9,7 @@ import pytest
 
 from beamrl.rollout.sglang import cli_args
 from beamrl.rollout.sglang.config import PLACEMENT_ARGS
-from beamrl.rollout.config import SERVER_ARGS_OWNED
+from beamrl.rollout.config import SERVER_ARGS_FIXED, SERVER_ARGS_OWNED
 
 
 def test_false_reaches_sglang_for_a_flag_pair_and_a_plain_flag():
@@ -57,14 +57,14 @@ def test_every_argument_beamrl_sets_on_a_gpu_engine_is_refused_in_server_args_at
     cfg = SGLangEngineConfig(model_path="/x", engine_tp=2, attention_backend="fa3", nnodes=2, node_rank=0,
                              dist_init_addr="h:1", base_gpu_id=1, api_key="k", host="10.0.0.1", lora=LoRAConfig())
     set_by_beamrl = set(cfg._modelled_kwargs()) - {"json_model_override_args"}
-    assert set_by_beamrl <= set(SERVER_ARGS_OWNED) | set(PLACEMENT_ARGS), (
-        set_by_beamrl - set(SERVER_ARGS_OWNED) - set(PLACEMENT_ARGS))
+    guarded = set(SERVER_ARGS_OWNED) | set(SERVER_ARGS_FIXED) | set(PLACEMENT_ARGS)
+    assert set_by_beamrl <= guarded, set_by_beamrl - guarded
 
 
 def test_every_key_beamrl_guards_is_an_sglang_field_name():
     """The placement and first-class-field checks compare field names: a name that is not one guards nothing."""
     _, by_dest, _ = cli_args._sglang_parser()
-    assert set(PLACEMENT_ARGS) | set(SERVER_ARGS_OWNED) <= set(by_dest)
+    assert set(PLACEMENT_ARGS) | set(SERVER_ARGS_OWNED) | set(SERVER_ARGS_FIXED) <= set(by_dest)
 
 
 def test_checking_server_args_leaves_the_environment_as_it_was():
