@@ -67,6 +67,10 @@ class RLDriver:
         self.checkpoints: RunCheckpoints | None = None
         self.colocated: ColocatedMemory | None = None  # the devices' hand-over within a step (colocated)
         self.version = 0  # the weight version the engines serve
+        # One step off: set while the trainer holds weights it trained but has not published yet (its step is done,
+        # the overlapped rollout is being collected). A restart then can only be given those newer weights.
+        self._trained_unpublished = False
+        self._resynced_ahead = 0  # restarted engines given such weights in this step (rollout/resynced_ahead)
         self.colocations: tuple[tuple[int, ...], ...] = ()  # colocated buckets from every trainer rank (weight_update)
 
     def __enter__(self) -> "RLDriver":
@@ -155,7 +159,13 @@ class RLDriver:
             trained, carried = self._train(batch, request if pending is None else None)
             metrics = {**batch.metrics, **memory, **trained}
             if pending is not None:  # engines must be idle to update: collect step k+1 (it sampled version k)
-                self.collector.collect_early(pending)
+                self._trained_unpublished = True
+                try:
+                    self.collector.collect_early(pending)
+                finally:
+                    self._trained_unpublished = False
+            if one_step_off:
+                metrics["rollout/resynced_ahead"], self._resynced_ahead = float(self._resynced_ahead), 0
             restarts = metrics.get("engine/restarts", 0.0)
             metrics.update(self._publish(request, carried))
             metrics["engine/restarts"] += restarts
@@ -223,10 +233,22 @@ class RLDriver:
         return sync_request(version, r.sync, r.timeouts.sync_s, self.probe, staged, resume, self.colocations)
 
     def _resync_engine(self, index: int) -> None:
-        """Bring restarted engine `index` to the weights the others serve (`EngineRecovery`'s resync)."""
+        """Bring restarted engine `index` to the weights the others serve (`EngineRecovery`'s resync).
+
+        One step off, while the overlapped rollout is collected after a train step, the trainer no longer holds
+        the weights the others serve: the restarted engine gets the trainer's newer ones under the served version
+        (the label the rollout checks), and its re-issued samples come from that newer policy. The importance
+        correction weighs them by the engine's own logprobs, so the update stays sound; the console says so and
+        `rollout/resynced_ahead` counts it, so the version label is not silently wrong."""
         r = self.recipe
         resync_engine(self.trainer, self.engines, index, self.version, r.sync, r.timeouts.sync_s, self.probe,
                       colocations=self.colocations)
+        if self._trained_unpublished:
+            self._resynced_ahead += 1
+            log(f"{self.engines.names[index]}: restarted while the one-step-off rollout was collected, after the "
+                f"trainer's step to version {self.version + 1}: it got those weights under version {self.version}, "
+                f"and the requests it re-ran sampled that newer policy (importance-corrected with its own "
+                f"logprobs, as every sample)")
 
     def _publish(self, request: SyncRequest, carried: CarriedSync | None = None) -> dict[str, float]:
         """Sync `request.version` to every engine (or take the outcome of that sync, `carried` by the train step's

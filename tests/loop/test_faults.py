@@ -121,3 +121,37 @@ def test_a_killed_trainer_rank_is_one_line_naming_it_and_the_checkpoint_then_res
     assert f"resumed from {last}" in resumed.stdout
     assert [r["step"] for r in metrics(out)] == [0, 1, 2, 3]
     assert step_of(published(out / "checkpoints")[-1]) == 4
+
+
+def test_one_step_off_engine_restarted_while_the_overlapped_rollout_is_collected_says_what_it_sampled(
+        tmp_path, monkeypatch, capsys):
+    """One step off, the rollout of step 1 runs while step 0 trains. Its engine dies then: when the collection after
+    the train step restarts it, the trainer holds only version 1's weights, which the engine gets under version 0.
+    The run goes on, and the console and `rollout/resynced_ahead` say that the re-run requests sampled the newer
+    policy (before, nothing did)."""
+    from beamrl.loop.collect import RolloutCollector
+
+    killed: list[int] = []
+    start = RolloutCollector.start
+
+    def start_then_kill(self, step, version):
+        if step != 1:
+            return start(self, step, version)
+        pid = self.engines.pids(0)[0]
+        pending = start(self, step, version)  # submitted before step 0 trains
+        os.kill(pid, signal.SIGKILL)
+        killed.append(pid)
+        return pending
+
+    monkeypatch.setattr(RolloutCollector, "start", start_then_kill)
+    out = _run_in_process(tmp_path / "run", "run.num_steps=3", "placement.mode=disaggregated",
+                          "sync.transport=distributed", "cluster.gpus_per_node=2", "placement.off_policy_steps=1",
+                          "algorithm.importance={mode: tis, cap: 2.0}")
+    monkeypatch.undo()
+    rows = metrics(out)
+    assert len(killed) == 1 and [r["step"] for r in rows] == [0, 1, 2]
+    assert [r["rollout/resynced_ahead"] for r in rows] == [1.0, 0.0, 0.0]
+    assert sum(r["engine/restarts"] for r in rows) == 1
+    assert all(r["rollout/num_samples"] == 16 for r in rows)  # the batch is whole
+    said = [ln for ln in capsys.readouterr().out.splitlines() if "restarted while the one-step-off rollout" in ln]
+    assert len(said) == 1 and "after the trainer's step to version 1: it got those weights under version 0" in said[0]
