@@ -94,9 +94,9 @@ class RewardBatchResult:
     totals: list[float]
     components: dict[str, list[ComponentScore]]
     failed: list[bool]
+    excluded: list[bool]
     metrics: dict[str, float]
     breaker_trips: dict[str, str] = field(default_factory=dict)
-    excluded: list[bool] = field(default_factory=list)
 
     def scores(self, name: str) -> list[float | None]:
         """Raw per-sample scores of component `name`."""
