@@ -472,7 +472,7 @@ class WeightSync:
         if seconds >= self.progress_every_s or not self._summarised:  # the first sync, then only long ones
             self._summarised = True
             self._say(f"[weight sync v{new_version}] done: {nbytes / 2**30:.3f} GiB in {count} buckets, {seconds:.3f} s, "
-                      f"{report.gbps:.2f} GB/s, checksums verified" +
+                      f"{report.gbps:.2f} GB/s, {transport.content_check}" +
                       (f", probe |dlogprob| max {gap.max:.2e} <= {self.probe.tolerance:g}, mean {gap.mean:.2e}" +
                        (f" <= {self.probe.mean_tolerance:g}" if self.probe.mean_tolerance is not None else "")
                        if gap is not None else ""))

@@ -449,3 +449,19 @@ def test_disk_transport_resync_at_the_same_version_writes_the_current_weights_an
     perturb(trainer_model, seed=3)
     other.sync(StateDictSource.of_model(trainer_model))
     assert [p.name.split("-")[0] for p in root.iterdir()] == [f"v{v0 + 2:06d}"]
+
+
+def test_the_summary_says_what_each_transport_checked(trainer_model, tmp_path):
+    """The console's summary claimed "checksums verified" for every transport; the disk transport compares none
+    (and SGLang's distributed receive cannot: the post-sync probe is its check)."""
+    from beamrl.sync.transports.distributed import DistributedTransport
+
+    lines = []
+    receiver = model_receiver(type(trainer_model)(preset("tiny"), dtype=torch.float32, seed=1), name="local")
+    config = preset("tiny").replace(dtype="float32")
+    disk = TRANSPORTS.get("disk")([receiver], directory=tmp_path / "sync", config=config)
+    sync = WeightSync(disk, [receiver], bucket_bytes=256 * 1024, progress=lines.append, progress_every_s=0.0)
+    sync.sync(StateDictSource(list(trainer_model.named_parameters())))
+    assert receiver.weight_version == 1
+    assert "checksums verified" not in lines[-1] and "no checksum" in lines[-1], lines[-1]
+    assert "cannot compare" in DistributedTransport.content_check

@@ -62,6 +62,8 @@ class WeightTransport(abc.ABC):
 
     name: str = "abstract"
     device: torch.device = torch.device("cpu")
+    #: What this transport checks of the bytes the engines load, as the sync's console summary says it.
+    content_check: str = "checksums verified"
 
     @abc.abstractmethod
     def connect(self, timeout: float) -> None:

@@ -33,6 +33,8 @@ class DiskTransport(ReceiverTransport):
     """Safetensors checkpoint + `update_weights_from_disk(path)` on every engine."""
 
     name = "disk"
+    content_check = ("names, shapes and dtypes validated at the write (no checksum: the engines' own loader reads "
+                     "the files)")
 
     def __init__(self, receivers: Sequence[WeightReceiver], directory: str | Path, config: BeamConfig,
                  max_shard_bytes: int | None = 4 * 1024 ** 3, keep_previous: bool = False) -> None:

@@ -58,6 +58,9 @@ class DistributedTransport(ReceiverTransport):
     """Flattened-bucket broadcasts over an update group (SGLang `update_weights_from_distributed`)."""
 
     name = "distributed"
+    # The native engine compares each bucket's checksum; SGLang's distributed receive takes none (docs/weight-sync.md)
+    content_check = ("checksums sent with every bucket (SGLang's distributed receive cannot compare them; the "
+                     "post-sync probe checks its content)")
 
     def __init__(self, receivers: Sequence[WeightReceiver], device: str | torch.device = "cpu",
                  master_address: str = "127.0.0.1", master_port: int = 0, backend: str | None = None,
