@@ -8,9 +8,15 @@ from pathlib import Path
 from typing import Any
 
 
+#: How much longer than wandb's own `finish_timeout` `close` waits for the finish call (its own bookkeeping).
+_FINISH_MARGIN_S = 30.0
+
+
 class WandbLogger:
-    """One wandb run under `output_dir/wandb/`. `close` waits at most `finish_timeout_s` for wandb's finish (online:
-    the upload of what is left), then says where the run's files are and how to upload them, and returns."""
+    """One wandb run under `output_dir/wandb/`. wandb itself gives up the end-of-run upload after `finish_timeout_s`
+    (its `finish_timeout` setting, which also bounds the teardown it runs at interpreter exit); `close` also waits
+    at most that long (plus a margin) for the finish call, then says where the run's files are and how to upload
+    them, and returns."""
 
     def __init__(self, project: str, run_name: str, output_dir: str | Path, mode: str = "offline",
                  entity: str | None = None, config: dict[str, Any] | None = None, finish_timeout_s: float = 300.0):
@@ -21,8 +27,11 @@ class WandbLogger:
         self.finish_timeout_s = finish_timeout_s
         self.dir = Path(output_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
+        # wandb's own bound on the end-of-run upload: it covers `finish` and the teardown wandb registers with atexit
+        # (which otherwise waits for its service process, unbounded, when the interpreter exits).
         self._run = wandb.init(project=project, entity=entity, name=run_name, dir=str(self.dir), mode=mode,
-                               config=config or {}, reinit="create_new")
+                               config=config or {}, reinit="create_new",
+                               settings=wandb.Settings(finish_timeout=finish_timeout_s))
 
     @property
     def run_dir(self) -> Path:
@@ -44,7 +53,7 @@ class WandbLogger:
         # A daemon thread: an upload stuck on the network must not hold the end of the run (or the interpreter's).
         worker = threading.Thread(target=finish, name="beamrl-wandb-finish", daemon=True)
         worker.start()
-        worker.join(self.finish_timeout_s)
+        worker.join(self.finish_timeout_s + _FINISH_MARGIN_S)
         if worker.is_alive():
             print(f"[beamrl] wandb did not finish within logging.wandb.finish_timeout_s={self.finish_timeout_s:g} s; "
                   f"the run's records are in {run_dir}: upload them with `wandb sync {run_dir}`",

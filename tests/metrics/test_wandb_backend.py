@@ -74,7 +74,9 @@ def test_a_finish_that_hangs_is_bounded_and_names_the_sync_command(tmp_path, mon
         monkeypatch.setenv(var, str(tmp_path / var.lower()))
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setattr("beamrl.metrics.wandb_backend._FINISH_MARGIN_S", 0.0)
     lg = WandbLogger("beamrl-test", "unit", tmp_path / "run", mode="offline", finish_timeout_s=0.5)
+    assert lg._run.settings.finish_timeout == 0.5  # wandb's own bound: also its teardown at interpreter exit
     lg.log(0, {"reward/mean": 0.5})
     real_finish, release = lg._run.finish, __import__("threading").Event()
 

@@ -138,7 +138,8 @@ class SGLangServer:
         named on stderr.
 
         The server process goes first, by SIGKILL (the tether, the group's leader, sends it on SIGTERM and exits;
-        if the tether does not, it is SIGKILLed itself). SGLang's server takes SIGTERM as "drain, then exit", which it
+        if the tether does not within `grace` s, it is SIGKILLed itself, and the server dies with it: at worst a stop
+        takes 3 x `grace`). SGLang's server takes SIGTERM as "drain, then exit", which it
         notices within 5 s, and its children dying before it as a crash, which costs 5 s of diagnostics; either way
         a stop took 5-6 s. It holds nothing a later run needs, and SGLang's own `Engine.shutdown` ends its scheduler
         processes by SIGKILL too. Its scheduler and detokenizer die with it (SGLang gives them a parent-death
