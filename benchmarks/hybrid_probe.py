@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import argparse
 import pickle
+import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -38,8 +38,10 @@ class HybridHost:
         from benchmarks import sync_step
 
         cap = Path(capture) / "capture"
-        self.trainer, self.engine, self.sync, self.source = sync_step.build(Path(tempfile.mkdtemp()), 10,
-                                                                            in_process=True)
+        work = Path(capture) / "hybrid_probe"  # the trainer's initial checkpoint: kept with the captures, replaced
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir()
+        self.trainer, self.engine, self.sync, self.source = sync_step.build(work, 10, in_process=True)
         self.train_args, self.train_kwargs = pickle.loads((cap / "grpo_train_step.pkl").read_bytes())
         self.requests = [r for g in pickle.loads((cap / "generate_requests.pkl").read_bytes()) for r in g]
 

@@ -81,27 +81,35 @@ class RolloutCollector:
         rollouts, n_excluded = S.drop_excluded(rollouts)
         metrics["rollout/aborted_groups"] = float(n_aborted)
         metrics["rollout/reward_excluded_samples"] = float(n_excluded)
+        recovery = self.engines.recovery  # restarts while this batch was generated (dynamic sampling included)
+        if not rollouts:  # every sample left out (on_error: skip): the loop skips this step's update
+            metrics.update({"rollout/num_samples": 0.0, "time/rollout_s": time.perf_counter() - pending.started,
+                            "time/rollout_wait_s": wait_s,
+                            "engine/restarts": float(recovery.take_restarts() if recovery is not None else 0)})
+            return RolloutBatch([], metrics)
         metrics["reward/mean"] = sum(x.raw_reward for x in rollouts) / len(rollouts)
         metrics.update(S.rollout_metrics(rollouts, r.rollout.max_new_tokens))
         if r.algorithm.dynamic_sampling.enabled:
-            rollouts, ds_metrics = self._dynamic_sampling(rollouts, pending)
+            rollouts, ds_metrics, ds_excluded = self._dynamic_sampling(rollouts, pending)
             metrics.update(ds_metrics)
+            metrics["rollout/reward_excluded_samples"] += ds_excluded  # left out in the extra rounds
         S.shape_and_advantages(rollouts, r.algorithm, r.rollout.max_new_tokens)
         n_tokens = sum(x.response_len for x in rollouts)
         metrics.update({"time/rollout_s": gen_s, "time/rollout_wait_s": wait_s,
                         "throughput/rollout_tokens_per_s": n_tokens / max(gen_s, 1e-9),
                         "rollout/weight_version": float(min(x.result.weight_version for x in rollouts))})
-        recovery = self.engines.recovery  # restarts while this batch was generated (dynamic sampling included)
         metrics["engine/restarts"] = float(recovery.take_restarts() if recovery is not None else 0)
         return RolloutBatch(rollouts, metrics)
 
     def _dynamic_sampling(self, rollouts: list[Rollout], pending: PendingRollout):
-        """Keep groups with informative raw rewards; over-sample more prompts for up to N extra rounds."""
+        """Keep groups with informative raw rewards; over-sample more prompts for up to N extra rounds. Returns the
+        kept rollouts, the metrics and how many samples of the extra rounds were left out (on_error: skip)."""
         r = self.run.recipe
         target = r.rollout.prompts_per_step
         kept, res = S.keep_informative_groups(rollouts, target, 0)
         metrics = dict(res.metrics)
         next_group = len(pending.prompts)
+        excluded = 0
         for round_ in range(1, r.algorithm.dynamic_sampling.max_oversample_rounds + 1):
             if res.num_needed == 0:
                 break
@@ -113,7 +121,8 @@ class RolloutCollector:
             extra, _ = S.drop_aborted(S.to_rollouts(more, results, next_group))
             next_group += len(more)
             S.score(extra, self.run.tokenizer, self.run.rewards)
-            extra = [x for x in extra if not x.excluded]  # left out, as in the first round (the reward lines say so)
+            extra, n_left_out = S.drop_excluded(extra)  # as in the first round
+            excluded += n_left_out
             if not extra:
                 continue
             new, res = S.keep_informative_groups(extra, target, len({x.group for x in kept}))
@@ -121,7 +130,7 @@ class RolloutCollector:
         metrics["dynamic_sampling/groups_kept"] = float(len({x.group for x in kept}))
         if not kept:  # nothing informative at all: train on the original batch (advantages are all zero)
             kept = rollouts
-        return kept, metrics
+        return kept, metrics, float(excluded)
 
 
 def _check_versions(results, version: int) -> None:

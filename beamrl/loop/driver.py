@@ -153,31 +153,45 @@ class RLDriver:
             last = step + 1 == r.run.num_steps
             pending = self.collector.start(step + 1, self.version) if one_step_off and not last else None  # overlaps
             memory.update(coloc.before_train())
-            # Nothing runs between the train step and the sync unless a rollout is in flight (one step off): then
-            # the last train step's call carries the sync too (one round trip fewer).
-            request = self._sync_request(step + 1, coloc.staged)
-            trained, carried = self._train(batch, request if pending is None else None)
-            metrics = {**batch.metrics, **memory, **trained}
-            if pending is not None:  # engines must be idle to update: collect step k+1 (it sampled version k)
-                self._trained_unpublished = True
-                try:
-                    self.collector.collect_early(pending)
-                finally:
-                    self._trained_unpublished = False
+            if batch.rollouts:
+                metrics = {**batch.metrics, **memory, **self._train_and_publish(step, batch, pending, coloc.staged)}
+            else:  # every sample was left out (its rewards failed under on_error: skip): nothing to train on
+                log(f"step {step + 1}: every sample was left out (a reward component with on_error='skip' failed on "
+                    f"each; the reward lines above say which and why): no update this step, the engines keep "
+                    f"version {self.version}")
+                metrics = {**batch.metrics, **memory}
             if one_step_off:
-                metrics["rollout/resynced_ahead"], self._resynced_ahead = float(self._resynced_ahead), 0
-            restarts = metrics.get("engine/restarts", 0.0)
-            metrics.update(self._publish(request, carried))
-            metrics["engine/restarts"] += restarts
+                metrics.setdefault("rollout/resynced_ahead", 0.0)
             metrics[keys.TIME_STEP] = time.perf_counter() - t0
             metrics[keys.TOKENS_PER_S] = batch.num_tokens / max(metrics[keys.TIME_STEP], 1e-9)
             self.ctx.logger.log(step, metrics)
-            self._show_samples(step, batch)
+            if batch.rollouts:
+                self._show_samples(step, batch)
             self.checkpoints.poll(self.trainer)  # publish a background save as soon as it is complete
             if save_due(step + 1, r.checkpoint.every_n_steps, r.run.num_steps):
                 self._save(step + 1, pending)
 
     # ------------------------------------------------------------------------------------------ pieces
+    def _train_and_publish(self, step: int, batch: RolloutBatch, pending: PendingRollout | None,
+                           staged: bool) -> dict[str, float]:
+        """Train on `batch` and publish the weights as version step + 1; returns the train and sync metrics. With a
+        rollout in flight (one step off) it is collected in between: the engines must be idle to update."""
+        # Nothing runs between the train step and the sync unless a rollout is in flight (one step off): then
+        # the last train step's call carries the sync too (one round trip fewer).
+        request = self._sync_request(step + 1, staged)
+        metrics, carried = self._train(batch, request if pending is None else None)
+        if pending is not None:  # collect step k+1 (it sampled version k) before the update
+            self._trained_unpublished = True
+            try:
+                self.collector.collect_early(pending)
+            finally:
+                self._trained_unpublished = False
+            # on step k+1's row, with the restarts of its rollout (engine/restarts)
+            pending.done.metrics["rollout/resynced_ahead"], self._resynced_ahead = float(self._resynced_ahead), 0
+        published = self._publish(request, carried)
+        published["engine/restarts"] += batch.metrics.get("engine/restarts", 0.0)  # (the rollout's, with the sync's)
+        return {**metrics, **published}
+
     def _start_trainer_and_engines(self, policy: str) -> None:
         """The trainer (and the KL reference), and the engines from `policy`. The engines start while the trainer
         does (each start is mostly process start-up, imports and waits: seconds per run), except on shared GPUs

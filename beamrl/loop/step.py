@@ -71,12 +71,9 @@ def score(rollouts: list[Rollout], tokenizer, reward_manager) -> dict[str, float
 def drop_excluded(rollouts: list[Rollout]) -> tuple[list[Rollout], int]:
     """Leave out the samples whose reward failed under on_error="skip" (`Rollout.excluded`): they have no valid
     reward, so they are not trained on, and their groups' advantages come from the other samples (a group left with
-    one sample, or none that differ, gets advantage 0). Returns the kept rollouts and how many were left out. A step
-    where every sample was left out is an error: there is nothing to train on."""
+    one sample, or none that differ, gets advantage 0). Returns the kept rollouts (maybe none: the RL loop then skips
+    the step's update) and how many were left out."""
     kept = [r for r in rollouts if not r.excluded]
-    if rollouts and not kept:
-        raise RuntimeError(f"every one of the {len(rollouts)} samples of this step was left out: a reward component "
-                           f"with on_error='skip' failed on each (the reward lines above say which and why)")
     return kept, len(rollouts) - len(kept)
 
 

@@ -23,8 +23,9 @@ class RewardComponentConfig(Section):
     name: metric name (`reward/<name>/...`). fn: "pkg.module:fn", a `@reward` name, or an entry-point name.
     weight: factor in the total. timeout_s: per-call limit (a sync call's worker is killed past it; an async
     call is cancelled). on_error: what a failed call (exception, bad return value, crash, timeout, skipped by
-    the breaker) scores: "zero" -> 0.0 (counted in the component mean), "skip" -> None (excluded, like a None
-    return), "raise" -> `RewardError` stops the run.
+    the breaker) scores: "zero" -> 0.0 (counted in the component mean), "skip" -> None, and the RL loop
+    leaves the sample out of training (it has no valid reward; a None return, "not applicable", stays in), "raise"
+    -> `RewardError` stops the run.
     kwargs: extra keyword arguments for the function (must not shadow an injected field).
     num_workers: worker processes of this component (null: `reward_pool.num_workers`, else chosen for the
     machine). max_concurrency: calls in flight per worker for an async function (a sync function runs one

@@ -158,7 +158,8 @@ class RewardManager:
             totals=[float(t) for t in totals],
             components=per_comp,
             failed=failed,
-            metrics=self._metrics(per_comp, totals, wall, run.breaker_trips),
+            # the totals of the samples that are trained on (a left-out sample's total lacks its failed component)
+            metrics=self._metrics(per_comp, [t for t, e in zip(totals, excluded) if not e], wall, run.breaker_trips),
             breaker_trips=dict(run.breaker_trips),
             excluded=excluded,
         )
@@ -216,7 +217,7 @@ class RewardManager:
                 # A function's own metric never overwrites a built-in one (e.g. a metric called "mean").
                 name = f"{p}/{key}" if key not in _RESERVED else f"{p}/fn.{key}"
                 m[name] = sum(vals) / len(vals)
-        if totals:
+        if totals:  # those of the samples that are trained on
             m["reward/total/mean"], m["reward/total/std"] = _mean_std(totals)
         m["reward/wall_s"] = wall
         return m

@@ -27,3 +27,8 @@ def hangs(completion: str) -> float:
 async def async_half(completion: str) -> float:
     await asyncio.sleep(0.01)
     return 0.5
+
+
+def always_raises(completion: str) -> float:
+    """A grader that is down for the whole run."""
+    raise ConnectionError("the grading service is down")

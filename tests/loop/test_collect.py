@@ -60,13 +60,19 @@ def test_samples_whose_skip_reward_failed_are_not_trained_on_and_their_groups_us
     assert first[0] < 0 < first[2] and first[1] == pytest.approx(0.0, abs=1e-6)
     assert batch.rollouts[3].advantage == 0.0  # group 1 has one sample left: no signal
     assert batch.metrics["reward/mean"] == pytest.approx(11.0 / 4)
+    assert batch.metrics["reward/total/mean"] == pytest.approx(11.0 / 4)  # over the samples trained on
 
 
-def test_a_step_whose_samples_were_all_left_out_ends_with_the_cause():
+def test_a_step_whose_samples_were_all_left_out_gives_an_empty_batch_with_its_counts():
+    """A skip component that failed on every sample (its breaker tripped on the whole batch, say) leaves nothing to
+    train on: the batch is empty, with its counts, and the loop skips the update (before, the run ended there)."""
     from beamrl.rewards import RewardComponentConfig
 
     comps = [RewardComponentConfig(name="grade", fn="tests.rewards.sample_reward_fns:raises_on_bad",
                                    on_error="skip")]
     collector, pending, manager = _collector_with_real_rewards(comps, [[[9], [9]]])
-    with manager, pytest.raises(RuntimeError, match="every one of the 2 samples .* on_error='skip' failed"):
-        collector.finish(pending)
+    with manager:
+        batch = collector.finish(pending)
+    assert batch.rollouts == [] and batch.num_tokens == 0
+    assert batch.metrics["rollout/reward_excluded_samples"] == 2.0 and batch.metrics["rollout/num_samples"] == 0.0
+    assert batch.metrics["reward/grade/errors"] == 2.0 and "reward/mean" not in batch.metrics
