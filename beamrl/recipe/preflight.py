@@ -162,12 +162,14 @@ def check_data_source(r: "Recipe") -> str:
 
 def load_reward_functions(r: "Recipe") -> list:
     """Every reward function loaded as a run loads it (import, registry, entry points; signature check)."""
-    from beamrl.rewards.loading import load_reward_fn
+    from beamrl.rewards.loading import RewardKwargsError, load_reward_fn
 
     functions = []
     for i, comp in enumerate(r.rewards):
         try:
             functions.append(load_reward_fn(comp.fn, comp.kwargs.keys()))
+        except RewardKwargsError as e:
+            raise RecipeError(f"rewards[{i}].kwargs", comp.kwargs, str(e)) from None
         except Exception as e:  # noqa: BLE001 - a user module can raise anything at import
             raise RecipeError(f"rewards[{i}].fn", comp.fn, f"{type(e).__name__}: {e}" if not isinstance(e, ValueError)
                               else str(e)) from None

@@ -6,7 +6,8 @@ registered with `@reward` (importing the module registers it), so a registered f
 recipe without packaging it. Modules in the working
 directory are importable (`importable_working_directory`), for `beamrl train` and `beamrl reward test` alike.
 Parameters are filled by name from the sample's fields (`FIELDS`) and the component's `kwargs`; a function
-with `**kwargs` receives all of them. A required parameter that nothing can fill is a `RewardLoadError`.
+with `**kwargs` receives all of them. A required parameter that nothing can fill is a `RewardLoadError`, and so is a
+kwarg that the function does not take (without `**kwargs`): it would be dropped at every call.
 """
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ from beamrl.rewards.types import FIELDS
 
 class RewardLoadError(ValueError):
     """A reward spec that cannot be loaded or whose signature cannot be satisfied."""
+
+
+class RewardKwargsError(RewardLoadError):
+    """A component's kwargs name a parameter that its function does not take."""
 
 
 @dataclass(frozen=True)
@@ -151,6 +156,13 @@ def load_reward_fn(spec: str, kwarg_names: Iterable[str] = ()) -> RewardFunction
                 f"reward {spec!r} ({ref}) requires parameter {p.name!r}, which is neither an injectable field "
                 f"({', '.join(FIELDS)}) nor one of the component's kwargs ({', '.join(sorted(kwarg_names)) or 'none'})"
             )
+    unused = sorted(set(kwarg_names) - set(params)) if not var_kwargs else []
+    if unused:  # a misspelt kwarg would be dropped silently at every call, leaving the default in force
+        names = [p.name for p in sig.parameters.values() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        raise RewardKwargsError(
+            f"reward {spec!r} ({ref}) takes no parameter {', '.join(map(repr, unused))} given in its kwargs; its "
+            f"parameters: {', '.join(names) or 'none'}"
+        )
     # Async functions run concurrently in their workers; a sync function that returns an awaitable still
     # works (its worker awaits the result), one call at a time.
     is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))

@@ -104,3 +104,24 @@ def test_a_name_a_module_registers_is_found_through_the_module(tmp_path, monkeyp
     assert load_reward_fn("cwd-digit-match").ref == f.ref  # once imported, the bare name works too
     with pytest.raises(RewardLoadError, match="has no attribute 'exact_match'"):
         load_reward_fn("cwd_registering_rewards:exact_match")  # registered, but by another module
+
+
+def test_a_kwarg_the_function_does_not_take_is_refused_naming_it_and_the_parameters():
+    """A misspelt kwarg used to be dropped at every call, leaving the function's default in force."""
+    from beamrl.rewards.loading import RewardKwargsError
+
+    with pytest.raises(RewardKwargsError, match=r"no parameter 'incorect_score'.*correct_score, incorrect_score"):
+        load_reward_fn("beamrl.rewards.math:dapo_math", ["incorect_score"])
+    assert load_reward_fn("beamrl.rewards.math:dapo_math", ["incorrect_score"]).params[-1] == "incorrect_score"
+    assert load_reward_fn(f"{M}:with_scale", ["scale"]).params == ("completion", "scale")
+
+
+def test_the_recipe_names_the_component_kwargs(tmp_path):
+    from beamrl.recipe import load_recipe
+    from beamrl.recipe.errors import RecipeError
+    from beamrl.recipe.preflight import load_reward_functions
+
+    r = load_recipe("quickstart", [f"run.output_dir={tmp_path}", "rewards.0.fn=beamrl.rewards.math:dapo_math",
+                                   "rewards.0.kwargs={incorect_score: -1.0}"])
+    with pytest.raises(RecipeError, match=r"rewards\[0\]\.kwargs.*incorect_score"):
+        load_reward_functions(r)
