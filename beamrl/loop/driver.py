@@ -24,7 +24,7 @@ from beamrl.loop.log import log
 from beamrl.loop.ray_utils import ActorCallError
 from beamrl.loop.run_dir import plan_start
 from beamrl.loop.samples import completion_samples
-from beamrl.loop.setup import (Resources, RunContext, check_launchable, engine_start_bound_s,
+from beamrl.loop.setup import (Resources, RunContext, engine_start_bound_s,
                                engines_start_with_trainer, prepare_run, start_engines, start_ray, start_trainer,
                                truncate_step_files)
 from beamrl.loop.sft import sft_warm_start
@@ -95,7 +95,6 @@ class RLDriver:
         run = self.ctx = prepare_run(r, start, self.resources)  # start-up checks: a bad field fails before Ray
         self.checkpoints = RunCheckpoints(run.checkpoint_root, r.checkpoint.keep_last, r.checkpoint.async_save,
                                           r.timeouts.checkpoint_s, log)
-        check_launchable(r)
         for line in format_placement(run.placement).splitlines():  # every console line of beamrl's own is prefixed
             log(line)
         log(f"starting Ray ({'a local instance' if run.cpu else 'joining the cluster'})")

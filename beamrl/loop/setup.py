@@ -180,17 +180,6 @@ def truncate_step_files(out_dir: Path, first_step: int) -> None:
         path.write_text("".join(ln + "\n" for ln in keep))
 
 
-def check_launchable(recipe: Recipe) -> None:
-    """Layouts that `--dry-run` plans but this loop cannot launch yet fail here, by name, before any actor."""
-    r = recipe
-    spans_nodes = r.rollout.engine_tp > r.cluster.gpus_per_node
-    if r.cluster.device == "cpu" and spans_nodes and r.rollout.engine == "sglang" and r.sync.transport == "colocated":
-        # A CPU engine that spans (simulated) nodes is a set of HTTP servers; SGLang's tensor path over HTTP
-        # cannot carry CPU tensors (docs/sglang.md, weight updates).
-        raise RecipeError("sync.transport", "colocated", "an SGLang CPU engine that spans nodes (rollout.engine_tp > "
-                          "cluster.gpus_per_node) takes weights through 'disk' (or 'distributed' when disaggregated)")
-
-
 def start_ray(run: "RunContext", resources: Resources, verbose: bool = False) -> None:
     """CPU: a private local Ray with one simulated node per recipe node, each declaring cluster.gpus_per_node worker
     slots (its own short temp dir: parallel runs must not share Ray's sockets). GPU: join the cluster that

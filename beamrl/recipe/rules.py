@@ -123,6 +123,13 @@ def _check_rollout_on_device(r: "Recipe") -> None:
     if r.cluster.device == "cpu" and ro.attention_backend not in (None, "torch_native"):
         raise RecipeError("rollout.attention_backend", ro.attention_backend, "cluster.device=cpu allows only "
                           "null or 'torch_native'")
+    if (r.cluster.device == "cpu" and ro.engine == "sglang" and ro.engine_tp > r.cluster.gpus_per_node
+            and r.sync.transport == "colocated"):
+        # A CPU engine that spans (simulated) nodes is a set of HTTP servers; SGLang's tensor path over HTTP
+        # cannot carry CPU tensors (docs/sglang.md, weight updates). Refused at load, so that neither a dry run
+        # nor a run's output directory gets that far.
+        raise RecipeError("sync.transport", "colocated", "an SGLang CPU engine that spans nodes (rollout.engine_tp > "
+                          "cluster.gpus_per_node) takes weights through 'disk' (or 'distributed' when disaggregated)")
 
 
 def _check_server_args(r: "Recipe") -> None:

@@ -1,9 +1,9 @@
-"""What `beamrl train` refuses before starting any actor: the production layouts are launchable (multi-node
-engines, colocated engines with TP > 1, colocated layouts over several nodes); what still cannot work is named."""
+"""The production layouts load and are launchable (multi-node engines, colocated engines with TP > 1, colocated
+layouts over several nodes); what still cannot work is refused when the recipe loads, by name (before, it was refused
+only after the run had written its output directory, and a dry run accepted it)."""
 
 import pytest
 
-from beamrl.loop.setup import check_launchable
 from beamrl.recipe import RecipeError, load_recipe
 
 
@@ -16,7 +16,7 @@ from beamrl.recipe import RecipeError, load_recipe
                         "rollout.engine_tp=8", "trainer.global_batch_size=256"]),
 ])
 def test_production_layouts_are_launchable(name, overrides):
-    check_launchable(load_recipe(name, overrides))
+    load_recipe(name, overrides)
 
 
 def test_colocated_engines_on_several_nodes_are_launchable():
@@ -29,15 +29,14 @@ def test_colocated_engines_on_several_nodes_are_launchable():
                                        "sync.transport=colocated", "trainer.num_gpus=96", "trainer.ep=32",
                                        "trainer.global_batch_size=96", "rollout.prompts_per_step=24",
                                        "rollout.num_engines=12", "rollout.engine_tp=8"])
-    check_launchable(r)
     colocations = rank_colocations(placement_of(r), r.sync.transport)
     assert colocations == tuple(tuple(range(8 * e, 8 * e + 8)) for e in range(12))
 
 
-def test_cpu_engine_spanning_nodes_needs_a_transport_over_http():
-    r = load_recipe("quickstart", ["rollout.engine=sglang", "cluster.num_nodes=2", "trainer.num_gpus=2",
-                                   "rollout.engine_tp=2", "trainer.global_batch_size=64",
-                                   "trainer.micro_batch_size=32"])
+def test_cpu_engine_spanning_nodes_needs_a_transport_over_http(tmp_path):
+    overrides = ["rollout.engine=sglang", "cluster.num_nodes=2", "trainer.num_gpus=2", "rollout.engine_tp=2",
+                 "trainer.global_batch_size=64", "trainer.micro_batch_size=32"]
     with pytest.raises(RecipeError) as e:
-        check_launchable(r)
+        load_recipe("quickstart", overrides)
     assert e.value.path == "sync.transport"
+    load_recipe("quickstart", [*overrides, "sync.transport=disk"])
