@@ -75,8 +75,9 @@ class RolloutCollector:
         results = self.engines.collect(pending.handle)
         wait_s = time.perf_counter() - t_wait  # < rollout_s when generation ran while the trainer trained
         _check_versions(results, pending.version)
-        rollouts, n_aborted = S.drop_aborted(S.to_rollouts(pending.prompts, results, 0))
-        gen_s = time.perf_counter() - pending.started
+        generated = S.to_rollouts(pending.prompts, results, 0)
+        n_tokens = sum(x.response_len for x in generated)  # every response the engines produced, this round
+        rollouts, n_aborted = S.drop_aborted(generated)
         metrics = S.score(rollouts, self.run.tokenizer, self.run.rewards)
         rollouts, n_excluded = S.drop_excluded(rollouts)
         metrics["rollout/aborted_groups"] = float(n_aborted)
@@ -87,14 +88,16 @@ class RolloutCollector:
                             "time/rollout_wait_s": wait_s,
                             "engine/restarts": float(recovery.take_restarts() if recovery is not None else 0)})
             return RolloutBatch([], metrics)
-        metrics["reward/mean"] = sum(x.raw_reward for x in rollouts) / len(rollouts)
-        metrics.update(S.rollout_metrics(rollouts, r.rollout.max_new_tokens))
+        metrics["reward/mean"] = sum(x.raw_reward for x in rollouts) / len(rollouts)  # the main round's samples
+        metrics.update(S.response_metrics(rollouts, r.rollout.max_new_tokens))
         if r.algorithm.dynamic_sampling.enabled:
-            rollouts, ds_metrics, ds_excluded = self._dynamic_sampling(rollouts, pending)
+            rollouts, ds_metrics, ds_excluded, ds_tokens = self._dynamic_sampling(rollouts, pending)
             metrics.update(ds_metrics)
             metrics["rollout/reward_excluded_samples"] += ds_excluded  # left out in the extra rounds
+            n_tokens += ds_tokens
         S.shape_and_advantages(rollouts, r.algorithm, r.rollout.max_new_tokens)
-        n_tokens = sum(x.response_len for x in rollouts)
+        metrics.update(S.trained_metrics(rollouts))
+        gen_s = time.perf_counter() - pending.started  # every round of generation (and its rewards)
         metrics.update({"time/rollout_s": gen_s, "time/rollout_wait_s": wait_s,
                         "throughput/rollout_tokens_per_s": n_tokens / max(gen_s, 1e-9),
                         "rollout/weight_version": float(min(x.result.weight_version for x in rollouts))})
@@ -103,13 +106,14 @@ class RolloutCollector:
 
     def _dynamic_sampling(self, rollouts: list[Rollout], pending: PendingRollout):
         """Keep groups with informative raw rewards; over-sample more prompts for up to N extra rounds. Returns the
-        kept rollouts, the metrics and how many samples of the extra rounds were left out (on_error: skip)."""
+        kept rollouts, the metrics, how many samples of the extra rounds were left out (on_error: skip) and how many
+        response tokens the extra rounds generated."""
         r = self.run.recipe
         target = r.rollout.prompts_per_step
         kept, res = S.keep_informative_groups(rollouts, target, 0)
         metrics = dict(res.metrics)
         next_group = len(pending.prompts)
-        excluded = 0
+        excluded = tokens = 0
         for round_ in range(1, r.algorithm.dynamic_sampling.max_oversample_rounds + 1):
             if res.num_needed == 0:
                 break
@@ -118,7 +122,9 @@ class RolloutCollector:
                                      self.run.return_routed_experts)
             results = self.engines.generate(groups, timeout=r.timeouts.generate_s)
             _check_versions(results, pending.version)
-            extra, _ = S.drop_aborted(S.to_rollouts(more, results, next_group))
+            generated = S.to_rollouts(more, results, next_group)
+            tokens += sum(x.response_len for x in generated)
+            extra, _ = S.drop_aborted(generated)
             next_group += len(more)
             S.score(extra, self.run.tokenizer, self.run.rewards)
             extra, n_left_out = S.drop_excluded(extra)  # as in the first round
@@ -130,7 +136,7 @@ class RolloutCollector:
         metrics["dynamic_sampling/groups_kept"] = float(len({x.group for x in kept}))
         if not kept:  # nothing informative at all: train on the original batch (advantages are all zero)
             kept = rollouts
-        return kept, metrics, float(excluded)
+        return kept, metrics, float(excluded), tokens
 
 
 def _check_versions(results, version: int) -> None:

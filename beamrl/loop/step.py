@@ -103,11 +103,16 @@ def shape_and_advantages(rollouts: list[Rollout], algorithm: AlgorithmConfig, ma
         r.reward, r.advantage = s, v
 
 
-def rollout_metrics(rollouts: list[Rollout], max_new_tokens: int) -> dict[str, float]:
+def response_metrics(rollouts: list[Rollout], max_new_tokens: int) -> dict[str, float]:
+    """What the policy generated in the step's main round: response lengths and the share cut at the limit."""
     lengths = torch.tensor([r.response_len for r in rollouts], dtype=torch.float32)
     finish = [r.result.finish_reason for r in rollouts]
     return {"response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
             "response_length/min": float(lengths.min()),
-            "response_length/clipped_ratio": sum(f == "length" for f in finish) / len(finish),
-            "rollout/num_samples": float(len(rollouts)),
+            "response_length/clipped_ratio": sum(f == "length" for f in finish) / len(finish)}
+
+
+def trained_metrics(rollouts: list[Rollout]) -> dict[str, float]:
+    """The samples trained on (after dynamic sampling and shaping): their number and mean shaped reward."""
+    return {"rollout/num_samples": float(len(rollouts)),
             "reward/shaped_mean": float(torch.tensor([r.reward for r in rollouts]).mean())}

@@ -76,3 +76,50 @@ def test_a_step_whose_samples_were_all_left_out_gives_an_empty_batch_with_its_co
     assert batch.rollouts == [] and batch.num_tokens == 0
     assert batch.metrics["rollout/reward_excluded_samples"] == 2.0 and batch.metrics["rollout/num_samples"] == 0.0
     assert batch.metrics["reward/grade/errors"] == 2.0 and "reward/mean" not in batch.metrics
+
+
+def test_step_metrics_describe_the_samples_trained_on_after_shaping_and_dynamic_sampling():
+    """reward/shaped_mean was taken before shaping (always equal to reward/mean) and rollout/num_samples before
+    dynamic sampling dropped groups; time/rollout_s left out the extra rounds."""
+    from beamrl.algorithms import AlgorithmConfig
+    from beamrl.data.sample import PromptSample
+    from beamrl.rewards import RewardComponentConfig, RewardManager, RewardPoolConfig
+
+    fns = "tests.rewards.sample_reward_fns"
+    comps = [RewardComponentConfig(name="len", fn=f"{fns}:needs_completion")]
+    # group 0 is informative (lengths 1 and 3), groups 1 and 2 are not (length 2): dynamic sampling drops them; the
+    # extra round's prompts get two responses of lengths 1 and 2 each (informative): one such group is kept
+    main = [[GenerateResult([1, 2], [1], [-0.5], "stop", weight_version=0),
+             GenerateResult([1, 2], [1, 2, 3], [-0.5] * 3, "length", weight_version=0)],
+            [GenerateResult([1, 2], [4, 5], [-0.5] * 2, "stop", weight_version=0)] * 2,
+            [GenerateResult([1, 2], [8, 9], [-0.5] * 2, "stop", weight_version=0)] * 2]
+    extra = [[GenerateResult([1, 2], [6], [-0.5], "stop", weight_version=0),
+              GenerateResult([1, 2], [6, 7], [-0.5] * 2, "stop", weight_version=0)]]
+    calls = []
+
+    def generate(groups, timeout):
+        calls.append(len(groups))
+        return extra * len(groups)
+
+    engines = SimpleNamespace(collect=lambda handle: main, generate=generate, recovery=None)
+    algorithm = AlgorithmConfig(overlong={"enabled": True, "buffer": 2, "penalty": 1.0},
+                                dynamic_sampling={"enabled": True, "max_oversample_rounds": 1})
+    recipe = SimpleNamespace(rollout=SimpleNamespace(max_new_tokens=3, n_samples_per_prompt=2, temperature=1.0,
+                                                     top_p=1.0, top_k=-1, prompts_per_step=2),
+                             algorithm=algorithm, run=SimpleNamespace(seed=0),
+                             timeouts=SimpleNamespace(generate_s=60.0))
+    prompt = PromptSample("p", [1, 2], "x", "d")
+    data = SimpleNamespace(next_batch=lambda n: [prompt] * n)
+    run = SimpleNamespace(recipe=recipe, tokenizer=SimpleNamespace(decode=lambda ids: "".join(map(str, ids))),
+                          rewards=RewardManager(comps, RewardPoolConfig(num_workers=1)), data=data, stop_ids=(0,),
+                          return_routed_experts=False)
+    pending = PendingRollout(step=0, prompts=[prompt] * 3, handle=None, started=0.0, data_state={}, version=0)
+    with run.rewards:
+        batch = RolloutCollector(run, engines).finish(pending)
+    assert len(calls) == 1  # one extra round
+    assert batch.metrics["reward/mean"] == 2.0  # the main round: lengths 1, 3, 2, 2, 2, 2
+    assert batch.metrics["rollout/num_samples"] == len(batch.rollouts) == 4  # group 0 and the extra group
+    shaped = [r.reward for r in batch.rollouts]
+    assert batch.metrics["reward/shaped_mean"] == pytest.approx(sum(shaped) / 4)
+    assert batch.metrics["reward/shaped_mean"] < sum(r.raw_reward for r in batch.rollouts) / 4  # penalised
+    assert batch.metrics["throughput/rollout_tokens_per_s"] > 0
