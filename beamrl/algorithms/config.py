@@ -65,6 +65,7 @@ class ImportanceConfig(Section):
                 if getattr(self, name) is not None:
                     raise ConfigError(name, getattr(self, name), "importance.mode is 'none'; set mode 'tis' or "
                                       "'mis', or remove it")
+            self.refuse_changed(("level",), "importance.mode is 'none' (level is used by mode 'mis')")
         return self
 
 

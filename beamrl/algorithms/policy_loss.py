@@ -75,8 +75,8 @@ class LossInputs:
 
 @dataclass
 class LossOutputs:
-    """loss: scalar to backward. metrics: detached 0-dim tensors (means over this micro-batch's loss tokens;
-    no host sync until the logger reads them)."""
+    """loss: scalar to backward. metrics: detached 0-dim tensors (means over this micro-batch's loss tokens, but
+    for those in `METRIC_REDUCTIONS`; no host sync until the logger reads them)."""
 
     loss: torch.Tensor
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -84,6 +84,13 @@ class LossOutputs:
 
 def _masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask, x, torch.zeros_like(x))
+
+
+#: The policy losses' metrics that are not means over the micro-batch's loss tokens, and how their values of
+#: several micro-batches, data-parallel ranks and optimizer steps combine: "sum" for a count, "max" / "min" for an
+#: extreme. A max (min) over no loss token is -inf (+inf), which combines with the others as if absent. Every other
+#: metric is a mean (combined token-weighted, `beamrl.loop.losses.PolicyLoss`).
+METRIC_REDUCTIONS: dict[str, str] = {"num_tokens": "sum", "ratio_max": "max", "ratio_min": "min"}
 
 
 @POLICY_LOSSES.register("ppo_clip")
@@ -129,8 +136,7 @@ def ppo_clip_loss(inputs: LossInputs, cfg: "AlgorithmConfig") -> LossOutputs:
         clip_low = mask & neg & (ratio < 1.0 - cfg.eps_clip_low)  # gradient stopped by the lower clip
         lr = log_ratio.detach()
         r = ratio.detach()
-        big = torch.finfo(r.dtype).max
-        any_tok = mask.any()  # stays on device: no host sync
+        inf = torch.full_like(r, float("inf"))
         metrics.update(
             {
                 "pg_loss": aggregate(torch.maximum(unclipped, clipped).detach(), mask, inputs.seq_ids, cfg.loss_agg),
@@ -141,12 +147,13 @@ def ppo_clip_loss(inputs: LossInputs, cfg: "AlgorithmConfig") -> LossOutputs:
                 # k3 of KL(old || new): the tokens were sampled by pi_old, so r = new / old. >= 0.
                 "approx_kl": masked_mean(torch.expm1(lr) - lr, mask),
                 "ratio_mean": masked_mean(r, mask),
-                "ratio_max": torch.where(any_tok, torch.where(mask, r, torch.full_like(r, -big)).max(), 0.0),
-                "ratio_min": torch.where(any_tok, torch.where(mask, r, torch.full_like(r, big)).min(), 0.0),
+                # The extremes and the count combine over micro-batches by METRIC_REDUCTIONS, not as means.
+                "ratio_max": torch.where(mask, r, -inf).max(),
+                "ratio_min": torch.where(mask, r, inf).min(),
                 "num_tokens": mask.sum().to(r.dtype),
             }
         )
     return LossOutputs(loss=loss, metrics=metrics)
 
 
-__all__ = ["AGGREGATIONS", "POLICY_LOSSES", "LossInputs", "LossOutputs", "ppo_clip_loss"]
+__all__ = ["AGGREGATIONS", "METRIC_REDUCTIONS", "POLICY_LOSSES", "LossInputs", "LossOutputs", "ppo_clip_loss"]

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from beamrl.algorithms import POLICY_LOSSES, AlgorithmConfig, LossInputs
+from beamrl.algorithms.policy_loss import METRIC_REDUCTIONS
 from beamrl.trainer.protocol import PackedBatch
 
 
@@ -24,7 +26,16 @@ class PolicyLoss:
     """The policy loss `algorithm.loss` on one micro-batch, as its contribution to the step's global loss.
 
     `normalizer` is the whole step's denominator (`beamrl.algorithms.loss_normalizer` over every
-    micro-batch of every DP rank), so summing micro-batch contributions gives the full-batch loss."""
+    micro-batch of every DP rank), so summing micro-batch contributions gives the full-batch loss.
+
+    Its metrics reach the trainer ready for `metric_reductions` (`beamrl.trainer.protocol`): a mean over the
+    micro-batch's loss tokens is weighted by the micro-batch's share of the step's loss tokens (the trainer's sum
+    is then the token-weighted mean of the step); the loss's sums, maxima and minima (`METRIC_REDUCTIONS`) go as
+    they are, combined by their own operation."""
+
+    #: How the trainer combines each metric over micro-batches and DP ranks (undeclared: summed), and
+    #: `beamrl.loop.train` over the optimizer steps of a rollout batch (undeclared: averaged).
+    metric_reductions: ClassVar[dict[str, str]] = METRIC_REDUCTIONS
 
     algorithm: AlgorithmConfig
     normalizer: float
@@ -42,9 +53,13 @@ class PolicyLoss:
             rollout_logprobs=f.get("rollout_logprobs"), ref_logprobs=f.get("ref_logprobs"),
             normalizer=self.normalizer)
         out = POLICY_LOSSES.get(self.algorithm.loss)(inputs, self.algorithm)
-        # Metrics are means over this micro-batch's loss tokens: weight them so the trainer's sum is the mean.
+        # Means over this micro-batch's loss tokens: weight them so the trainer's sum is the step's mean. The
+        # declared sums, maxima and minima are left as they are (the trainer reduces them by their own op).
         share = float(mask.sum()) / max(self.total_loss_tokens, 1.0)
-        metrics = {k: torch.as_tensor(v, dtype=torch.float32).detach() * share for k, v in out.metrics.items()}
+        metrics = {}
+        for k, v in out.metrics.items():
+            v = torch.as_tensor(v, dtype=torch.float32).detach()
+            metrics[k] = v if k in self.metric_reductions else v * share
         if entropy is not None:
             metrics["entropy"] = (entropy.detach().float() * mask).sum() / max(self.total_loss_tokens, 1.0)
         if "rollout_logprobs" in f:

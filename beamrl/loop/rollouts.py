@@ -109,14 +109,6 @@ def build_packed_batch(rollouts: list[Rollout], config: BeamConfig, with_routes:
                        fields, packed_routes)
 
 
-def micro_batch_count(num_samples: int, micro_batch_size: int, dp_size: int) -> int:
-    """How many micro-batches a step of `num_samples` samples is cut into: about `micro_batch_size` samples each,
-    their number a multiple of the DP size (each DP rank trains on an equal share). The RL step and the SFT warm
-    start cut theirs by this one rule."""
-    n_micro = max(1, num_samples // micro_batch_size)
-    return max(dp_size, n_micro - n_micro % dp_size)
-
-
 def split_micro_batches(batch_rollouts: list[Rollout], num_micro: int) -> list[list[Rollout]]:
     """Split rollouts into `num_micro` contiguous, nearly equal groups (order kept)."""
     n = len(batch_rollouts)

@@ -9,10 +9,11 @@ import time
 from beamrl.data.loader import PromptLoader
 from beamrl.loop.log import log
 from beamrl.loop.losses import SFTLoss
-from beamrl.loop.rollouts import micro_batch_count, split_micro_batches
+from beamrl.loop.rollouts import split_micro_batches
 from beamrl.loop.setup import RunContext, start_trainer
 from beamrl.models.beam.checkpoint import check_checkpoint
 from beamrl.removal import remove_tree, undeleted_line
+from beamrl.trainer.batching import micro_batch_count
 from beamrl.trainer.protocol import PackedBatch
 
 

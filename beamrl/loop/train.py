@@ -4,6 +4,7 @@ and run the policy loss of `algorithm.loss` with the step's loss normaliser."""
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -11,9 +12,10 @@ import torch
 from beamrl.algorithms import AlgorithmConfig, loss_normalizer, token_kl
 from beamrl.loop.groups import CarriedSync, EngineGroup, TrainerGroup
 from beamrl.loop.losses import PolicyLoss
-from beamrl.loop.rollouts import Rollout, build_packed_batch, micro_batch_count, split_micro_batches
+from beamrl.loop.rollouts import Rollout, build_packed_batch, split_micro_batches
 from beamrl.loop.weight_sync import SyncRequest
 from beamrl.models.beam.config import BeamConfig
+from beamrl.trainer.batching import micro_batch_count
 from beamrl.trainer.megatron.config import TrainerConfig
 from beamrl.trainer.protocol import PackedBatch
 
@@ -26,6 +28,18 @@ def micro_batches(rollouts: list[Rollout], trainer: TrainerConfig, dp_size: int,
         raise ValueError(f"{len(rollouts)} samples left after filtering cannot feed {dp_size} data-parallel ranks")
     n_micro = micro_batch_count(len(rollouts), trainer.micro_batch_size, dp_size)
     return [build_packed_batch(chunk, model, replay) for chunk in split_micro_batches(rollouts, n_micro)]
+
+
+def _extreme(op: str, a: float | None, b: float) -> float:
+    """max or min of two step values, NaN-propagating (Python's max/min drop a NaN in second place)."""
+    if a is None or math.isnan(b):
+        return b
+    return max(a, b) if op == "max" else min(a, b)
+
+
+def _no_inf(op: str, v: float) -> float:
+    """A max (min) over no loss token at all is -inf (+inf): logged as 0."""
+    return 0.0 if v == {"max": -math.inf, "min": math.inf}.get(op) else v
 
 
 def train_on_rollouts(rollouts: list[Rollout], *, trainer: TrainerGroup, reference: TrainerGroup | None,
@@ -57,6 +71,7 @@ def train_on_rollouts(rollouts: list[Rollout], *, trainer: TrainerGroup, referen
                 kls.append((kl * mb.loss_mask).sum().item())
     logprob_s = time.perf_counter() - t0
     t1 = time.perf_counter()
+    reductions = PolicyLoss.metric_reductions  # the others are means: averaged over the steps
     sums: dict[str, float] = {}
     all_toks = 0.0
     carried = None
@@ -74,9 +89,15 @@ def train_on_rollouts(rollouts: list[Rollout], *, trainer: TrainerGroup, referen
         else:
             result = trainer.train_step(micro, loss, replay=replay, temperature=temperature)
         for k, v in result.as_dict().items():
-            sums[k] = sums.get(k, 0.0) + float(v)
+            op = reductions.get(k, "mean")
+            if op in ("max", "min"):
+                sums[k] = _extreme(op, sums.get(k), float(v))
+            else:  # a mean (divided by the step count below) or a count
+                sums[k] = sums.get(k, 0.0) + float(v)
     train_s = time.perf_counter() - t1
-    out = {f"train/{k}": v / len(steps) for k, v in sums.items()}  # mean over this rollout's steps
+    # Means: the mean over this rollout's steps; a count: the total of its steps; an extreme: over all its steps.
+    out = {f"train/{k}": v / len(steps) if k not in reductions else _no_inf(reductions[k], v)
+           for k, v in sums.items()}
     out["train/optimizer_steps"] = float(len(steps))
     for key in ("train_rollout_logprob_abs_diff", "entropy"):
         if f"train/{key}" in out:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from beamrl.config import ConfigError
 from beamrl.recipe.errors import RecipeError
 from beamrl.recipe.schema import REWARD_REF
+from beamrl.trainer.batching import micro_batch_count
 
 if TYPE_CHECKING:
     from beamrl.recipe.schema import Recipe
@@ -110,6 +111,15 @@ def _check_batches(r: "Recipe") -> None:
     if r.sft is not None and r.sft.batch < tr.dp:
         raise RecipeError("sft.batch", r.sft.batch, f"at least one pair per data-parallel rank: >= trainer dp = "
                           f"{tr.dp} (each rank trains on its share of every SFT step)")
+    if tr.vpp:  # Megatron's interleaved schedule needs at least pp micro-batches per DP rank in every step
+        for path, samples_per_step in (("trainer.global_batch_size", tr.global_batch_size),
+                                       *((("sft.batch", r.sft.batch),) if r.sft is not None else ())):
+            per_rank = micro_batch_count(samples_per_step, tr.micro_batch_size, tr.dp) // tr.dp
+            if per_rank < tr.pp:
+                raise RecipeError("trainer.micro_batch_size", tr.micro_batch_size,
+                                  f"with trainer.vpp set, every step needs >= pp = {tr.pp} micro-batches per DP rank; "
+                                  f"{path} = {samples_per_step} gives {per_rank} (dp {tr.dp}): at most "
+                                  f"{samples_per_step // (tr.pp * tr.dp)}")
 
 
 def _check_rollout_on_device(r: "Recipe") -> None:

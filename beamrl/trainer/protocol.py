@@ -24,7 +24,11 @@ micro-batch's *contribution to the global loss*: e.g. `sum(mask * per_token_loss
 with the global token count of the whole step (all micro-batches of all data-parallel ranks), which the
 caller knows and passes in (a closure or a `fields` entry). The trainer sums these contributions over
 micro-batches and data-parallel ranks, without any further division; gradients are those of that sum.
-`metrics` are scalar tensors summed the same way (so normalise them like the loss).
+`metrics` are scalar tensors summed the same way (so normalise them like the loss), except those the loss
+function names in its optional attribute `metric_reductions` ({name: "sum" | "max" | "min"}, read by
+`metric_reductions(loss_fn)`): a "max" ("min") metric is the largest (smallest) of its per-micro-batch values over
+every micro-batch of every data-parallel rank. A micro-batch with nothing to take the max (min) of gives -inf
+(+inf), which counts for nothing; a step where none has a value reports that infinity.
 """
 
 from __future__ import annotations
@@ -181,10 +185,28 @@ class PackedBatch:
 
 
 class LossFn(Protocol):
-    """`(logprobs [T], entropy [T] | None, batch) -> (loss scalar, {name: scalar})` (see the module doc)."""
+    """`(logprobs [T], entropy [T] | None, batch) -> (loss scalar, {name: scalar})` (see the module doc).
+
+    It may also carry `metric_reductions` ({metric name: "sum" | "max" | "min"}); metrics it does not name are
+    summed."""
 
     def __call__(self, logprobs: torch.Tensor, entropy: torch.Tensor | None,
                  batch: PackedBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
+
+
+#: How `train_step` may combine one metric over micro-batches and data-parallel ranks (see the module doc).
+METRIC_REDUCTION_OPS: tuple[str, ...] = ("sum", "max", "min")
+
+
+def metric_reductions(loss_fn) -> dict[str, str]:
+    """The loss function's `metric_reductions` ({} when it has none), checked: each value is "sum", "max" or
+    "min", and "loss" (always summed) is not a metric; a metric not named is summed."""
+    declared = dict(getattr(loss_fn, "metric_reductions", None) or {})
+    bad = {k: v for k, v in declared.items() if v not in METRIC_REDUCTION_OPS or k == "loss"}
+    if bad:  # the loss itself is always summed
+        raise ValueError(f"the loss function's metric_reductions must map names to one of "
+                         f"{METRIC_REDUCTION_OPS}, got {bad}")
+    return declared
 
 
 @dataclass
@@ -200,7 +222,8 @@ class LogprobResult:
 
 @dataclass
 class TrainStepResult:
-    """Result of one optimizer step. `loss` and `metrics` are summed over micro-batches and DP ranks."""
+    """Result of one optimizer step. `loss` and `metrics` are summed over micro-batches and DP ranks; a metric the
+    loss function declares "max" or "min" (`metric_reductions`) is the max or min over them instead."""
 
     loss: float
     grad_norm: float

@@ -219,3 +219,26 @@ def test_garbage_in_masked_positions_never_reaches_loss_or_gradient():
     torch.testing.assert_close(results[1][1], results[0][1])
     assert results[1][2] == pytest.approx(results[0][2])
     assert torch.isfinite(results[1][1]).all()
+
+
+def test_extremes_and_count_are_declared_and_a_micro_batch_without_tokens_gives_their_identity():
+    """`ratio_max`, `ratio_min` and `num_tokens` are no means: `METRIC_REDUCTIONS` says how they combine over
+    micro-batches; with no loss token the extremes are -inf / +inf, so they count for nothing in a max / min."""
+    from beamrl.algorithms.policy_loss import METRIC_REDUCTIONS
+
+    lp = torch.tensor([-1.0, -0.5, -2.0, -1.2], dtype=D)
+    old = torch.tensor([-1.5, -0.1, -1.0, -1.2], dtype=D)
+    mask = torch.tensor([True, True, True, False])
+    out = POLICY_LOSSES.get("ppo_clip")(
+        LossInputs(lp, old, torch.ones(4, dtype=D), mask, torch.zeros(4, dtype=torch.long)), AlgorithmConfig())
+    assert METRIC_REDUCTIONS == {"num_tokens": "sum", "ratio_max": "max", "ratio_min": "min"}
+    assert set(METRIC_REDUCTIONS) <= set(out.metrics)
+    ratios = (lp - old)[mask].exp()
+    assert out.metrics["ratio_max"].item() == ratios.max().item()
+    assert out.metrics["ratio_min"].item() == ratios.min().item()
+    assert out.metrics["num_tokens"].item() == 3.0
+    empty = POLICY_LOSSES.get("ppo_clip")(
+        LossInputs(lp, old, torch.ones(4, dtype=D), torch.zeros(4, dtype=torch.bool),
+                   torch.zeros(4, dtype=torch.long)), AlgorithmConfig())
+    assert empty.metrics["ratio_max"].item() == -float("inf") and empty.metrics["ratio_min"].item() == float("inf")
+    assert empty.metrics["num_tokens"].item() == 0.0

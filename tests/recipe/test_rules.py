@@ -76,6 +76,8 @@ CASES = [
     (["algorithm.importance={mode: mis, lo: 0.5, hi: 0.9}"], "algorithm.importance.hi", "lo < 1 < hi"),
     (["algorithm.importance={mode: mis, lo: 0.5, hi: 2, cap: 2}"], "algorithm.importance.cap", "tis"),
     (["algorithm.importance.cap=2"], "algorithm.importance.cap", "none"),
+    (["algorithm.importance.lo=0.5"], "algorithm.importance.lo", "none"),
+    (["algorithm.importance.level=sequence"], "algorithm.importance.level", "none"),
     (["algorithm.overlong={enabled: true, buffer: 64}"], "algorithm.overlong.buffer", "max_new_tokens"),
     (["algorithm.routing_replay=true", "rollout.return_routed_experts=false"], "rollout.return_routed_experts",
      "routing_replay"),
@@ -144,3 +146,20 @@ def test_cpu_base_valid():
     import copy
 
     validate_recipe(copy.deepcopy(CPU_BASE))
+
+
+@pytest.mark.parametrize("extra,path_in_message", [
+    ([], "trainer.global_batch_size = 64 gives 1"),
+    (["trainer.micro_batch_size=32", "sft.batch=32"], "sft.batch = 32 gives 1"),
+])
+def test_vpp_needs_pp_micro_batches_per_rank_in_every_step(tmp_path, extra, path_in_message):
+    """The interleaved schedule refuses fewer than pp micro-batches per DP rank; the recipe said OK and the run
+    failed at its first train step, naming no field."""
+    from beamrl.recipe import load_recipe
+
+    layout = ["cluster.gpus_per_node=2", "trainer.num_gpus=2", "rollout.num_engines=2", "trainer.pp=2",
+              "trainer.vpp=3", f"run.output_dir={tmp_path}"]
+    with pytest.raises(RecipeError) as e:
+        load_recipe("quickstart", layout + extra)
+    assert e.value.path == "trainer.micro_batch_size" and path_in_message in str(e.value), str(e.value)
+    load_recipe("quickstart", layout + ["trainer.micro_batch_size=32"])  # 2 per rank: launchable

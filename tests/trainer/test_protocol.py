@@ -69,3 +69,17 @@ def test_a_pickled_batch_crosses_as_numpy_arrays_and_comes_back_bit_for_bit():
     t = _WireArray(ro).tensor()
     t[0] = 7
     assert ro[0] == 0 and t.tolist() == [7, 1, 2]
+
+
+def test_metric_reductions_are_read_from_the_loss_function_and_checked():
+    from types import SimpleNamespace
+
+    from beamrl.trainer.protocol import metric_reductions
+
+    assert metric_reductions(lambda lp, ent, batch: None) == {}  # none declared: every metric is summed
+    assert metric_reductions(SimpleNamespace(metric_reductions={"n": "sum", "hi": "max", "lo": "min"})) == \
+        {"n": "sum", "hi": "max", "lo": "min"}
+    with pytest.raises(ValueError, match="metric_reductions"):
+        metric_reductions(SimpleNamespace(metric_reductions={"x": "mean"}))
+    with pytest.raises(ValueError, match="metric_reductions"):
+        metric_reductions(SimpleNamespace(metric_reductions={"loss": "max"}))  # the loss is always summed

@@ -25,7 +25,14 @@ from beamrl.models.beam.lora_config import LoRAConfig
 from beamrl.trainer.megatron import train_step as schedule
 from beamrl.trainer.megatron.config import ParallelConfig, TrainerConfig
 from beamrl.trainer.megatron.parallel import destroy_parallel, initialize_parallel
-from beamrl.trainer.protocol import LogprobResult, LossFn, PackedBatch, TrainerWorker, TrainStepResult
+from beamrl.trainer.protocol import (
+    LogprobResult,
+    LossFn,
+    PackedBatch,
+    TrainerWorker,
+    TrainStepResult,
+    metric_reductions,
+)
 
 class TrainerConfigError(ValueError):
     """A trainer setting is invalid; the message names the field."""
@@ -288,8 +295,10 @@ class MegatronTrainer(TrainerWorker):
     def forward_backward(self, micro_batches: list[PackedBatch], loss_fn: LossFn,
                          temperature: float = 1.0) -> dict[str, float]:
         """The first half of `train_step`: gradients of this step's loss in the DDP grad buffers (reduced over
-        DP), no optimizer update. Returns the loss and metrics summed over micro-batches and DP ranks."""
+        DP), no optimizer update. Returns the loss and metrics summed over micro-batches and DP ranks (the max or
+        min instead for the metrics `loss_fn.metric_reductions` declares so)."""
         self._require_awake("forward_backward")
+        reductions = metric_reductions(loss_fn)
         if len(micro_batches) < self._min_micro_batches():
             raise ValueError(f"train_step got {len(micro_batches)} micro-batches; this layout needs at least "
                              f"{self._min_micro_batches()} (the interleaved pipeline schedule needs >= pp)")
@@ -312,7 +321,7 @@ class MegatronTrainer(TrainerWorker):
         mbs, length = self._prepare(micro_batches, record=self._replay_enabled)
         collected = schedule.run_schedule(self.chunks, mbs, length, self._logits_spec(temperature, True), output_fn,
                                           forward_only=False)
-        sums = self._reduce_collected(collected)
+        sums = self._reduce_collected(collected, reductions)
         if self._replay_enabled:
             sums.update(self._replay_self_check(mbs))
         self._grads_pending = True
@@ -381,19 +390,29 @@ class MegatronTrainer(TrainerWorker):
             for p, data in swapped:
                 p.data = data
 
-    def _reduce_collected(self, collected: list[dict[str, torch.Tensor]]) -> dict[str, float]:
-        """Sum the last stage's per-micro-batch scalars over micro-batches and DP; share with every rank."""
+    def _reduce_collected(self, collected: list[dict[str, torch.Tensor]],
+                          reductions: dict[str, str] | None = None) -> dict[str, float]:
+        """Reduce the last stage's per-micro-batch scalars over micro-batches and DP, each by its reduction ("sum"
+        unless `reductions` names it "max" or "min"; the all-reduce uses the matching op); share with every rank."""
         ps = self._ps
         payload = None
         if ps.is_pipeline_last_stage(ignore_virtual=True):
+            reductions = reductions or {}
             keys = sorted({k for d in collected for k in d})
-            vec = torch.stack([sum(d[k] for d in collected if k in d).float().reshape(()) for k in keys]) \
-                if keys else torch.zeros(0)
             dp_group = ps.get_data_parallel_group()
-            if dist.get_world_size(dp_group) > 1:  # one rank: a sum over one rank, without the round trip
-                vec = vec.to(self.device)
-                dist.all_reduce(vec, group=dp_group)
-            payload = dict(zip(keys, vec.tolist()))
+            names, parts = [], []
+            for op in _REDUCE_OPS:  # every DP rank has the same keys, so the same collectives in the same order
+                op_keys = [k for k in keys if reductions.get(k, "sum") == op]
+                if not op_keys:
+                    continue
+                vec = torch.stack([_reduce_micro(op, [d[k] for d in collected if k in d]) for k in op_keys])
+                if dist.get_world_size(dp_group) > 1:  # one rank: a reduction over one rank, without the round trip
+                    vec = vec.to(self.device)
+                    dist.all_reduce(vec, op=_REDUCE_OPS[op], group=dp_group)
+                names += op_keys
+                parts.append(vec.to(parts[0].device) if parts else vec)
+            reduced = dict(zip(names, torch.cat(parts).tolist())) if parts else {}
+            payload = {k: reduced[k] for k in keys}  # in name order, as before
         return self._from_last_stage(payload)
 
     def _from_last_stage(self, obj):
@@ -602,6 +621,18 @@ class MegatronTrainer(TrainerWorker):
             self.chunks, self.optimizer, self.scheduler, self._hf_exporters = [], None, None, {}
             self._all_modules = []
             destroy_parallel()
+
+
+#: The data-parallel all-reduce of each metric reduction (`beamrl.trainer.protocol.metric_reductions`).
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def _reduce_micro(op: str, values: list[torch.Tensor]) -> torch.Tensor:
+    """One metric's per-micro-batch scalars reduced over this rank's micro-batches (FP32, 0-dim)."""
+    if op == "sum":
+        return sum(values).float().reshape(())  # the sum the trainer always took: the means stay bit-identical
+    stacked = torch.stack([v.float().reshape(()) for v in values])
+    return stacked.amax() if op == "max" else stacked.amin()
 
 
 def _applies_softcap(model) -> bool:
