@@ -213,17 +213,13 @@ class MegatronTrainer(TrainerWorker):
 
     def _build_optimizer(self):
         from megatron.core.optimizer import get_megatron_optimizer
-        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-        t, s = self.config.trainer, self.config.lr_schedule
+        from beamrl.trainer.megatron.scheduler import build_scheduler
+
+        t = self.config.trainer
         optimizer = get_megatron_optimizer(megatron_optimizer_config(self.config), [c for c in self.chunks])
         self.transformer_config.grad_scale_func = optimizer.scale_loss
-        scheduler = OptimizerParamScheduler(
-            optimizer, init_lr=0.0 if s.warmup_steps else t.lr, max_lr=t.lr, min_lr=s.min_lr,
-            lr_warmup_steps=s.warmup_steps, lr_decay_steps=s.warmup_steps + s.decay_steps,
-            lr_decay_style=s.decay_style, start_wd=t.weight_decay, end_wd=t.weight_decay, wd_incr_steps=1,
-            wd_incr_style="constant")
-        return optimizer, scheduler
+        return optimizer, build_scheduler(optimizer, t.lr, t.weight_decay, self.config.lr_schedule)
 
     # ------------------------------------------------------------------------------------------- properties
     @property

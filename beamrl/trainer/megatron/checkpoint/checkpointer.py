@@ -248,8 +248,8 @@ def _check_compatible(meta: dict, trainer, directory: Path) -> None:
     now = _optimizer_settings(trainer)
     changed = {k: (v, now[k]) for k, v in meta.get("optimizer", {}).items() if k in now and v != now[k]}
     if changed:
-        _log(f"optimizer settings differ from {path} (checkpoint -> now): {changed}; the LR schedule continues "
-             f"from the checkpoint, the other settings are this run's")
+        _log(f"optimizer settings differ from {path} (checkpoint -> now): {changed}; this run's settings apply "
+             f"from here on, at the checkpoint's position in the LR schedule (its step {meta.get('step')})")
 
 
 def _optimizer_settings(trainer) -> dict:
