@@ -20,6 +20,7 @@ from typing import Callable
 import yaml
 
 from beamrl.loop.checkpoints import REPLACED_SUFFIX, STAGING_SUFFIX, pick_resume, published, step_of
+from beamrl.loop.resume_recipe import EARLIER, check_resume_recipe, earlier_recipe
 from beamrl.recipe.errors import RecipeError
 from beamrl.recipe.schema import Recipe
 
@@ -57,6 +58,7 @@ def earlier_run(out_dir: Path, ckpt_root: Path) -> EarlierRun | None:
     out_dir = Path(out_dir)
     outputs = [out_dir / n for n in (*OUTPUT_FILES, *OUTPUT_DIRS) if (out_dir / n).exists()]
     outputs += sorted(out_dir.glob(INIT_CHECKPOINT_GLOB)) if out_dir.is_dir() else []
+    outputs += sorted(out_dir.glob(EARLIER.format(step="*"))) if out_dir.is_dir() else []  # earlier recipes
     checkpoints = published(ckpt_root)
     staged = sorted(p for suffix in (STAGING_SUFFIX, REPLACED_SUFFIX) for p in ckpt_root.glob(f"step_*{suffix}"))
     if not outputs and not checkpoints and not staged:
@@ -94,11 +96,12 @@ class StartPlan:
     resume_dir: Path | None = None
     completed: bool = False
     replace: EarlierRun | None = None
+    recipe_changed: bool = False  # a resume with settings other than the earlier stretch's (`resume_recipe`)
 
 
 def plan_start(recipe: Recipe, resume: bool, overwrite: bool, log: Callable[[str], None]) -> StartPlan:
-    """Decide how the run starts; `RecipeError` naming run.output_dir when it cannot start as asked. Reads, never
-    writes."""
+    """Decide how the run starts; `RecipeError` naming run.output_dir when it cannot start as asked, or a field a
+    resume must keep (`beamrl.loop.resume_recipe`). Reads, never writes."""
     out_dir, root = Path(recipe.run.resolved_output_dir), checkpoint_root(recipe)
     earlier = earlier_run(out_dir, root)
     if resume and overwrite:
@@ -113,8 +116,10 @@ def plan_start(recipe: Recipe, resume: bool, overwrite: bool, log: Callable[[str
                    "it wrote no checkpoint (checkpoint.every_n_steps: 0 writes one only at the end)")
             raise RecipeError("run.output_dir", str(out_dir), f"--resume: {earlier.describe()} cannot be resumed: "
                               f"{why}; start over with --overwrite, or set run.output_dir for a new run")
+        changes = check_resume_recipe(earlier_recipe(out_dir), recipe.to_dict(), log)
         done = step_of(directory)
-        return StartPlan(out_dir, root, directory, completed=done >= recipe.run.num_steps)
+        return StartPlan(out_dir, root, directory, completed=done >= recipe.run.num_steps,
+                         recipe_changed=bool(changes))
     if earlier is not None:
         if not overwrite:
             raise RecipeError("run.output_dir", str(out_dir), f"holds the outputs of {earlier.describe()}: continue "

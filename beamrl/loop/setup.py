@@ -144,6 +144,10 @@ def prepare_run(recipe: Recipe, start: StartPlan, resources: Resources) -> RunCo
     if start.replace is not None:
         delete_outputs(start.replace, log)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if start.recipe_changed:  # what the earlier stretch ran with stays next to this run's recipe
+        from beamrl.loop.resume_recipe import keep_earlier_recipe
+
+        keep_earlier_recipe(out_dir, step_of(resume_dir))
     (out_dir / "recipe.yaml").write_text(recipe.to_yaml())
     torch.manual_seed(recipe.run.seed)
     init = initial_checkpoint(recipe, config, out_dir)

@@ -87,3 +87,37 @@ def test_overwrite_deletes_only_what_the_earlier_run_wrote(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["checkpoints", "notes.txt"]
     assert list((out / "checkpoints").iterdir()) == []
     assert "deleted the outputs of run 'quickstart-addition'" in logs[0]
+
+
+@pytest.mark.parametrize("override,field", [
+    ("data.shuffle_seed=5", "data.shuffle_seed"),
+    ("data.max_prompt_len=6", "data.max_prompt_len"),
+    ("model.dtype=bfloat16", "model.dtype"),
+    ("trainer.lora={rank: 4}", "trainer.lora"),
+])
+def test_a_resume_that_changes_what_the_checkpoints_are_or_the_prompt_order_is_refused_by_name(tmp_path, override,
+                                                                                             field):
+    """Before, a changed data.shuffle_seed ended the resumed run with a raw traceback once Ray, the trainer and the
+    engines were up; a LoRA run resumed without LoRA failed loading its checkpoint."""
+    out = _finished_run(tmp_path / "run", checkpoint_steps=(2,))
+    before = _digest(out)
+    with pytest.raises(RecipeError) as e:
+        plan_start(_recipe(out, override), resume=True, overwrite=False, log=print)
+    assert e.value.path.startswith(field) and "a resume must keep it" in str(e.value), str(e.value)
+    assert _digest(out) == before
+
+
+def test_a_resume_with_other_settings_says_which_and_keeps_the_earlier_recipe(tmp_path):
+    from beamrl.loop.resume_recipe import EARLIER, keep_earlier_recipe
+
+    out = _finished_run(tmp_path / "run", checkpoint_steps=(2,))
+    earlier = (out / "recipe.yaml").read_text()
+    said = []
+    plan = plan_start(_recipe(out, "trainer.lr=0.001", "run.num_steps=5"), resume=True, overwrite=False,
+                      log=said.append)
+    assert plan.recipe_changed and len(said) == 1
+    assert "trainer.lr: 0.0005 -> 0.001" in said[0] and "run.num_steps: 3 -> 5" in said[0]
+    assert not plan_start(_recipe(out), resume=True, overwrite=False, log=print).recipe_changed
+    kept = keep_earlier_recipe(out, 2)
+    assert kept == out / EARLIER.format(step=2) and kept.read_text() == earlier
+    assert earlier_run(out, out / "checkpoints").outputs.count(kept) == 1  # --overwrite deletes it too

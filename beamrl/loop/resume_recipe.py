@@ -1,0 +1,100 @@
+"""A resumed run's recipe against the one its earlier stretch ran with (`recipe.yaml` in the run directory).
+
+Some fields decide what the checkpoints are (the model's shape and dtype, which parameters LoRA trains) or which
+prompts come next (the data's format, tokenization, order): a resume that changes them cannot continue the run. They
+are refused when the run plans its start, naming the field, before anything starts or is written (before, a changed
+`data.shuffle_seed` ended the run with a raw traceback once the trainer and engines were up, and a LoRA run resumed
+without LoRA failed loading its checkpoint). Every other change is allowed and listed on the console; the earlier
+recipe is kept as `recipe.until_step_<k>.yaml`, so the run directory says what each stretch ran with.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from beamrl.recipe.errors import RecipeError
+
+#: Fields a resume must keep (a prefix covers the fields under it).
+FIXED = ("model.preset", "model.config_overrides", "model.dtype", "trainer.lora", "data.format", "data.split",
+         "data.tokenizer", "data.prompt_template", "data.chat_template", "data.shuffle", "data.shuffle_seed",
+         "data.max_prompt_len", "data.synthetic")
+#: Where the earlier stretch's recipe is kept once a resume changes it.
+EARLIER = "recipe.until_step_{step}.yaml"
+
+
+def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(d, dict) and d:
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            out.update(_flat(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: d}
+
+
+def _fixed(path: str) -> bool:
+    return any(path == f or path.startswith(f + ".") for f in FIXED)
+
+
+def changed_fields(old: dict, new: dict) -> list[tuple[str, Any, Any]]:
+    """(dotted field, earlier value, new value) for every field that differs; a whole section that appears or
+    disappears (e.g. `trainer.lora` null vs set) is one entry, with the section's values."""
+    a, b = _flat(old), _flat(new)
+    out: list[tuple[str, Any, Any]] = []
+    for path in sorted(set(a) | set(b)):
+        if a.get(path, _MISSING) == b.get(path, _MISSING):
+            continue
+        section = next((p for p, _, _ in out if path.startswith(p + ".")), None)
+        if section is None:
+            out.append((path, _get(old, path), _get(new, path)))
+    return out
+
+
+def _get(d: dict, path: str) -> Any:
+    for part in path.split("."):
+        if not isinstance(d, dict) or part not in d:
+            return None
+        d = d[part]
+    return d
+
+
+_MISSING = object()
+
+
+def earlier_recipe(out_dir: Path) -> dict | None:
+    """The recipe the run directory's earlier stretch ran with (None when it wrote none: an older run)."""
+    import yaml
+
+    path = out_dir / "recipe.yaml"
+    if not path.exists():
+        return None
+    loaded = yaml.safe_load(path.read_text())
+    return loaded if isinstance(loaded, dict) else None
+
+
+def check_resume_recipe(old: dict | None, new: dict, log: Callable[[str], None]) -> list[tuple[str, Any, Any]]:
+    """Refuse a change to a `FIXED` field (`RecipeError` naming it); list the other changes on the console. Returns
+    every change."""
+    if old is None:
+        return []
+    changes = changed_fields(old, new)
+    for path, before, after in changes:
+        if _fixed(path):
+            raise RecipeError(path, after, f"the run's checkpoints and prompt order come from {before!r}: a resume "
+                              "must keep it (set run.output_dir for a new run, or start over with --overwrite)")
+    if changes:
+        shown = "; ".join(f"{p}: {b!r} -> {a!r}" for p, b, a in changes)
+        log(f"resuming with changed settings (this run's apply from here on): {shown}")
+    return changes
+
+
+def keep_earlier_recipe(out_dir: Path, step: int) -> Path | None:
+    """Before a resume writes its own `recipe.yaml`: keep the earlier one (when it differs) as
+    `recipe.until_step_<step>.yaml`. Returns where it went."""
+    path = out_dir / "recipe.yaml"
+    if not path.exists():
+        return None
+    kept = out_dir / EARLIER.format(step=step)
+    path.replace(kept)
+    return kept
