@@ -152,13 +152,7 @@ class RLDriver:
             last = step + 1 == r.run.num_steps
             pending = self.collector.start(step + 1, self.version) if one_step_off and not last else None  # overlaps
             memory.update(coloc.before_train())
-            if batch.rollouts:
-                metrics = {**batch.metrics, **memory, **self._train_and_publish(step, batch, pending, coloc.staged)}
-            else:  # every sample was left out (its rewards failed under on_error: skip): nothing to train on
-                log(f"step {step + 1}: every sample was left out (a reward component with on_error='skip' failed on "
-                    f"each; the reward lines above say which and why): no update this step, the engines keep "
-                    f"version {self.version}")
-                metrics = {**batch.metrics, **memory}
+            metrics = {**batch.metrics, **memory, **self._train_and_publish(step, batch, pending, coloc.staged)}
             if one_step_off:
                 metrics.setdefault("rollout/resynced_ahead", 0.0)
             metrics[keys.TIME_STEP] = time.perf_counter() - t0
@@ -174,11 +168,21 @@ class RLDriver:
     def _train_and_publish(self, step: int, batch: RolloutBatch, pending: PendingRollout | None,
                            staged: bool) -> dict[str, float]:
         """Train on `batch` and publish the weights as version step + 1; returns the train and sync metrics. With a
-        rollout in flight (one step off) it is collected in between: the engines must be idle to update."""
+        rollout in flight (one step off) it is collected in between: the engines must be idle to update.
+
+        A batch whose samples were all left out (rewards failed under on_error: skip) trains nothing, and the
+        unchanged weights are published all the same: versions stay one per step, and on colocated GPUs the sync is
+        what gives the engines their weights back after the hand-over."""
         # Nothing runs between the train step and the sync unless a rollout is in flight (one step off): then
         # the last train step's call carries the sync too (one round trip fewer).
         request = self._sync_request(step + 1, staged)
-        metrics, carried = self._train(batch, request if pending is None else None)
+        if batch.rollouts:
+            metrics, carried = self._train(batch, request if pending is None else None)
+        else:
+            log(f"step {step + 1}: every sample was left out (a reward component with on_error='skip' failed on each; "
+                f"the reward lines above say which and why): no update this step; the unchanged weights are "
+                f"published as version {step + 1}")
+            metrics, carried = {}, None
         if pending is not None:  # collect step k+1 (it sampled version k) before the update
             self._trained_unpublished = True
             try:

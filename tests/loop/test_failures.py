@@ -181,7 +181,8 @@ def test_a_busy_engine_answers_health_checks_and_shuts_down_at_once(local_ray):
 @pytest.mark.slow
 def test_steps_whose_samples_were_all_left_out_skip_their_update_and_the_run_goes_on(tmp_path):
     """A reward component with on_error: skip that fails on every sample leaves nothing to train on: each such step
-    says so and makes no update (the engines keep version 0), and the run finishes (before, it ended at step 1)."""
+    says so and makes no update (the unchanged weights are published, one version per step as always), and the run
+    finishes (before, it ended at step 1)."""
     rewards = "rewards=[{name: down, fn: 'tests.loop.flaky_rewards:always_raises', on_error: skip}]"
     p = run_train(tmp_path / "run", "run.num_steps=2", rewards, timeout=600)
     assert p.returncode == 0, p.stderr[-4000:]
@@ -189,6 +190,6 @@ def test_steps_whose_samples_were_all_left_out_skip_their_update_and_the_run_goe
     assert [r["step"] for r in rows] == [0, 1]
     for r in rows:
         assert r["rollout/reward_excluded_samples"] == 16 and r["rollout/num_samples"] == 0
-        assert r["reward/down/errors"] == 16 and "train/loss" not in r and "sync/version" not in r
+        assert r["reward/down/errors"] == 16 and "train/loss" not in r and r["sync/version"] == r["step"] + 1
     said = [ln for ln in p.stdout.splitlines() if "every sample was left out" in ln]
-    assert len(said) == 2 and all("no update this step, the engines keep version 0" in ln for ln in said), said
+    assert len(said) == 2 and all("no update this step; the unchanged weights are published" in ln for ln in said)
