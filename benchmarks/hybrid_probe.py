@@ -19,7 +19,6 @@ batch is trained on every iteration, so the numbers are timings only. Compare th
 from __future__ import annotations
 
 import argparse
-import pickle
 import shutil
 import statistics
 import sys
@@ -36,14 +35,14 @@ class HybridHost:
 
     def __init__(self, capture: str):
         from benchmarks import sync_step
+        from benchmarks.profile_step import load_capture
 
-        cap = Path(capture) / "capture"
         work = Path(capture) / "hybrid_probe"  # the trainer's initial checkpoint: kept with the captures, replaced
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir()
         self.trainer, self.engine, self.sync, self.source = sync_step.build(work, 10, in_process=True)
-        self.train_args, self.train_kwargs = pickle.loads((cap / "grpo_train_step.pkl").read_bytes())
-        self.requests = [r for g in pickle.loads((cap / "generate_requests.pkl").read_bytes()) for r in g]
+        self.train_args, self.train_kwargs = load_capture(Path(capture), "grpo_train_step")
+        self.requests = [r for g in load_capture(Path(capture), "generate_requests") for r in g]
 
     def generate(self) -> tuple[float, float]:
         c, w = time.thread_time(), time.perf_counter()
