@@ -87,7 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     def on_stop(signum, _frame) -> None:
         stop.append(signum)
         if child_pid:
-            os.kill(child_pid[0], signal.SIGKILL)  # at once; the loop reaps it
+            try:
+                os.kill(child_pid[0], signal.SIGKILL)  # at once; the loop reaps it
+            except ProcessLookupError:  # already exited (and reaped by the loop)
+                pass
 
     signal.signal(signal.SIGTERM, on_stop)
     signal.signal(signal.SIGINT, on_stop)
