@@ -39,16 +39,25 @@ def _fixed(path: str) -> bool:
 
 def changed_fields(old: dict, new: dict) -> list[tuple[str, Any, Any]]:
     """(dotted field, earlier value, new value) for every field that differs; a whole section that appears or
-    disappears (e.g. `trainer.lora` null vs set) is one entry, with the section's values."""
+    disappears (e.g. `trainer.lora` null vs set) is one entry, with the section's values. A field that only one side
+    has, in a section both have (added or removed by another beamrl version), is not a change."""
     a, b = _flat(old), _flat(new)
     out: list[tuple[str, Any, Any]] = []
     for path in sorted(set(a) | set(b)):
-        if a.get(path, _MISSING) == b.get(path, _MISSING):
+        va, vb = a.get(path, _MISSING), b.get(path, _MISSING)
+        if va == vb or (va is _MISSING and not _reshaped(path, a)) or (vb is _MISSING and not _reshaped(path, b)):
             continue
-        section = next((p for p, _, _ in out if path.startswith(p + ".")), None)
-        if section is None:
+        if next((p for p, _, _ in out if path.startswith(p + ".")), None) is None:
             out.append((path, _get(old, path), _get(new, path)))
     return out
+
+
+def _reshaped(path: str, flat: dict[str, Any]) -> bool:
+    """`path` is missing from `flat` because the section there has another shape: a leaf above it (`trainer.lora:
+    null` where the other side has `trainer.lora.rank`) or fields below it (the other way round)."""
+    parts = path.split(".")
+    return (any(".".join(parts[:i]) in flat for i in range(1, len(parts)))
+            or any(k.startswith(path + ".") for k in flat))
 
 
 def _get(d: dict, path: str) -> Any:

@@ -121,3 +121,16 @@ def test_a_resume_with_other_settings_says_which_and_keeps_the_earlier_recipe(tm
     kept = keep_earlier_recipe(out, 2)
     assert kept == out / EARLIER.format(step=2) and kept.read_text() == earlier
     assert earlier_run(out, out / "checkpoints").outputs.count(kept) == 1  # --overwrite deletes it too
+
+
+def test_fields_that_another_beamrl_version_added_or_removed_are_not_changes():
+    """A run written by an older beamrl lacks the fields added since (and may hold removed ones): those are not
+    changes, so a resume across versions is not refused for a FIXED section's new field; a section that appears or
+    disappears is one change."""
+    from beamrl.loop.resume_recipe import changed_fields
+
+    assert changed_fields({"trainer": {"lora": {"rank": 4}}}, {"trainer": {"lora": {"rank": 4, "seed": 0}}}) == []
+    assert changed_fields({"data": {"shuffle": True, "gone": 1}}, {"data": {"shuffle": True}}) == []
+    assert changed_fields({"trainer": {"lora": None}}, {"trainer": {"lora": {"rank": 4}}}) == [
+        ("trainer.lora", None, {"rank": 4})]
+    assert changed_fields({"trainer": {"lr": 1}}, {"trainer": {"lr": 2}}) == [("trainer.lr", 1, 2)]
