@@ -36,6 +36,7 @@ from beamrl.loop.weight_update import (SyncProbe, publish_weights, rank_colocati
 from beamrl.metrics import keys
 from beamrl.metrics.samples import samples_due
 from beamrl.recipe.schema import Recipe
+from beamrl.trainer.batching import trainable
 
 
 def _shutdown_once_started(starting, bound_s: float) -> None:
@@ -170,21 +171,25 @@ class RLDriver:
         """Train on `batch` and publish the weights as version step + 1; returns the train and sync metrics. With a
         rollout in flight (one step off) it is collected in between: the engines must be idle to update.
 
-        A batch whose samples were all left out (rewards failed under on_error: skip) trains nothing, and the
-        unchanged weights are published all the same: versions stay one per step, and on colocated GPUs the sync is
+        A batch with too few samples left for the layout's micro-batches (`trainable`: samples whose rewards failed
+        under on_error: skip were left out, maybe all) trains nothing, and the unchanged weights are published all the
+        same: versions stay one per step, and on colocated GPUs the sync is
         what gives the engines their weights back after the hand-over."""
         # Nothing runs between the train step and the sync unless a rollout is in flight (one step off): then
         # the last train step's call carries the sync too (one round trip fewer).
         request = self._sync_request(step + 1, staged)
-        if batch.rollouts:
+        tr = self.recipe.trainer
+        trains = trainable(len(batch.rollouts), tr.global_batch_size, tr.micro_batch_size, self.trainer.dp_size,
+                           tr.pp if tr.vpp else 1)
+        if trains:
             metrics, carried = self._train(batch, request if pending is None else None)
         else:
-            log(f"step {step + 1}: every sample was left out (a reward component with on_error='skip' failed on each; "
-                f"the reward lines above say which and why): no update this step; the unchanged weights are "
-                f"published as version {step + 1}")
+            log(f"step {step + 1}: {len(batch.rollouts)} sample(s) left, too few for this layout's micro-batches "
+                f"(samples whose reward failed under on_error='skip' were left out; the reward lines above say "
+                f"which and why): no update this step; the unchanged weights are published as version {step + 1}")
             metrics, carried = {}, None
         if pending is not None:  # collect step k+1 (it sampled version k) before the update
-            self._trained_unpublished = True
+            self._trained_unpublished = trains
             try:
                 self.collector.collect_early(pending)
             finally:

@@ -17,15 +17,18 @@ from typing import Any
 from beamrl.recipe.errors import RecipeError
 
 #: Fields a resume must keep (a prefix covers the fields under it).
-FIXED = ("model.preset", "model.config_overrides", "model.dtype", "trainer.lora", "data.format", "data.split",
+FIXED = ("model.preset", "model.config_overrides", "model.dtype", "trainer.lora", "trainer.distributed_optimizer",
+         "data.format", "data.split",
          "data.tokenizer", "data.prompt_template", "data.chat_template", "data.shuffle", "data.shuffle_seed",
          "data.max_prompt_len", "data.synthetic")
+#: Free-form mappings, compared whole (a key added or removed there is a change, not another beamrl version's field).
+WHOLE = ("model.config_overrides", "rollout.server_args")
 #: Where the earlier stretch's recipe is kept once a resume changes it.
 EARLIER = "recipe.until_step_{step}.yaml"
 
 
 def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(d, dict) and d:
+    if isinstance(d, dict) and d and prefix[:-1] not in WHOLE:
         out: dict[str, Any] = {}
         for k, v in d.items():
             out.update(_flat(v, f"{prefix}{k}."))
@@ -100,10 +103,11 @@ def check_resume_recipe(old: dict | None, new: dict, log: Callable[[str], None])
 
 def keep_earlier_recipe(out_dir: Path, step: int) -> Path | None:
     """Before a resume writes its own `recipe.yaml`: keep the earlier one (when it differs) as
-    `recipe.until_step_<step>.yaml`. Returns where it went."""
+    `recipe.until_step_<step>.yaml`, unless one is kept for that step already (the stretch that wrote it ran from
+    the same checkpoint and is gone). Returns where it went (None: nothing kept)."""
     path = out_dir / "recipe.yaml"
-    if not path.exists():
-        return None
     kept = out_dir / EARLIER.format(step=step)
+    if not path.exists() or kept.exists():  # kept already: a resume from this step before left no steps of its own
+        return None
     path.replace(kept)
     return kept

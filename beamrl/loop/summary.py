@@ -15,7 +15,10 @@ def plot_and_summarize(out_dir: Path, plot_reward_curve: bool, run: dict[str, An
     if plot_reward_curve and metrics_path.exists():
         from beamrl.metrics.plot import plot_reward_curve as plot
 
-        plot(metrics_path, out_dir / "reward_curve.png")
+        if any('"reward/mean"' in ln for ln in metrics_path.read_text().splitlines()):
+            plot(metrics_path, out_dir / "reward_curve.png")
+        else:  # every step's samples were left out (rewards with on_error: skip): no reward to draw
+            log(f"no step of {metrics_path} has a reward (every sample was left out): no reward_curve.png")
     write_summary(out_dir, metrics_path, run or {})
 
 

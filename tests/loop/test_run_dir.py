@@ -134,3 +134,17 @@ def test_fields_that_another_beamrl_version_added_or_removed_are_not_changes():
     assert changed_fields({"trainer": {"lora": None}}, {"trainer": {"lora": {"rank": 4}}}) == [
         ("trainer.lora", None, {"rank": 4})]
     assert changed_fields({"trainer": {"lr": 1}}, {"trainer": {"lr": 2}}) == [("trainer.lr", 1, 2)]
+
+
+def test_free_form_mappings_are_compared_whole_and_a_kept_recipe_is_not_overwritten(tmp_path):
+    from beamrl.loop.resume_recipe import changed_fields, keep_earlier_recipe
+
+    old = {"model": {"config_overrides": {"vocab_size": 16}}}
+    new = {"model": {"config_overrides": {"vocab_size": 16, "num_hidden_layers": 2}}}
+    assert changed_fields(old, new) == [("model.config_overrides", {"vocab_size": 16},
+                                         {"vocab_size": 16, "num_hidden_layers": 2})]
+    (tmp_path / "recipe.yaml").write_text("first stretch\n")
+    assert keep_earlier_recipe(tmp_path, 10) == tmp_path / "recipe.until_step_10.yaml"
+    (tmp_path / "recipe.yaml").write_text("a stretch from step 10 that crashed before its next checkpoint\n")
+    assert keep_earlier_recipe(tmp_path, 10) is None
+    assert (tmp_path / "recipe.until_step_10.yaml").read_text() == "first stretch\n"
