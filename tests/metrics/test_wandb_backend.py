@@ -42,11 +42,16 @@ def history(records) -> list[dict]:
     return rows
 
 
-def test_offline_run_dir_without_network(tmp_path, monkeypatch):
+def _offline_wandb(monkeypatch, tmp_path) -> None:
+    """wandb's directories under `tmp_path`, no API key, no output: nothing reaches the network or the home dir."""
     for var in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):
         monkeypatch.setenv(var, str(tmp_path / var.lower()))
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("WANDB_SILENT", "true")
+
+
+def test_offline_run_dir_without_network(tmp_path, monkeypatch):
+    _offline_wandb(monkeypatch, tmp_path)
     lg = WandbLogger("beamrl-test", "unit", tmp_path / "run", mode="offline", config={"a": 1})
     lg.log(0, {"reward/mean": 0.5})
     lg.log(3, {"reward/mean": 0.75, "train/kl": 0.125})
@@ -70,10 +75,7 @@ def test_bad_mode(tmp_path):
 
 
 def test_a_finish_that_hangs_is_bounded_and_names_the_sync_command(tmp_path, monkeypatch, capsys):
-    for var in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):
-        monkeypatch.setenv(var, str(tmp_path / var.lower()))
-    monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    monkeypatch.setenv("WANDB_SILENT", "true")
+    _offline_wandb(monkeypatch, tmp_path)
     monkeypatch.setattr("beamrl.metrics.wandb_backend._FINISH_MARGIN_S", 0.0)
     lg = WandbLogger("beamrl-test", "unit", tmp_path / "run", mode="offline", finish_timeout_s=0.5)
     assert lg._run.settings.finish_timeout == 0.5  # wandb's own bound: also its teardown at interpreter exit
@@ -95,10 +97,7 @@ def test_a_finish_that_hangs_is_bounded_and_names_the_sync_command(tmp_path, mon
 
 
 def test_a_finish_that_fails_is_raised(tmp_path, monkeypatch):
-    for var in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):
-        monkeypatch.setenv(var, str(tmp_path / var.lower()))
-    monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    monkeypatch.setenv("WANDB_SILENT", "true")
+    _offline_wandb(monkeypatch, tmp_path)
     lg = WandbLogger("beamrl-test", "unit", tmp_path / "run", mode="offline")
     real_finish = lg._run.finish
 
