@@ -81,7 +81,8 @@ class KVCache:
         return self.keys[layer][:, : self.length], self.values[layer][:, : self.length]
 
     def select_rows(self, rows: torch.Tensor | list[int]) -> None:
-        """Keep only `rows` (e.g. the requests still decoding), in that order; drops the others' memory."""
+        """Keep only `rows` (e.g. the requests still decoding), in that order; drops the others' memory. A row may
+        be named more than once (a shared prefill copied to each request of its prompt)."""
         idx = torch.as_tensor(rows, dtype=torch.long, device=self.positions.device)
         self.keys = [k.index_select(0, idx) for k in self.keys]
         self.values = [v.index_select(0, idx) for v in self.values]

@@ -1,5 +1,11 @@
-"""Batched generation on `BeamForCausalLM` with its KV cache: one left-padded prefill, then one decode forward per
-step for every unfinished request at once (finished rows are dropped from the cache)."""
+"""Batched generation on `BeamForCausalLM` with its KV cache: one left-padded prefill of each distinct prompt, then
+one decode forward per step for every unfinished request at once (finished rows are dropped from the cache).
+
+Requests with the same prompt (GRPO's n samples of a prompt) share its prefill, as SGLang's radix cache shares a
+cached prefix: the prompt is run once and its cache row copied to every request that has it. The copies are the
+same bits, so the samples of one prompt start from one prefill. Against prefilling every copy, the prompts' logits
+and keys can differ in the last bits (a GEMM's rounding depends on its row count on CPU), as they already did with
+the batch's other prompts and its padding."""
 
 from __future__ import annotations
 
@@ -46,6 +52,13 @@ def row_sampling(requests: list[GenerateRequest], seeds: list[int], vocab: int) 
                        torch.tensor(top_p, dtype=torch.float32), torch.tensor(seeds, dtype=torch.long))
 
 
+def distinct_prompts(requests: list[GenerateRequest]) -> tuple[list[tuple[int, ...]], list[int]]:
+    """The distinct prompts of `requests` in order of first use, and each request's index into them."""
+    index: dict[tuple[int, ...], int] = {}
+    prompt_of = [index.setdefault(tuple(r.prompt_ids), len(index)) for r in requests]
+    return list(index), prompt_of
+
+
 @torch.inference_mode()  # not just no_grad: no version counters or view tracking on the ~5k ops of a batch
 def generate_batch(model: BeamForCausalLM, requests: list[GenerateRequest], seeds: list[int],
                    should_abort: Callable[[], bool], deadline: float) -> list[RowState]:
@@ -54,26 +67,32 @@ def generate_batch(model: BeamForCausalLM, requests: list[GenerateRequest], seed
     c = model.config
     dev = model.device
     n = len(requests)
-    lengths = [len(r.prompt_ids) for r in requests]
+    prompts, prompt_of = distinct_prompts(requests)
+    lengths = [len(p) for p in prompts]
     T = max(lengths)
     max_new = max(r.sampling.max_new_tokens for r in requests)
     # Left padding, built as lists and turned into tensors once (not four tensor ops per row).
-    ids = torch.tensor([[0] * (T - k) + list(r.prompt_ids) for r, k in zip(requests, lengths)], dtype=torch.long)
+    ids = torch.tensor([[0] * (T - k) + list(p) for p, k in zip(prompts, lengths)], dtype=torch.long)
     mask = torch.tensor([[False] * (T - k) + [True] * k for k in lengths], dtype=torch.bool)
     want_routes = any(r.return_routed_experts for r in requests)
     params = row_sampling(requests, seeds, c.vocab_size)
     stops = [_stop_ids(r, c.eos_token_id) for r in requests]
     states = [RowState() for _ in requests]
 
-    cache = KVCache(c, n, T + max_new, model.dtype, dev)
+    cache = KVCache(c, len(prompts), T + max_new, model.dtype, dev)
     out = model(ids.to(dev), attention_mask=mask.to(dev), kv_cache=cache, return_routes=want_routes,
                 last_logits_only=True)
     if want_routes:  # one host copy per forward; rows are numpy views of it (no per-row tensor ops)
         prefill = out.routes.cpu().numpy()
         for i, r in enumerate(requests):
             if r.return_routed_experts:
-                states[i].routes.append(prefill[i, T - lengths[i]:])  # left padding: the last lengths[i] slots
+                u = prompt_of[i]
+                states[i].routes.append(prefill[u, T - lengths[u]:])  # left padding: the last lengths[u] slots
     logits = out.logits[:, -1]
+    if len(prompts) < n:  # every request gets its prompt's cache row and last logits
+        shared = torch.tensor(prompt_of, dtype=torch.long, device=dev)
+        cache.select_rows(shared)
+        logits = logits.index_select(0, shared)
     active = list(range(n))  # request index of each cache row
     step = 0
     while active:

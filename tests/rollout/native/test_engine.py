@@ -101,6 +101,33 @@ def test_stop_tokens_eos_and_ignore_eos(engine):
     assert np.array_equal(r.routed_experts, base.routed_experts[: r.routed_experts.shape[0]])
 
 
+
+def test_requests_with_one_prompt_share_its_prefill(engine):
+    """GRPO's n samples of a prompt: the prompt is prefilled once (one batch row per distinct prompt) and every
+    sample still draws from its own seed, exactly as when generated alone."""
+    prompts = [[5, 9, 33], [7, 1, 2, 3, 100, 17], [5, 9, 33], [44], [7, 1, 2, 3, 100, 17], [5, 9, 33]]
+    reqs = [GenerateRequest(prompt_ids=p, return_routed_experts=True, request_id=f"r{i}",
+                            sampling=SamplingParams(max_new_tokens=6, temperature=1.0, seed=100 + i, ignore_eos=True))
+            for i, p in enumerate(prompts)]
+    prefill_rows = []
+    hook = engine.model.register_forward_hook(
+        lambda mod, args, kwargs, out: prefill_rows.append(args[0].shape) if args[0].shape[1] > 1 else None,
+        with_kwargs=True)
+    try:
+        together = engine.generate(reqs, T_OUT)
+    finally:
+        hook.remove()
+    assert prefill_rows == [(3, 6)]  # 3 distinct prompts, left-padded to the longest
+    for r, got in zip(reqs, together):
+        alone = engine.generate([r], T_OUT)[0]
+        assert got.request_id == r.request_id and got.prompt_ids == list(r.prompt_ids)
+        assert got.output_ids == alone.output_ids
+        assert got.output_logprobs == pytest.approx(alone.output_logprobs, abs=1e-5)
+        assert np.array_equal(got.routed_experts, alone.routed_experts)
+    copies = [together[i] for i in (0, 2, 5)]  # one prompt, three seeds: three samples, not one
+    assert len({tuple(c.output_ids) for c in copies}) > 1
+    assert all(np.array_equal(c.routed_experts[:3], copies[0].routed_experts[:3]) for c in copies)
+
 def test_score_equals_reference_token_logprobs(engine, ref):
     seqs = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [400, 3], [9, 8, 7, 6]]
     scores = engine.score(seqs, T_OUT)
