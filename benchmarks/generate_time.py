@@ -30,6 +30,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args(argv)
+    if not (args.capture / "capture" / "generate_requests.pkl").exists():
+        ap.error(f"{args.capture}/capture/ has no generate_requests.pkl: run benchmarks/profile_step.py first")
     import torch
 
     torch.set_num_threads(1)

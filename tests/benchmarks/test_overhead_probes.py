@@ -1,9 +1,12 @@
-"""Smoke runs of the two issue-14 probes: the reference model's forward by length (the TRL-Beam peer's uncached
-generation), and the hybrid-layout probe's refusal without the captures it replays."""
+"""Smoke runs of the issue-14 probes: the reference model's forward by length (the TRL-Beam peer's uncached
+generation), `generate`'s time on captured requests, and the refusals without the captures they replay."""
+
+import dataclasses
+import pickle
 
 import pytest
 
-from benchmarks import hybrid_probe, reference_forward
+from benchmarks import generate_time, hybrid_probe, reference_forward
 
 
 def test_reference_forward_prints_one_row_per_length(capsys):
@@ -16,4 +19,34 @@ def test_reference_forward_prints_one_row_per_length(capsys):
 def test_hybrid_probe_without_captures_says_what_to_run_first(tmp_path, capsys):
     with pytest.raises(SystemExit):
         hybrid_probe.main(["--capture", str(tmp_path)])
+    assert "run benchmarks/profile_step.py first" in capsys.readouterr().err
+
+
+def test_generate_time_runs_the_captured_requests_and_prints_their_digest(tmp_path, capsys):
+    import torch
+
+    from beamrl.models.beam import BeamForCausalLM, preset
+    from beamrl.models.beam.checkpoint import save_checkpoint
+    from beamrl.protocols.rollout import GenerateRequest, SamplingParams
+
+    cfg = dataclasses.replace(preset("tiny"), dtype="float32")
+    save_checkpoint(cfg, BeamForCausalLM(cfg, dtype=torch.float32, seed=3).state_dict(),
+                    tmp_path / "run" / "sft_checkpoint")
+    groups = [[GenerateRequest(prompt_ids=p, return_routed_experts=True,
+                               sampling=SamplingParams(max_new_tokens=3, seed=10 * g + i)) for i in range(4)]
+              for g, p in enumerate(([5, 9, 33], [7, 1]))]
+    (tmp_path / "capture").mkdir()
+    (tmp_path / "capture" / "generate_requests.pkl").write_bytes(pickle.dumps(groups))
+    args = ["--capture", str(tmp_path), "--repeats", "1", "--rounds", "2"]
+    assert generate_time.main(args) == 0
+    first = capsys.readouterr().out
+    assert "8 requests, 2 distinct prompts" in first
+    assert generate_time.main(args) == 0  # same weights and seeds: the same outputs
+    digest = [ln for ln in first.splitlines() if ln.startswith("outputs:")]
+    assert len(digest) == 1 and digest[0] in capsys.readouterr().out
+
+
+def test_generate_time_without_captures_says_what_to_run_first(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        generate_time.main(["--capture", str(tmp_path)])
     assert "run benchmarks/profile_step.py first" in capsys.readouterr().err
