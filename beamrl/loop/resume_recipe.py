@@ -101,6 +101,22 @@ def check_resume_recipe(old: dict | None, new: dict, log: Callable[[str], None])
     return changes
 
 
+def check_resume_tokenizer(out_dir: Path, digest: str, field: str, value: Any) -> None:
+    """Refuse a resume whose tokenizer tokenizes otherwise than the earlier stretch's (`RecipeError` naming `field`,
+    the recipe field the tokenizer came from). The digest is the one the earlier stretch kept in `out_dir`
+    (`beamrl.data.tokenizer_identity`); a run from before it was kept is not checked."""
+    from beamrl.data.tokenizer_identity import TOKENIZER_DIGEST_FILE
+
+    path = out_dir / TOKENIZER_DIGEST_FILE
+    if not path.exists():
+        return
+    earlier = path.read_text().strip()
+    if earlier != digest:
+        raise RecipeError(field, value, f"this tokenizer (digest {digest[:12]}) tokenizes otherwise than the one the "
+                          f"run's prompts and checkpoints were made with (digest {earlier[:12]}, {path}): a resume "
+                          "must keep it (set run.output_dir for a new run, or start over with --overwrite)")
+
+
 def keep_earlier_recipe(out_dir: Path, step: int) -> Path | None:
     """Before a resume writes its own `recipe.yaml`: keep the earlier one (when it differs) as
     `recipe.until_step_<step>.yaml`, unless one is kept for that step already (the stretch that wrote it ran from

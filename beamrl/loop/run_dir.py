@@ -19,13 +19,15 @@ from typing import Callable
 
 import yaml
 
+from beamrl.data.tokenizer_identity import TOKENIZER_DIGEST_FILE
 from beamrl.loop.checkpoints import REPLACED_SUFFIX, STAGING_SUFFIX, pick_resume, published, step_of
 from beamrl.loop.resume_recipe import EARLIER, check_resume_recipe, earlier_recipe
 from beamrl.recipe.errors import RecipeError
 from beamrl.recipe.schema import Recipe
 
 # What a run writes into its output directory (besides the checkpoints, which may live elsewhere).
-OUTPUT_FILES = ("recipe.yaml", "metrics.jsonl", "samples.jsonl", "summary.json", "reward_curve.png")
+OUTPUT_FILES = ("recipe.yaml", TOKENIZER_DIGEST_FILE, "metrics.jsonl", "samples.jsonl", "summary.json",
+                "reward_curve.png")
 OUTPUT_DIRS = ("sft_checkpoint", "hf_final", "tensorboard", "wandb")
 INIT_CHECKPOINT_GLOB = "init_checkpoint_seed*"
 

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from beamrl.cluster.placement import Placement
+from beamrl.data.tokenizer_identity import TOKENIZER_DIGEST_FILE, tokenizer_digest
 from beamrl.dtypes import torch_dtype
 from beamrl.loop.colocated import engines_back_up_weights, engines_stage_memory
 from beamrl.loop.groups import EngineGroup, TrainerGroup
@@ -138,6 +139,12 @@ def prepare_run(recipe: Recipe, start: StartPlan, resources: Resources) -> RunCo
     placement = placement_of(recipe)  # and a layout that cannot be placed neither
     checks = preflight(recipe, config)
     tokenizer = checks.tokenizer
+    digest = None if tokenizer is None else tokenizer_digest(tokenizer)
+    if digest is not None and start.resume_dir is not None:
+        from beamrl.loop.resume_recipe import check_resume_tokenizer
+
+        field = "data.tokenizer" if recipe.data.tokenizer is not None else "model.checkpoint"
+        check_resume_tokenizer(start.out_dir, digest, field, recipe.data.tokenizer or recipe.model.checkpoint)
     data = load_prompts(recipe, tokenizer)
     log(f"checks passed: {'; '.join(checks.lines)}; {len(data)} prompts")
     out_dir, ckpt_root, resume_dir = start.out_dir, start.checkpoint_root, start.resume_dir
@@ -149,6 +156,8 @@ def prepare_run(recipe: Recipe, start: StartPlan, resources: Resources) -> RunCo
 
         keep_earlier_recipe(out_dir, step_of(resume_dir))
     (out_dir / "recipe.yaml").write_text(recipe.to_yaml())
+    if digest is not None:  # what a resume compares its tokenizer with (beamrl.data.tokenizer_identity)
+        (out_dir / TOKENIZER_DIGEST_FILE).write_text(digest + "\n")
     torch.manual_seed(recipe.run.seed)
     init = initial_checkpoint(recipe, config, out_dir)
     rewards = RewardManager(recipe.rewards, recipe.reward_pool, log=log)

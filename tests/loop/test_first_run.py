@@ -98,6 +98,11 @@ def test_outputs_name_the_run_its_samples_and_its_last_checkpoint(first_run):
     assert [step_of(p) for p in published(out / "checkpoints")] == [2]
     assert problems(out / "checkpoints" / "step_2") == []
     assert summary["files"]["samples.jsonl"] == str(out / "samples.jsonl") and summary["resumed_from"] is None
+    from beamrl.data.digit_tokenizer import DigitTokenizer
+    from beamrl.data.tokenizer_identity import TOKENIZER_DIGEST_FILE, tokenizer_digest
+
+    # what a resume compares its tokenizer with (the default run's resume below passes that check)
+    assert (out / TOKENIZER_DIGEST_FILE).read_text() == tokenizer_digest(DigitTokenizer()) + "\n"
     samples = [json.loads(ln) for ln in (out / "samples.jsonl").read_text().splitlines()]
     assert [s["step"] for s in samples] == [0] * 4 + [1] * 4
     assert {s["reward"] for s in samples} <= {0.0, 1.0} and all(s["prompt"].endswith("=") for s in samples)

@@ -148,3 +148,73 @@ def test_free_form_mappings_are_compared_whole_and_a_kept_recipe_is_not_overwrit
     (tmp_path / "recipe.yaml").write_text("a stretch from step 10 that crashed before its next checkpoint\n")
     assert keep_earlier_recipe(tmp_path, 10) is None
     assert (tmp_path / "recipe.until_step_10.yaml").read_text() == "first stretch\n"
+
+
+@pytest.fixture(scope="module")
+def tokenizer_checkpoints(tmp_path_factory):
+    """Three tiny checkpoints with a tokenizer beside the weights: the byte tokenizer ('a'), the same files at
+    another path ('moved'), and the byte tokenizer with one more token ('other')."""
+    import shutil
+
+    from beamrl.cli import main
+    from beamrl.data.byte_tokenizer import byte_tokenizer
+
+    root = tmp_path_factory.mktemp("tokenizers")
+    assert main(["init-checkpoint", "--preset", "tiny", "--out", str(root / "a"), "--dtype", "float32",
+                 "--tokenizer", "byte"]) == 0
+    shutil.copytree(root / "a", root / "moved")
+    shutil.copytree(root / "a", root / "other")
+    tok = byte_tokenizer()
+    tok.add_tokens(["<extra>"])
+    tok.save_pretrained(root / "other")
+    return root
+
+
+def _byte_recipe(out, checkpoint, *overrides):
+    return _recipe(out, "model.preset=null", "model.seed=null", f"model.checkpoint={checkpoint}",
+                   "model.config_overrides={}", "data.tokenizer=null", *overrides)
+
+
+def test_a_tokenizer_is_known_by_what_it_does_not_by_its_path(tokenizer_checkpoints):
+    from beamrl.data.prompts import load_tokenizer
+    from beamrl.data.tokenizer_identity import tokenizer_digest
+
+    root = tokenizer_checkpoints
+    a, moved, other = (tokenizer_digest(load_tokenizer(None, str(root / n))) for n in ("a", "moved", "other"))
+    assert a == moved != other
+    assert len({a, tokenizer_digest(load_tokenizer("digit", None)), tokenizer_digest(load_tokenizer("byte", None))}) \
+        == 2  # the byte tokenizer beside the checkpoint is the built-in one
+    from beamrl.data.byte_tokenizer import byte_tokenizer
+
+    assert tokenizer_digest(byte_tokenizer(chat_template=False)) != a  # the chat template makes the prompts
+
+
+def test_a_resume_whose_tokenizer_tokenizes_otherwise_is_refused_before_anything_starts(tokenizer_checkpoints,
+                                                                                      tmp_path, capsys):
+    """`data.tokenizer: null` takes the tokenizer beside `model.checkpoint`, and `model.checkpoint` may change on
+    resume (the weights come from the run's checkpoint): before, a resume from another checkpoint directory
+    tokenized its prompts with that directory's tokenizer, unnoticed."""
+    from beamrl.cli import main
+    from beamrl.data.prompts import load_tokenizer
+    from beamrl.data.tokenizer_identity import TOKENIZER_DIGEST_FILE, tokenizer_digest
+    from beamrl.loop.resume_recipe import check_resume_tokenizer
+
+    root = tokenizer_checkpoints
+    out = tmp_path / "run"
+    _finished_run(out, checkpoint_steps=(2,))
+    (out / "recipe.yaml").write_text(_byte_recipe(out, root / "a").to_yaml())
+    (out / TOKENIZER_DIGEST_FILE).write_text(tokenizer_digest(load_tokenizer(None, str(root / "a"))) + "\n")
+    before = _digest(out)
+    args = ["train", "quickstart", "--resume", f"run.output_dir={out}", "run.num_steps=3", "model.preset=null",
+            "model.seed=null", f"model.checkpoint={root / 'other'}", "model.config_overrides={}",
+            "data.tokenizer=null"]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"beamrl train: model.checkpoint='{root / 'other'}'") and "tokenizes otherwise" in err, err
+    assert _digest(out) == before  # refused before anything was written
+    assert earlier_run(out, out / "checkpoints").outputs.count(out / TOKENIZER_DIGEST_FILE) == 1  # --overwrite too
+    # The same tokenizer at another path is the same tokenizer; a run from before the digest was kept is not checked.
+    check_resume_tokenizer(out, tokenizer_digest(load_tokenizer(None, str(root / "moved"))), "model.checkpoint",
+                           str(root / "moved"))
+    (out / TOKENIZER_DIGEST_FILE).unlink()
+    check_resume_tokenizer(out, "0" * 64, "model.checkpoint", str(root / "other"))
