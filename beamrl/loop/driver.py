@@ -22,7 +22,7 @@ from beamrl.loop.engine_recovery import EngineRecovery
 from beamrl.loop.groups import CarriedSync, EngineGroup, TrainerGroup, TrainerRankError, first_line
 from beamrl.loop.log import log
 from beamrl.loop.ray_utils import ActorCallError
-from beamrl.loop.run_dir import plan_start
+from beamrl.loop.run_dir import ADAPTER_DIR, plan_start
 from beamrl.loop.samples import completion_samples
 from beamrl.loop.setup import (Resources, RunContext, engine_start_bound_s,
                                engines_start_with_trainer, prepare_run, start_engines, start_ray, start_trainer,
@@ -319,7 +319,7 @@ class RLDriver:
         self.checkpoints.wait(self.trainer)
         hf = adapter = None
         if r.trainer.lora is not None:  # the trained adapter, in the format `peft` loads (docs/lora.md)
-            adapter = self.trainer.save_lora_adapter(str(run.out_dir / "adapter"))
+            adapter = self.trainer.save_lora_adapter(str(run.out_dir / ADAPTER_DIR))
             log(f"final LoRA adapter (PEFT format): {adapter}")
         if r.checkpoint.export_hf_at_end:
             hf = self.trainer.export_hf_checkpoint(str(run.out_dir / "hf_final"))

@@ -28,7 +28,8 @@ from beamrl.recipe.schema import Recipe
 # What a run writes into its output directory (besides the checkpoints, which may live elsewhere).
 OUTPUT_FILES = ("recipe.yaml", TOKENIZER_DIGEST_FILE, "metrics.jsonl", "samples.jsonl", "summary.json",
                 "reward_curve.png")
-OUTPUT_DIRS = ("sft_checkpoint", "hf_final", "tensorboard", "wandb")
+ADAPTER_DIR = "adapter"  # a LoRA run's final adapter, PEFT format
+OUTPUT_DIRS = ("sft_checkpoint", "hf_final", ADAPTER_DIR, "tensorboard", "wandb")
 INIT_CHECKPOINT_GLOB = "init_checkpoint_seed*"
 
 

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ValidationError
 
 from beamrl.config import ConfigError
 from beamrl.recipe.errors import RecipeError, join_path
-from beamrl.recipe.schema import Recipe
+from beamrl.recipe.schema import MOVED_FIELDS, Recipe, moved_field
 
 RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
 
@@ -147,6 +147,9 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
             continue
         free_mapping = cls is None  # inside a dict[str, Any] field (server_args, kwargs): any key is fine
         if not free_mapping and part not in cls.model_fields:
+            moved = ".".join(parts[:depth + 1])
+            if moved in MOVED_FIELDS:
+                raise RecipeError(key, value, moved_field(moved))
             raise RecipeError(key, value, f"unknown field {part!r}; valid keys at {here}: {sorted(cls.model_fields)}")
         if last:
             node[part] = value

@@ -104,8 +104,17 @@ class TimeoutsSection(Section):
     @classmethod
     def _moved_fields(cls, data: Any) -> Any:
         if isinstance(data, dict) and "reward_s" in data:
-            raise ValueError("timeouts.reward_s moved to reward_pool.batch_timeout_s (see docs/recipes.md CHANGELOG)")
+            raise ValueError(moved_field("timeouts.reward_s"))
         return data
+
+
+#: Fields that moved, by their old dotted path: a recipe file or an override that sets one is told where it went.
+MOVED_FIELDS = {"timeouts.reward_s": "reward_pool.batch_timeout_s"}
+
+
+def moved_field(path: str) -> str:
+    """The message for a moved field (`MOVED_FIELDS`)."""
+    return f"{path} moved to {MOVED_FIELDS[path]} (see docs/recipes.md CHANGELOG)"
 
 
 class SFTSection(Section):

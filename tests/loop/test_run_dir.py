@@ -27,6 +27,7 @@ def _finished_run(out, steps_logged=3, checkpoint_steps=(3,)):
     (out / "summary.json").write_text("{}\n")
     (out / "sft_checkpoint").mkdir()
     (out / "init_checkpoint_seed0").mkdir()
+    (out / "adapter").mkdir()  # what a LoRA run writes at its end (PEFT format)
     (out / "notes.txt").write_text("the user's own file\n")
     ckpts, trainer = RunCheckpoints(out / "checkpoints", 2, False, 60.0, lambda m: None), _FakeTrainer()
     for s in checkpoint_steps:

@@ -95,3 +95,12 @@ def test_moved_reward_timeout_names_its_new_place(base_raw):
     with pytest.raises(RecipeError) as e:
         validate_recipe(base_raw)
     assert "reward_pool.batch_timeout_s" in str(e.value)
+
+
+def test_an_override_of_a_moved_field_names_its_new_place_too():
+    """Before, only a recipe file got the hint: the override said "unknown field 'reward_s'" and listed the keys."""
+    from beamrl.recipe import load_recipe
+
+    with pytest.raises(RecipeError) as e:
+        load_recipe("quickstart", ["timeouts.reward_s=3"])
+    assert e.value.path == "timeouts.reward_s" and "moved to reward_pool.batch_timeout_s" in str(e.value)
