@@ -14,6 +14,9 @@ Prints the medians (over the steps after `--warmup`) of the whole step, of each 
 the work inside the actor (thread CPU time and wall time of the train step, the sync and `generate`). The same
 batch is trained on every iteration, so the numbers are timings only. Compare the step with the real run's
 `time/step_s` (two actors) measured in the same sitting.
+
+`--in-driver`: the same host object in the driver's own process, called directly (no Ray: TRL's layout, one process
+that generates, waits for its rewards and trains), for the floor that no placement of Ray actors can go under.
 """
 
 from __future__ import annotations
@@ -59,39 +62,53 @@ class HybridHost:
         return c1 - c, w1 - w, time.thread_time() - c1, time.perf_counter() - w1
 
 
+def _steps(host, call, args) -> list[dict]:
+    """The timed loop: `call(host.generate)` then `call(host.train_then_sync)`, the driver's pause between them."""
+    call(host.generate)
+    call(host.train_then_sync)
+    rows = []
+    for _ in range(args.warmup + args.steps):
+        t0 = time.perf_counter()
+        gen_cpu, gen_wall = call(host.generate)
+        t1 = time.perf_counter()
+        time.sleep(args.driver_ms / 1e3)
+        t2 = time.perf_counter()
+        train_cpu, train_wall, sync_cpu, sync_wall = call(host.train_then_sync)
+        t3 = time.perf_counter()
+        rows.append({"step": t3 - t0, "generate call": t1 - t0, "train+sync call": t3 - t2,
+                     "generate CPU": gen_cpu, "generate wall": gen_wall, "train_step CPU": train_cpu,
+                     "train_step wall": train_wall, "sync CPU (calling thread)": sync_cpu, "sync wall": sync_wall})
+    return rows[args.warmup:]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--capture", type=Path, default=ROOT / "runs" / "profile_step", help="profile_step.py's --out")
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--driver-ms", type=float, default=4.0, help="the driver's work between the two calls")
+    ap.add_argument("--in-driver", action="store_true", help="the host in this process, without Ray (docstring)")
     args = ap.parse_args(argv)
     if not (args.capture / "capture" / "grpo_train_step.pkl").exists():
         ap.error(f"{args.capture}/capture/ has no grpo_train_step.pkl: run benchmarks/profile_step.py first")
-    import ray
+    if args.in_driver:
+        import torch
 
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR",
-             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}})
-    try:
-        host = ray.remote(HybridHost).remote(str(args.capture.resolve()))
-        ray.get(host.generate.remote(), timeout=600)
-        ray.get(host.train_then_sync.remote(), timeout=600)
-        rows = []
-        for _ in range(args.warmup + args.steps):
-            t0 = time.perf_counter()
-            gen_cpu, gen_wall = ray.get(host.generate.remote(), timeout=120)
-            t1 = time.perf_counter()
-            time.sleep(args.driver_ms / 1e3)
-            t2 = time.perf_counter()
-            train_cpu, train_wall, sync_cpu, sync_wall = ray.get(host.train_then_sync.remote(), timeout=120)
-            t3 = time.perf_counter()
-            rows.append({"step": t3 - t0, "generate call": t1 - t0, "train+sync call": t3 - t2,
-                         "generate CPU": gen_cpu, "generate wall": gen_wall, "train_step CPU": train_cpu,
-                         "train_step wall": train_wall, "sync CPU (calling thread)": sync_cpu, "sync wall": sync_wall})
-        rows = rows[args.warmup:]
-    finally:
-        ray.shutdown()
-    print(f"hybrid probe: {args.steps} steps (after {args.warmup}), driver pause {args.driver_ms:g} ms\n")
+        torch.set_num_threads(1)  # as in the actor (OMP_NUM_THREADS=1)
+        rows = _steps(HybridHost(str(args.capture.resolve())), lambda call: call(), args)
+        where = "in the driver's process (no Ray)"
+    else:
+        import ray
+
+        ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR",
+                 runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}})
+        try:
+            host = ray.remote(HybridHost).remote(str(args.capture.resolve()))
+            rows = _steps(host, lambda call: ray.get(call.remote(), timeout=600), args)
+        finally:
+            ray.shutdown()
+        where = "in one Ray actor"
+    print(f"hybrid probe, {where}: {args.steps} steps (after {args.warmup}), driver pause {args.driver_ms:g} ms\n")
     print("| ms, median | value |\n|---|---|")
     for key in rows[0]:
         print(f"| {key} | {statistics.median(r[key] for r in rows) * 1e3:.1f} |")

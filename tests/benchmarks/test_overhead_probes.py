@@ -6,7 +6,7 @@ import pickle
 
 import pytest
 
-from benchmarks import generate_time, hybrid_probe, reference_forward
+from benchmarks import alternating_loop, generate_time, hybrid_probe, reference_forward
 
 
 def test_reference_forward_prints_one_row_per_length(capsys):
@@ -49,4 +49,10 @@ def test_generate_time_runs_the_captured_requests_and_prints_their_digest(tmp_pa
 def test_generate_time_without_captures_says_what_to_run_first(tmp_path, capsys):
     with pytest.raises(SystemExit):
         generate_time.main(["--capture", str(tmp_path)])
+    assert "run benchmarks/profile_step.py first" in capsys.readouterr().err
+
+
+def test_alternating_loop_without_captures_says_what_to_run_first(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        alternating_loop.main(["--capture", str(tmp_path)])
     assert "run benchmarks/profile_step.py first" in capsys.readouterr().err
