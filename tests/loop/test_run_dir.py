@@ -188,6 +188,30 @@ def test_a_tokenizer_is_known_by_what_it_does_not_by_its_path(tokenizer_checkpoi
     from beamrl.data.byte_tokenizer import byte_tokenizer
 
     assert tokenizer_digest(byte_tokenizer(chat_template=False)) != a  # the chat template makes the prompts
+    from tokenizers import processors
+
+    bos = byte_tokenizer()  # the same vocabulary, now prepending BOS: prompts without a chat template change
+    bos._tokenizer.post_processor = processors.TemplateProcessing(single=f"{bos.bos_token} $A",
+                                                                  special_tokens=[(bos.bos_token, bos.bos_token_id)])
+    assert tokenizer_digest(bos) != a
+
+
+def test_a_tokenizer_digest_is_the_same_in_another_process():
+    """The digest is compared across runs: no hash randomisation or load-order dependence may enter it."""
+    import os
+    import subprocess
+    import sys
+
+    from beamrl.data.prompts import load_tokenizer
+    from beamrl.data.tokenizer_identity import tokenizer_digest
+
+    code = ("from beamrl.data.prompts import load_tokenizer as L; from beamrl.data.tokenizer_identity import "
+            "tokenizer_digest as D; print(D(L('digit', None)), D(L('byte', None)))")
+    here = f"{tokenizer_digest(load_tokenizer('digit', None))} {tokenizer_digest(load_tokenizer('byte', None))}"
+    for seed in ("1", "2"):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120,
+                             env=dict(os.environ, PYTHONHASHSEED=seed))
+        assert out.stdout.split() == here.split()
 
 
 def test_a_resume_whose_tokenizer_tokenizes_otherwise_is_refused_before_anything_starts(tokenizer_checkpoints,
