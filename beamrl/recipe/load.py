@@ -84,7 +84,9 @@ def _to_recipe_error(e: ValidationError) -> RecipeError:
     if isinstance(cause, ConfigError):  # a rule of a section (path inside it) or of the recipe (loc is empty)
         return RecipeError(join_path(_dotted(first["loc"]), cause.path), cause.value, cause.allowed)
     path = _dotted(first["loc"])
-    if first["type"] == "extra_forbidden":
+    if first["type"] == "extra_forbidden" and path in MOVED_FIELDS:
+        allowed = moved_field(path)
+    elif first["type"] == "extra_forbidden":
         parent = first["loc"][:-1]
         keys = _valid_keys(parent)
         allowed = f"unknown field; valid keys at {_dotted(parent) or 'top level'}: {keys}"
