@@ -4,6 +4,9 @@ weight sync, the pause again. CPU ms of `generate` and of `train_step` per kind 
 
 Against each call run back to back (`generate_time.py`, `profile_step.py`'s "Inside the calls") this shows what
 alternating alone costs: the engine's and the trainer's working sets evict each other even with no pause at all.
+The weights are the random init `sync_step.build` makes (as `hybrid_probe.py`'s), trained on every iteration, not
+the captures' SFT checkpoint: they sample a few more tokens per request (on the fifteenth session's captures,
+`generate` took 15.4 ms back to back with them against 14.7 ms with the SFT weights).
 
     PYTHONPATH=. .venv/bin/python benchmarks/alternating_loop.py --capture runs/profile_step
 """
@@ -46,13 +49,11 @@ def main(argv=None) -> int:
     from benchmarks import sync_step
     from benchmarks.profile_step import load_capture
 
-    work = Path(tempfile.mkdtemp(prefix="beamrl-alternating-"))
-    trainer, engine, sync, source = sync_step.build(work, 10, in_process=True)
     (train_args, train_kwargs) = load_capture(args.capture, "grpo_train_step")
     requests = [r for g in load_capture(args.capture, "generate_requests") for r in g]
     micro, loss = train_args[0], train_args[1]
 
-    def iteration(pause: float, spin: bool) -> tuple[float, float]:
+    def iteration(pause: float, spin: bool) -> tuple[float, float]:  # uses the objects built below
         c0 = time.thread_time()
         engine.generate(requests, 60.0)
         gen = time.thread_time() - c0
@@ -65,7 +66,10 @@ def main(argv=None) -> int:
         _pause(pause, spin)
         return gen * 1e3, train * 1e3
 
+    work = Path(tempfile.mkdtemp(prefix="beamrl-alternating-"))
+    built = None
     try:
+        built = trainer, engine, sync, source = sync_step.build(work, 10, in_process=True)
         for _ in range(5):
             iteration(0.0, False)
         results: dict[tuple[float, bool], list[tuple[float, float]]] = {}
@@ -75,9 +79,10 @@ def main(argv=None) -> int:
                 results.setdefault((pause, spin), []).append((statistics.median(r[0] for r in rows),
                                                               statistics.median(r[1] for r in rows)))
     finally:
-        sync.close()
-        engine.shutdown()
-        trainer.shutdown()
+        if built is not None:
+            sync.close()
+            engine.shutdown()
+            trainer.shutdown()
         shutil.rmtree(work, ignore_errors=True)
     print("| pause between the calls | generate CPU ms, by round | train_step CPU ms, by round |\n|---|---|---|")
     for (pause, spin), v in results.items():

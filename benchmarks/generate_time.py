@@ -34,7 +34,15 @@ def main(argv=None) -> int:
         ap.error(f"{args.capture}/capture/ has no generate_requests.pkl: run benchmarks/profile_step.py first")
     import torch
 
-    torch.set_num_threads(1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as in the engine actor
+    try:
+        return _run(args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(args: argparse.Namespace) -> int:
     from benchmarks.profile_step import load_capture
     from beamrl.rollout.native.config import NativeEngineConfig
     from beamrl.rollout.native.engine import NativeEngine
@@ -52,7 +60,8 @@ def main(argv=None) -> int:
             times.append((time.thread_time() - t0) * 1e3)
         rounds.append(statistics.median(times))
     tokens = hashlib.sha256(repr([r.output_ids for r in results]).encode()).hexdigest()[:12]
-    routes = hashlib.sha256(b"".join(r.routed_experts.tobytes() for r in results)).hexdigest()[:12]
+    routes = hashlib.sha256(b"".join(b"" if r.routed_experts is None else r.routed_experts.tobytes()
+                                     for r in results)).hexdigest()[:12]
     logprobs = hashlib.sha256(repr([r.output_logprobs for r in results]).encode()).hexdigest()[:12]
     distinct = len({tuple(r.prompt_ids) for r in requests})
     print(f"generate: {len(requests)} requests, {distinct} distinct prompts; CPU ms per call, median of "

@@ -47,6 +47,11 @@ class HybridHost:
         self.train_args, self.train_kwargs = load_capture(Path(capture), "grpo_train_step")
         self.requests = [r for g in load_capture(Path(capture), "generate_requests") for r in g]
 
+    def close(self) -> None:
+        self.sync.close()
+        self.engine.shutdown()
+        self.trainer.shutdown()
+
     def generate(self) -> tuple[float, float]:
         c, w = time.thread_time(), time.perf_counter()
         self.engine.generate(self.requests, 60.0)
@@ -95,7 +100,11 @@ def main(argv=None) -> int:
         import torch
 
         torch.set_num_threads(1)  # as in the actor (OMP_NUM_THREADS=1)
-        rows = _steps(HybridHost(str(args.capture.resolve())), lambda call: call(), args)
+        host = HybridHost(str(args.capture.resolve()))
+        try:
+            rows = _steps(host, lambda call: call(), args)
+        finally:
+            host.close()
         where = "in the driver's process (no Ray)"
     else:
         import ray

@@ -5,7 +5,8 @@ Requests with the same prompt (GRPO's n samples of a prompt) share its prefill, 
 cached prefix: the prompt is run once and its cache row copied to every request that has it. The copies are the
 same bits, so the samples of one prompt start from one prefill. Against prefilling every copy, the prompts' logits
 and keys can differ in the last bits (a GEMM's rounding depends on its row count on CPU), as they already did with
-the batch's other prompts and its padding."""
+the batch's other prompts and its padding. While the rows are copied, the distinct prompts' cache and the requests'
+one both exist: at most (distinct + requests) rows, for a moment (n/8 + n for GRPO's 8 samples per prompt)."""
 
 from __future__ import annotations
 

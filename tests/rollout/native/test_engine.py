@@ -128,6 +128,33 @@ def test_requests_with_one_prompt_share_its_prefill(engine):
     assert len({tuple(c.output_ids) for c in copies}) > 1
     assert all(np.array_equal(c.routed_experts[:3], copies[0].routed_experts[:3]) for c in copies)
 
+
+def test_a_shared_prefill_keeps_each_request_s_own_limits_routes_and_batch(cfg):
+    """Copies of one prompt that stop at different points (stop ids, max_new_tokens), that ask for routes or not, and
+    that fall into different batches of `max_batch_size`, each give what they give when generated alone."""
+    engine = NativeEngine.from_model(BeamForCausalLM(cfg, dtype=torch.float32, seed=1), max_batch_size=4)
+    try:
+        base = engine.generate([GenerateRequest(prompt_ids=[5, 9, 33], sampling=SamplingParams(
+            max_new_tokens=8, temperature=0.0, ignore_eos=True))], T_OUT)[0]
+        stop = base.output_ids[2]  # greedy copies of the prompt stop here; the others run to their limits
+        reqs = [GenerateRequest(prompt_ids=p, return_routed_experts=i not in (1, 6), request_id=f"r{i}",
+                                sampling=SamplingParams(max_new_tokens=3 + i, temperature=t, seed=7 + i,
+                                                        stop_token_ids=(stop,), ignore_eos=True))
+                for i, (p, t) in enumerate([([5, 9, 33], 0.0), ([5, 9, 33], 1.0), ([44], 1.0), ([5, 9, 33], 0.0),
+                                            ([44], 0.0), ([5, 9, 33], 1.0), ([7, 1, 2, 3], 1.0), ([44], 1.0)])]
+        together = engine.generate(reqs, T_OUT)
+        for r, got in zip(reqs, together):
+            alone = engine.generate([r], T_OUT)[0]
+            assert (got.output_ids, got.finish_reason) == (alone.output_ids, alone.finish_reason), r.request_id
+            assert got.output_logprobs == pytest.approx(alone.output_logprobs, abs=1e-5)
+            assert (got.routed_experts is None) == (not r.return_routed_experts)
+            if r.return_routed_experts:
+                assert np.array_equal(got.routed_experts, alone.routed_experts)
+        assert {together[i].finish_reason for i in (0, 3)} == {"stop"} and together[0].output_ids[-1] == stop
+        assert {r.finish_reason for r in together} == {"stop", "length"}
+    finally:
+        engine.shutdown()
+
 def test_score_equals_reference_token_logprobs(engine, ref):
     seqs = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [400, 3], [9, 8, 7, 6]]
     scores = engine.score(seqs, T_OUT)
