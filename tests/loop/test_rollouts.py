@@ -69,6 +69,20 @@ def test_aborted_or_empty_groups_are_dropped_whole(tiny_config):
         drop_aborted([aborted])
 
 
+def test_a_group_with_an_empty_sample_is_dropped_whole(tiny_config):
+    """A sample that finished normally but with no output token drops its whole group, as an abort does."""
+    from beamrl.loop.step import drop_aborted
+
+    ok = _rollout(tiny_config, [1, 2], [3], 0.0, routes=False)
+    empty = _rollout(tiny_config, [1, 2], [], 0.0, routes=False)
+    empty.group = 1
+    sibling = _rollout(tiny_config, [1, 2], [4], 0.0, routes=False)
+    sibling.group = 1
+    assert empty.result.finish_reason == "stop"
+    kept, n = drop_aborted([ok, empty, sibling])
+    assert kept == [ok] and n == 1
+
+
 def test_packed_batch_equals_packing_each_rollout_separately(tiny_config):
     """The flat one-tensor-per-field build equals packing rollout by rollout (the way it was built before)."""
     from beamrl.trainer.protocol import PackedBatch

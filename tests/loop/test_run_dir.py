@@ -62,6 +62,17 @@ def test_what_counts_as_an_earlier_run(tmp_path):
     assert found.describe() == "run '(unnamed)' (2 steps logged; no checkpoint)"
 
 
+def test_a_staged_checkpoint_alone_is_an_earlier_run(tmp_path):
+    """A checkpoint still being written (`step_N.incomplete`) is an earlier run's output, with nothing else there."""
+    from beamrl.loop.checkpoints import STAGING_SUFFIX
+
+    out = tmp_path / "run"
+    staged = out / "checkpoints" / f"step_3{STAGING_SUFFIX}"
+    staged.mkdir(parents=True)
+    found = earlier_run(out, out / "checkpoints")
+    assert found is not None and found.checkpoints == [] and found.outputs == [staged]
+
+
 def test_resume_continues_from_the_newest_checkpoint_or_says_the_run_is_complete(tmp_path):
     out = _finished_run(tmp_path / "run", steps_logged=3, checkpoint_steps=(2, 3))
     plan = plan_start(_recipe(out), resume=True, overwrite=False, log=print)
@@ -135,6 +146,19 @@ def test_fields_that_another_beamrl_version_added_or_removed_are_not_changes():
     assert changed_fields({"trainer": {"lora": None}}, {"trainer": {"lora": {"rank": 4}}}) == [
         ("trainer.lora", None, {"rank": 4})]
     assert changed_fields({"trainer": {"lr": 1}}, {"trainer": {"lr": 2}}) == [("trainer.lr", 1, 2)]
+
+
+def test_a_field_inside_a_fixed_section_is_fixed_too():
+    """A FIXED entry covers the fields under it: trainer.lora.rank 4 -> 8 is refused, naming trainer.lora.rank."""
+    from beamrl.loop.resume_recipe import check_resume_recipe
+
+    old = {"trainer": {"lr": 1, "lora": {"rank": 4, "alpha": 8}}}
+    new = {"trainer": {"lr": 1, "lora": {"rank": 8, "alpha": 8}}}
+    said = []
+    with pytest.raises(RecipeError) as e:
+        check_resume_recipe(old, new, said.append)
+    assert e.value.path == "trainer.lora.rank" and "a resume must keep it" in str(e.value), str(e.value)
+    assert said == []
 
 
 def test_free_form_mappings_are_compared_whole_and_a_kept_recipe_is_not_overwritten(tmp_path):

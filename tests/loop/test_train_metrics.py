@@ -40,13 +40,15 @@ def _rollouts(n: int) -> list[Rollout]:
                     advantage=1.0) for i in range(n)]
 
 
-def _train(steps: list[dict[str, float]]) -> tuple[dict[str, float], _FakeTrainer]:
+def _train(steps: list[dict[str, float]], algorithm: AlgorithmConfig | None = None
+           ) -> tuple[dict[str, float], _FakeTrainer]:
     from beamrl.models.beam import preset
 
     trainer = _FakeTrainer(steps)
     config = TrainerConfig(num_gpus=1, global_batch_size=2, micro_batch_size=1, lr=1e-6)  # 2 steps of 2 samples
     out, _ = train_on_rollouts(_rollouts(4), trainer=trainer, reference=None, trainer_config=config,
-                               algorithm=AlgorithmConfig(), temperature=1.0, model=preset("tiny"), replay=False)
+                               algorithm=algorithm or AlgorithmConfig(), temperature=1.0, model=preset("tiny"),
+                               replay=False)
     return out, trainer
 
 
@@ -79,3 +81,13 @@ def test_a_nan_extreme_stays_nan():
         {"loss": 0.5, "ratio_max": math.nan, "ratio_min": math.nan, "num_tokens": 4.0},
     ])
     assert math.isnan(out["train/ratio_max"]) and math.isnan(out["train/ratio_min"])
+
+
+def test_a_seq_mean_normaliser_counts_the_sequences_of_every_micro_batch_of_the_step():
+    """seq-mean: each step's normaliser is its number of sequences with loss tokens, over all its micro-batches (a
+    sequence of one micro-batch is not the same sequence as one with the same local index in another)."""
+    step = {"loss": 0.5, "num_tokens": 2.0}
+    _, trainer = _train([step, step], AlgorithmConfig(loss_agg="seq-mean-token-mean"))
+    # 2 optimizer steps of 2 samples, each step cut into 2 micro-batches of 1 sample (micro_batch_size=1): every
+    # sample has 2 response (loss) tokens, so each step's denominator is its 2 sequences
+    assert [loss.normalizer for loss in trainer.losses] == [2.0, 2.0]

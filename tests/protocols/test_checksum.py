@@ -24,6 +24,14 @@ def test_every_single_bit_flip_changes_it(nbytes):
             assert checksum_values(bucket_checksum(flipped)) != base, (pos, bit)
 
 
+def test_a_byte_moved_within_the_trailing_partial_word_changes_it():
+    """The trailing partial word is read little-endian: the same byte at another position in it is another value."""
+    n = ROW_BYTES + 3  # one whole row, then a partial word of 3 bytes
+    a, b = torch.zeros(n, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8)
+    a[-3], b[-2] = 1, 1
+    assert checksum_values(bucket_checksum(a)) != checksum_values(bucket_checksum(b))
+
+
 def test_swapped_rows_change_it_and_out_is_written_in_place():
     g = torch.Generator().manual_seed(0)
     buf = torch.randint(0, 256, (8 * ROW_BYTES,), dtype=torch.uint8, generator=g)

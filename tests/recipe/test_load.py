@@ -45,6 +45,14 @@ def test_override_errors(base_raw):
         apply_override(base_raw, "trainer.lr.x=1")
 
 
+def test_an_override_one_past_the_last_list_entry_is_a_recipe_error(base_raw):
+    """Index len(list) is out of range too: a RecipeError naming the valid indices, not an IndexError."""
+    assert len(base_raw["rewards"]) == 1
+    with pytest.raises(RecipeError, match=r"use an index 0\.\.0") as e:
+        apply_override(base_raw, "rewards.1.weight=1")
+    assert e.value.path == "rewards.1.weight"
+
+
 def test_override_is_validated(recipe_file):
     with pytest.raises(RecipeError) as e:
         load_recipe(recipe_file, ["trainer.tp=3"])

@@ -163,3 +163,21 @@ def test_vpp_needs_pp_micro_batches_per_rank_in_every_step(tmp_path, extra, path
         load_recipe("quickstart", layout + extra)
     assert e.value.path == "trainer.micro_batch_size" and path_in_message in str(e.value), str(e.value)
     load_recipe("quickstart", layout + ["trainer.micro_batch_size=32"])  # 2 per rank: launchable
+
+
+def test_a_reward_timeout_equal_to_the_batch_limit_is_accepted(base_raw):
+    """rewards[i].timeout_s may equal reward_pool.batch_timeout_s ("must not exceed"); only above it is refused."""
+    for o in ("rewards.0.timeout_s=30", "reward_pool.batch_timeout_s=30"):
+        apply_override(base_raw, o)
+    r = validate_recipe(base_raw)
+    assert r.rewards[0].timeout_s == r.reward_pool.batch_timeout_s == 30
+
+
+def test_one_zero_weight_reward_beside_a_weighted_one_is_accepted(base_raw):
+    """Only rewards that are all weight 0 are refused: a zero-weight component next to a weighted one is fine."""
+    apply_override(base_raw, "rewards=[{name: a, fn: 'm:f', weight: 0}, {name: b, fn: 'm:g', weight: 1}]")
+    assert [c.weight for c in validate_recipe(base_raw).rewards] == [0, 1]
+    apply_override(base_raw, "rewards.1.weight=0")
+    with pytest.raises(RecipeError) as e:
+        validate_recipe(base_raw)
+    assert e.value.path == "rewards" and "non-zero" in str(e.value)

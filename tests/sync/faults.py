@@ -1,10 +1,12 @@
 """Fault injectors for verification tests: the real transports with one step changed after the sender's checks, as
-a fault in transit would change it (the receivers under test are the real engines)."""
+a fault in transit would change it (the receivers under test are the real engines); and in-process receivers with
+one reply changed, as a faulty engine would answer after a sync."""
 
 from __future__ import annotations
 
 from beamrl.protocols.flat_bucket import FlatBucket, TensorMeta
 from beamrl.sync.export import StateDictSource
+from beamrl.sync.local_receiver import LocalWeightReceiver
 from beamrl.sync.transports.colocated import ColocatedTransport
 
 
@@ -55,3 +57,23 @@ class FailsAfter(StateDictSource):
             if i == self.fail_after:
                 raise RuntimeError(f"export failed after {i} units")
             yield unit
+
+
+class NaNScores(LocalWeightReceiver):
+    """Scores the probes with its model, one logprob NaN (an engine whose forward overflowed after the sync)."""
+
+    def score(self, seqs, timeout):
+        logprobs = StateDictSource.of_model(self.model).logprobs(seqs)
+        logprobs[0][0] = float("nan")
+        return logprobs
+
+
+class StaleAfterCommit(LocalWeightReceiver):
+    """Commits the session but reports the version it served before it (an engine that kept the old weights)."""
+
+    def begin_weight_update(self, manifest, timeout):
+        self.before = self.weight_version
+        super().begin_weight_update(manifest, timeout)
+
+    def served_version_after_commit(self, timeout):
+        return self.before

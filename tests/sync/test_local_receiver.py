@@ -61,6 +61,18 @@ def test_a_full_session_replaces_every_weight_and_bumps_the_version(engine_model
     assert r.weight_version == 5 and _same(engine_model, dict(new_weights)) and r.failure is None
 
 
+def test_a_commit_for_another_version_than_the_sessions_is_refused(engine_model, new_weights):
+    """end_weight_update must name the version of the session's manifest; another is refused, the old version kept."""
+    r = LocalWeightReceiver(engine_model, name="eng", initial_version=0)
+    manifest, buckets = _session(new_weights, 1)
+    r.begin_weight_update(manifest, T)
+    for b in buckets:
+        r.update_weights_from_tensor(b, T)
+    with pytest.raises(WeightSyncError, match=r"end_weight_update\(2\) but the session's manifest is for version 1"):
+        r.end_weight_update(2, T)
+    assert r.weight_version == 0 and not r.in_session
+
+
 @pytest.mark.parametrize("fault, message", [
     ("stale", r"eng: refusing a stale weight version: the session would serve version 4 but the engine already "
               r"serves 4"),

@@ -10,10 +10,11 @@ from beamrl.models.beam import BeamForCausalLM, preset
 from beamrl.protocols.weights import WeightSyncError
 from beamrl.sync.export import StateDictSource
 from beamrl.sync.local_receiver import model_receiver
-from beamrl.sync.orchestrator import ProbeCheck, SyncTimeouts, WeightSync
+from beamrl.sync.orchestrator import ProbeCheck, SyncTimeouts, WeightSync, logprob_gap
 from beamrl.sync.transports import TRANSPORTS
 
 from .conftest import perturb
+from .faults import NaNScores, StaleAfterCommit
 
 PROBES = [[1, 5, 9, 200, 17, 3, 88, 41, 2, 9], [7, 7, 7, 300, 2, 511, 64]]
 TIMEOUTS = SyncTimeouts(connect=60, call=30, bucket=60, verify=60)
@@ -67,6 +68,40 @@ def test_failed_verification_raises_and_blocks_further_syncs(hosted_engine, trai
     with pytest.raises(WeightSyncError, match="refusing to sync"):
         sync.sync(source)
     sync.close()
+
+
+def test_a_nan_logprob_gap_is_nan_in_the_max_and_the_mean():
+    """A NaN anywhere in the probe's logprobs makes both statistics NaN (so it fails every tolerance)."""
+    nan = float("nan")
+    gap = logprob_gap([[0.0, nan, 0.0]], [[0.0, 0.0, 0.5]])
+    assert gap.max != gap.max and gap.mean != gap.mean, gap
+
+
+def test_nan_engine_logprobs_fail_the_post_sync_verification(trainer_model):
+    """An engine that scores the probes with a NaN fails verification (NaN is not within any tolerance) and is
+    marked unhealthy."""
+    engine = NaNScores(type(trainer_model)(preset("tiny"), dtype=torch.float32, seed=5).eval(), name="eng")
+    sync = WeightSync(TRANSPORTS.get("colocated")([engine]), [engine], probe=ProbeCheck(PROBES, tolerance=1e-4),
+                      timeouts=TIMEOUTS, progress=None)
+    try:
+        with pytest.raises(WeightSyncError, match="eng: post-sync verification failed: max .* = nan"):
+            sync.sync(StateDictSource.of_model(trainer_model))
+    finally:
+        sync.close()
+    assert "eng" in sync.unhealthy
+
+
+def test_an_engine_serving_the_old_version_after_the_commit_fails_the_sync(trainer_model):
+    """The served version is read back after the commit: an engine still at the old one fails the sync and is marked
+    unhealthy."""
+    engine = StaleAfterCommit(type(trainer_model)(preset("tiny"), dtype=torch.float32, seed=5).eval(), name="eng")
+    sync = WeightSync(TRANSPORTS.get("colocated")([engine]), [engine], timeouts=TIMEOUTS, progress=None)
+    try:
+        with pytest.raises(WeightSyncError, match="eng: serves weight version 0 after the sync to 1"):
+            sync.sync(StateDictSource(list(trainer_model.named_parameters())))
+    finally:
+        sync.close()
+    assert "eng" in sync.unhealthy and sync.version == 0
 
 
 def _shifted(logprobs, shift):

@@ -28,6 +28,12 @@ def test_truncation_matches_brute_force():
         assert set(keep[0].nonzero().flatten().tolist()) == _brute_keep(probs[0].tolist(), k, p)
 
 
+def test_top_p_keeps_the_token_whose_preceding_mass_is_exactly_top_p():
+    """SGLang's rule: a token is dropped only when the mass before it exceeds top_p; exactly top_p is kept."""
+    keep = truncation_mask(torch.tensor([[0.5, 0.25, 0.25]]), torch.tensor([3]), torch.tensor([0.5]))
+    assert keep.tolist() == [[True, True, False]]
+
+
 def test_sampling_frequencies_follow_the_truncated_distribution():
     logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
     n = 8000
