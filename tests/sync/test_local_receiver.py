@@ -51,12 +51,17 @@ def _flip_bit(bucket: FlatBucket, byte: int = 100) -> FlatBucket:
     return FlatBucket(buf, bucket.metas, index=bucket.index, checksum=bucket.checksum)
 
 
-def test_a_full_session_replaces_every_weight_and_bumps_the_version(engine_model, new_weights):
-    r = LocalWeightReceiver(engine_model, name="eng", initial_version=4)
-    manifest, buckets = _session(new_weights, 5)
+def _send_all(r: LocalWeightReceiver, weights, version: int) -> None:
+    """Open a full session for `version` and send every bucket of `weights` (no commit)."""
+    manifest, buckets = _session(weights, version)
     r.begin_weight_update(manifest, T)
     for b in buckets:
         r.update_weights_from_tensor(b, T)
+
+
+def test_a_full_session_replaces_every_weight_and_bumps_the_version(engine_model, new_weights):
+    r = LocalWeightReceiver(engine_model, name="eng", initial_version=4)
+    _send_all(r, new_weights, 5)
     r.end_weight_update(5, T)
     assert r.weight_version == 5 and _same(engine_model, dict(new_weights)) and r.failure is None
 
@@ -64,10 +69,7 @@ def test_a_full_session_replaces_every_weight_and_bumps_the_version(engine_model
 def test_a_commit_for_another_version_than_the_sessions_is_refused(engine_model, new_weights):
     """end_weight_update must name the version of the session's manifest; another is refused, the old version kept."""
     r = LocalWeightReceiver(engine_model, name="eng", initial_version=0)
-    manifest, buckets = _session(new_weights, 1)
-    r.begin_weight_update(manifest, T)
-    for b in buckets:
-        r.update_weights_from_tensor(b, T)
+    _send_all(r, new_weights, 1)
     with pytest.raises(WeightSyncError, match=r"end_weight_update\(2\) but the session's manifest is for version 1"):
         r.end_weight_update(2, T)
     assert r.weight_version == 0 and not r.in_session
