@@ -101,7 +101,6 @@ class TimeoutsSection(Section):
     checkpoint_s: float = Field(3600.0, gt=0)
 
 
-
 #: Fields that moved, by their old dotted path: a recipe file or an override that sets one is told where it went
 #: (`beamrl.recipe.load`: in place of "unknown field").
 MOVED_FIELDS = {"timeouts.reward_s": "reward_pool.batch_timeout_s"}
