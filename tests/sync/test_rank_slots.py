@@ -37,7 +37,7 @@ def test_every_engine_rank_reads_its_own_trainer_ranks_copy_and_a_corrupted_copy
 
 def test_sglang_engine_of_tp2_takes_each_ranks_copy_and_refuses_a_corrupted_one(tmp_path):
     pytest.importorskip("sglang")  # installed in CI (the SGLang CPU engine)
-    r0, r1 = launch(R.per_rank_sync, 2, ("sglang", 2, str(tmp_path)), timeout_s=1200)
+    r0, r1 = launch(R.per_rank_sync, 2, ("sglang", 2, str(tmp_path)), timeout_s=540)
     # sync 1: trainer rank 1's copy of bucket 2 changed after the broadcast: SGLang's TP rank 1 would have read it
     assert r0["sync1"].startswith("refused")
     assert "bucket 2 failed its checksum" in r0["sync1"] and "engine TP rank 1, from trainer rank 1" in r0["sync1"]

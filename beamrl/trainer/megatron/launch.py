@@ -8,15 +8,18 @@ on a port reserved for the run, `beamrl.net.reserve_port`) plus `OMP_NUM_THREADS
 
 Failures never hang: if any rank raises, exits without a result or the whole run exceeds `timeout_s`, the
 other ranks (likely blocked in a collective) are terminated and `LaunchError` is raised with the failing
-rank's traceback. `fn` must be importable by name (a module-level function) and its arguments/results
+rank's traceback. On a timeout, every rank still running first dumps the Python stacks of all its threads
+(`faulthandler`, on SIGUSR1) and the error carries them: a hang says where each rank was. `fn` must be importable by name (a module-level function) and its arguments/results
 picklable. `fn` is responsible for `torch.distributed.init_process_group` (the trainer's `initialize_parallel`
 does it from the env set here).
 """
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import pickle
+import signal
 import tempfile
 import time
 import traceback
@@ -28,6 +31,13 @@ import multiprocessing as mp
 
 from beamrl.environ import scoped_environ
 from beamrl.net import reserve_port
+
+#: Where a rank writes its threads' stacks when the parent signals it (SIGUSR1) on a timeout.
+STACKS = "rank{rank}.stacks"
+#: How long the ranks get to write their stacks after the signal.
+STACK_DUMP_S = 2.0
+#: Characters of each rank's stacks kept in the error (the innermost frames are at the end of each thread's block).
+STACK_CHARS = 6000
 
 #: Environment every rank gets unless the caller overrides it (CPU is shared; compiles cost seconds).
 DEFAULT_ENV = {"OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1", "MKL_NUM_THREADS": "1"}
@@ -58,6 +68,8 @@ def _rank_main(fn: Callable[..., Any], args: tuple, rank: int, world_size: int, 
                        "LOCAL_WORLD_SIZE": str(world_size)})
     out = Path(result_dir) / f"rank{rank}.pkl"
     tmp = out.with_suffix(".tmp")
+    stacks = open(Path(result_dir) / STACKS.format(rank=rank), "w")  # noqa: SIM115 - open for the process's life
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)  # the parent asks on a timeout
     try:  # OMP_NUM_THREADS from env caps torch's threads at its import (inside fn)
         payload = ("ok", fn(*args))
     except BaseException:  # noqa: BLE001 - everything must reach the parent, including SystemExit
@@ -141,9 +153,33 @@ def _wait(procs: list, result_dir: Path, timeout_s: float, poll_s: float) -> lis
         if time.monotonic() > deadline:
             missing = [r for r in range(world) if r not in results]
             raise LaunchError(f"timed out after {timeout_s:.0f} s waiting for ranks {missing} of {world} "
-                              f"(a collective probably hangs)")
+                              f"(a collective probably hangs){_stacks(procs, missing, result_dir)}")
         time.sleep(poll_s)
     return [results[r] for r in range(world)]
+
+
+def _stacks(procs: list, ranks: list[int], result_dir: Path) -> str:
+    """The Python stacks of `ranks` that are still running (each dumps them on SIGUSR1), for a timeout's error."""
+    asked = []
+    for r in ranks:
+        p = procs[r]
+        if p.pid is not None and p.is_alive():
+            try:
+                os.kill(p.pid, signal.SIGUSR1)
+                asked.append(r)
+            except ProcessLookupError:
+                pass
+    if not asked:
+        return ""
+    time.sleep(STACK_DUMP_S)
+    parts = []
+    for r in asked:
+        try:
+            text = (result_dir / STACKS.format(rank=r)).read_text()
+        except OSError as e:
+            text = f"(no stacks: {e})"
+        parts.append(f"\n--- rank {r}: Python stacks of every thread ---\n{text[-STACK_CHARS:] or '(none written)'}")
+    return "".join(parts)
 
 
 def _first_error(result_dir: Path, world: int, settle_s: float = 1.0) -> tuple[int, str]:

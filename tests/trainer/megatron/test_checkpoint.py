@@ -30,7 +30,7 @@ def runs(tmp_path_factory):
     """Every run of this module in one 2-process launch (`R.every_run`): per rank, run name -> its results, and the
     folder holding each run's `<name>/ckpt`."""
     base = tmp_path_factory.mktemp("checkpoints")
-    return base, launch(R.every_run, 2, (str(base),), timeout_s=900)
+    return base, launch(R.every_run, 2, (str(base),), timeout_s=540)
 
 
 @pytest.fixture(scope="module")

@@ -60,9 +60,27 @@ def test_a_dying_rank_fails_the_run():
 def test_timeout_kills_all_ranks():
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     t0 = time.monotonic()
-    with pytest.raises(LaunchError, match="timed out"):
-        launch(_sleeps, 2, timeout_s=3)
+    with pytest.raises(LaunchError, match="timed out") as info:
+        launch(_sleeps, 2, timeout_s=8)
     assert time.monotonic() - t0 < 120  # the ranks sleep 600 s: they were killed, not waited for
+    for r in (0, 1):  # the error says where each rank hung: its threads' stacks, dumped on the way out
+        block = str(info.value).split(f"--- rank {r}: Python stacks of every thread ---")[1]
+        assert 'in _sleeps' in block.split("--- rank")[0], str(info.value)[-3000:]
     left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before and p.is_running()
             and p.status() != psutil.STATUS_ZOMBIE and "spawn_main" in " ".join(p.cmdline())]  # not the tracker
     assert not left, f"ranks still alive after the timeout: {left}"
+
+
+def test_every_launch_in_the_tests_times_out_before_pytest_does():
+    """A launch's own timeout must fire first: pytest-timeout's kill loses the ranks' stacks and names no rank (a
+    checkpoint test's 900 s launch hung once under the 600 s pytest limit and said only "Timeout")."""
+    import re
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    limit = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["timeout"]
+    calls = [(str(f.relative_to(root)), int(m.group(1))) for f in (root / "tests").rglob("*.py")
+             for m in re.finditer(r"\blaunch\([^\n]*?timeout_s=(\d+)", f.read_text())]
+    assert calls, "no launch(..., timeout_s=N) found: the pattern is out of date"
+    assert [(f, t) for f, t in calls if t >= limit] == [], f"launch timeouts must stay under pytest's {limit} s"

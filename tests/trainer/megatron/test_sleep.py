@@ -10,7 +10,7 @@ from tests.trainer.megatron import _sleep_runs as R
 
 @pytest.mark.slow
 def test_sleep_releases_everything_and_wake_restores_training_exactly():
-    out = launch(R.sleep_cycle, 2, ("bfloat16",), timeout_s=900)[0]
+    out = launch(R.sleep_cycle, 2, ("bfloat16",), timeout_s=540)[0]
     assert out["adam_state_tensors"] > 0  # the optimizer state existed (and was released with the rest)
     assert out["storages"] > 3 and out["released_bytes"] > 0
     assert out["all_freed"], "some released storage still has bytes"

@@ -11,7 +11,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU-only:
 
 
 def test_sleep_on_gpu_frees_the_device_and_restores_training_exactly():
-    out = launch(R.sleep_cycle, 1, ("bfloat16", {}), timeout_s=600)[0]
+    out = launch(R.sleep_cycle, 1, ("bfloat16", {}), timeout_s=540)[0]
     assert out["all_freed"] and out["independent_freed"] and out["bit_identical"], \
         {k: out[k] for k in ("all_freed", "not_freed", "independent_freed", "independent_not_freed", "bit_identical")}
     assert out["losses_sleep"] == out["losses_plain"]
