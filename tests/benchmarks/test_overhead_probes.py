@@ -6,7 +6,7 @@ import pickle
 
 import pytest
 
-from benchmarks import alternating_loop, generate_time, hybrid_probe, reference_forward
+from benchmarks import adam_fused_ab, alternating_loop, generate_time, hybrid_probe, reference_forward
 
 
 def test_reference_forward_prints_one_row_per_length(capsys):
@@ -55,4 +55,10 @@ def test_generate_time_without_captures_says_what_to_run_first(tmp_path, capsys)
 def test_alternating_loop_without_captures_says_what_to_run_first(tmp_path, capsys):
     with pytest.raises(SystemExit):
         alternating_loop.main(["--capture", str(tmp_path)])
+    assert "run benchmarks/profile_step.py first" in capsys.readouterr().err
+
+
+def test_adam_fused_ab_without_captures_says_what_to_run_first(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        adam_fused_ab.main(["--capture", str(tmp_path)])
     assert "run benchmarks/profile_step.py first" in capsys.readouterr().err
