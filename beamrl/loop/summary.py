@@ -7,6 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from beamrl.loop.log import log
+from beamrl.metrics import keys
+from beamrl.metrics.jsonl import read_metrics
 from beamrl.metrics.samples import FILENAME as SAMPLES_FILE
 
 
@@ -15,7 +17,7 @@ def plot_and_summarize(out_dir: Path, plot_reward_curve: bool, run: dict[str, An
     if plot_reward_curve and metrics_path.exists():
         from beamrl.metrics.plot import plot_reward_curve as plot
 
-        if any('"reward/mean"' in ln for ln in metrics_path.read_text().splitlines()):
+        if any(r.get(keys.REWARD_MEAN) is not None for r in read_metrics(metrics_path)):
             plot(metrics_path, out_dir / "reward_curve.png")
         else:  # every step's samples were left out (rewards with on_error: skip): no reward to draw
             log(f"no step of {metrics_path} has a reward (every sample was left out): no reward_curve.png")

@@ -19,5 +19,5 @@ def trainable(num_samples: int, global_batch_size: int, micro_batch_size: int, d
     always can (the recipe's rules); one that lost samples (rewards with on_error: skip) may not."""
     if num_samples < dp_size:
         return False
-    per_step = num_samples if num_samples < global_batch_size else global_batch_size  # the smallest step's share
+    per_step = min(num_samples, global_batch_size)  # the smallest step's share
     return micro_batch_count(per_step, micro_batch_size, dp_size) // dp_size >= min_micro_per_rank
