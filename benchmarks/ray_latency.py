@@ -1,6 +1,7 @@
 """Round-trip time of a Ray actor call on this machine: back to back, with a 50 KB argument, right after the actor
 was busy for 30 ms, and after the caller idled for 50 ms (the RL loop's pattern: each process waits for the
-others every step). Plain actors and actors with a concurrency group (as `EngineActor`) alike.
+others every step). Plain actors and actors with a concurrency group (as `EngineActor`) alike, and the same actor's
+methods as express calls (`beamrl.loop.express`: a Unix socket to the actor's own server, docs/express-calls.md).
 
     .venv/bin/python benchmarks/ray_latency.py [--calls 200]
 
@@ -25,7 +26,21 @@ def main(argv=None) -> int:
 
     ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
 
+    import threading
+
+    from beamrl.loop.express import ExpressClient, ExpressServer
+
     class _Actor:
+        def __init__(self):
+            self._serial = threading.RLock()
+            self._express = None
+
+        def open_express(self):
+            if self._express is None:
+                self._express = ExpressServer(self, ("f", "busy"), self._serial, "bench",
+                                              ray.get_runtime_context().get_node_id())
+            return self._express.address
+
         def f(self, x=None):
             return 1
 
@@ -61,6 +76,26 @@ def main(argv=None) -> int:
                                                                    n=40)}
             for call, (med, p10) in rows.items():
                 print(f"| {name} | {call} | {med:.2f} | {p10:.2f} |")
+        a = plain.remote()
+        client = ExpressClient(ray.get(a.open_express.remote(), timeout=60), "bench")
+
+        def express(call, before=lambda: None, n=args.calls):
+            ts = []
+            for _ in range(n):
+                before()
+                t0 = time.perf_counter()
+                call().result(60)
+                ts.append(time.perf_counter() - t0)
+            return statistics.median(ts) * 1e3, sorted(ts)[len(ts) // 10] * 1e3
+
+        rows = {"trivial, back to back": express(lambda: client.call_async("f")),
+                "50 KB argument, back to back": express(lambda: client.call_async("f", payload)),
+                "trivial, after the actor was busy 30 ms": express(
+                    lambda: client.call_async("f"), lambda: client.call_async("busy", 0.03).result(60), n=40),
+                "trivial, after the caller idled 50 ms": express(lambda: client.call_async("f"),
+                                                                 lambda: time.sleep(0.05), n=40)}
+        for call, (med, p10) in rows.items():
+            print(f"| plain, as express calls | {call} | {med:.2f} | {p10:.2f} |")
     finally:
         ray.shutdown()
     return 0

@@ -1,7 +1,7 @@
 """Nothing in the package or the benchmarks unpickles without an allowlist (checkpoints are JSON + tensors read
 with `weights_only=True`). `pickle.loads` is used only between the run's own processes: the test launcher's IPC
-with its children, and the actor payloads (`Wire`), which cross Ray as Ray's own arguments do (Ray unpickles every
-argument and result)."""
+with its children, the actor payloads (`Wire`), which cross Ray as Ray's own arguments do (Ray unpickles every
+argument and result), and the express calls that stand in for Ray's on one node."""
 
 import re
 from pathlib import Path
@@ -11,6 +11,9 @@ ROOT = Path(__file__).resolve().parents[1]
 ALLOWED_PICKLE = {"beamrl/trainer/megatron/launch.py": "results of its own child processes (IPC)",
                   "beamrl/loop/wire.py": "per-step payloads between the run's own actors, inside Ray's calls (which "
                                          "unpickle their arguments anyway)",
+                  "beamrl/loop/express.py": "express calls between the run's own actors on one node: the arguments and "
+                                            "results of the calls Ray would carry (and unpickle) otherwise; the "
+                                            "socket takes only callers that hold the actor's random key",
                   "beamrl/trainer/megatron/checkpoint/safe_unpickle.py": "the allowlist unpickler itself",
                   "benchmarks/profile_step.py": "times the driver's actor payloads: unpickles only bytes it pickled "
                                                 "itself in the same profiling run"}

@@ -7,12 +7,31 @@ by keyword (after the first), so a reordered signature cannot silently swap two 
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass
 
 import ray
 import torch
 
+from beamrl.loop.express import ExpressAddress, ExpressServer, serial
 from beamrl.loop.wire import Wire
+
+#: The methods a caller on the same node may send as express calls (`beamrl.loop.express`): the per-step ones.
+TRAINER_EXPRESS = ("train_step", "train_step_then_sync")
+ENGINE_EXPRESS = ("generate", "call", "weight_version")
+
+
+def _express_server(actor, methods, name: str) -> ExpressAddress:
+    """Open (once) the actor's express server and return its address."""
+    if actor._express is None:
+        actor._express = ExpressServer(actor, methods, actor._serial, name, ray.get_runtime_context().get_node_id())
+    return actor._express.address
+
+
+def _close_express(actor) -> None:
+    if actor._express is not None:
+        actor._express.close()
+        actor._express = None
 
 
 @dataclass(frozen=True)
@@ -34,6 +53,12 @@ class TrainerActor:
     def __init__(self, num_threads: int = 1):
         torch.set_num_threads(num_threads)
         self.trainer = None
+        self._serial = threading.RLock()  # Ray's calls and express calls: one at a time (`express.serial`)
+        self._express: ExpressServer | None = None
+
+    def open_express(self) -> ExpressAddress:
+        """Serve `TRAINER_EXPRESS` to callers on this node over a socket (`beamrl.loop.express`); its address."""
+        return _express_server(self, TRAINER_EXPRESS, f"trainer-{getattr(self, 'rank', '?')}")
 
     def rendezvous_address(self) -> tuple[str, int]:
         """This node's address and a port on it for rank 0's store (asked of rank 0). The port stays reserved
@@ -43,6 +68,7 @@ class TrainerActor:
         self._reserved = reserve_port("")
         return ray.util.get_node_ip_address(), self._reserved.port
 
+    @serial
     def start(self, spec: TrainerRankSpec, setup, hf_checkpoint: str | None) -> bool:
         """Join the job as rank `spec.rank` and build the `MegatronTrainer` from `setup` (a `TrainerSetup`)."""
         os.environ.update(RANK=str(spec.rank), WORLD_SIZE=str(spec.world_size), LOCAL_RANK="0",
@@ -68,26 +94,32 @@ class TrainerActor:
 
         return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
 
+    @serial
     def compute_logprobs(self, batch, *, temperature: float, return_entropy: bool, replay: bool):
         self.trainer.set_routing_replay(replay)
         return self.trainer.compute_logprobs(batch, temperature=temperature, return_entropy=return_entropy)
 
+    @serial
     def train_step(self, step, *, replay: bool, temperature: float):
         """One optimizer step; `step` is the `Wire` of (micro-batches, loss function) (`beamrl.loop.wire`)."""
         micro_batches, loss_fn = step.open()
         self.trainer.set_routing_replay(replay)
         return self.trainer.train_step(micro_batches, loss_fn, temperature=temperature)
 
+    @serial
     def save_checkpoint(self, directory: str, async_save: bool = False) -> str:
         return str(self.trainer.save_checkpoint(directory, async_save=async_save))
 
+    @serial
     def finalize_checkpoint(self, blocking: bool, timeout_s: float) -> str | None:
         done = self.trainer.finalize_checkpoint(blocking=blocking, timeout_s=timeout_s)
         return None if done is None else str(done)
 
+    @serial
     def load_checkpoint(self, directory: str) -> None:
         self.trainer.load_checkpoint(directory)
 
+    @serial
     def sync_weights(self, *, receivers: list, engine_names: list[str], engine_tp: list[int], request):
         """Collective over trainer ranks: every rank runs the sync orchestrator on the export; rank 0 ships the
         buckets and returns the report (`beamrl.loop.weight_sync.sync_on_rank`)."""
@@ -95,6 +127,7 @@ class TrainerActor:
 
         return sync_on_rank(self.trainer, self.rank, receivers, engine_names, engine_tp, request)
 
+    @serial
     def train_step_then_sync(self, step, *, replay: bool, temperature: float, receivers: list,
                              engine_names: list[str], engine_tp: list[int], request):
         """`train_step`, then `sync_weights` of the weights it produced, in one call (the driver's round trip
@@ -109,10 +142,12 @@ class TrainerActor:
             return result, None, f"{type(exc).__name__}: {exc}"
         return result, report, None
 
+    @serial
     def save_lora_adapter(self, out_dir: str) -> str | None:
         self.trainer.save_lora_adapter(out_dir)  # collective; rank 0 writes
         return out_dir if self.rank == 0 else None
 
+    @serial
     def sync_restarted(self, *, receivers: list, engine_names: list[str], engine_tp: list[int], index: int,
                        request):
         """Collective over trainer ranks: bring restarted engine `index` to `request.version` through the same
@@ -121,6 +156,7 @@ class TrainerActor:
 
         return resync_on_rank(self.trainer, self.rank, receivers, engine_names, engine_tp, index, request)
 
+    @serial
     def sleep(self) -> dict:
         """Colocated placement: free the weight sync's staging slots, then release this rank's device state
         (`MegatronTrainer.sleep`); the report as a dict."""
@@ -129,17 +165,21 @@ class TrainerActor:
         release_sync_buffers(self.trainer)
         return self.trainer.sleep().as_dict()
 
+    @serial
     def wake(self) -> dict:
         return self.trainer.wake().as_dict()
 
+    @serial
     def export_hf_checkpoint(self, out_dir: str) -> str | None:
         from beamrl.loop.weight_sync import save_hf_export
 
         return save_hf_export(self.trainer, self.rank, out_dir)
 
+    @serial
     def shutdown(self) -> None:
         from beamrl.loop.weight_sync import discard_sync_buffers
 
+        _close_express(self)
         try:
             discard_sync_buffers(self.trainer)
         finally:
@@ -162,6 +202,12 @@ class EngineActor:
         self.factory = factory
         self.engine = None
         self._reserved: list = []
+        self._serial = threading.RLock()  # the default group's calls and express calls: one at a time
+        self._express: ExpressServer | None = None
+
+    def open_express(self) -> ExpressAddress:
+        """Serve `ENGINE_EXPRESS` to callers on this node over a socket (`beamrl.loop.express`); its address."""
+        return _express_server(self, ENGINE_EXPRESS, getattr(self.factory, "name", "engine"))
 
     def reserve(self) -> tuple[str, int, int]:
         """(this node's cluster address, a port for the server, a port for the engine's nodes to meet). Both ports
@@ -173,6 +219,7 @@ class EngineActor:
         self._reserved = [reserve_port(host), reserve_port(host)]
         return host, self._reserved[0].port, self._reserved[1].port
 
+    @serial
     def start(self, *, host: str, port: int, dist_init_addr: str | None) -> bool:
         try:
             self.engine = self.factory.with_launch(host=host, port=port, dist_init_addr=dist_init_addr)()
@@ -193,6 +240,7 @@ class EngineActor:
         """This node process's OS process id (logged at start-up and at each restart)."""
         return os.getpid()
 
+    @serial
     def tp_size(self) -> int:
         return self.engine.tp_size
 
@@ -200,14 +248,17 @@ class EngineActor:
     def health(self, timeout: float) -> bool:
         return self.engine is not None and bool(self.engine.health(timeout))
 
+    @serial
     def call(self, method: str, *args, **kwargs):
         """Forward one protocol call (`generate`, `score`, `health`, `begin_weight_update`, ...)."""
         return getattr(self.engine, method)(*args, **kwargs)
 
+    @serial
     def generate(self, requests, *, timeout: float) -> Wire:
         """The rollout's call: `requests` and the results cross as `Wire`s (`beamrl.loop.wire`)."""
         return Wire(self.engine.generate(requests.open(), timeout))
 
+    @serial
     def weight_version(self) -> int:
         return self.engine.weight_version
 
@@ -221,6 +272,7 @@ class EngineActor:
 
     @ray.method(concurrency_group="control")
     def shutdown(self) -> None:
+        _close_express(self)
         self._release_ports()
         if self.engine is not None:
             self.engine.shutdown()

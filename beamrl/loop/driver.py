@@ -19,7 +19,7 @@ from beamrl.loop.checkpoints import RunCheckpoints, published, restore_driver_st
 from beamrl.loop.collect import PendingRollout, RolloutBatch, RolloutCollector
 from beamrl.loop.colocated import ColocatedMemory, engines_stage_memory, trainer_sleeps
 from beamrl.loop.engine_recovery import EngineRecovery
-from beamrl.loop.groups import CarriedSync, EngineGroup, TrainerGroup, TrainerRankError, first_line
+from beamrl.loop.groups import CarriedSync, EngineGroup, TrainerGroup, TrainerRankError, first_line, open_express
 from beamrl.loop.log import log
 from beamrl.loop.ray_utils import ActorCallError
 from beamrl.loop.run_dir import ADAPTER_DIR, plan_start
@@ -109,6 +109,8 @@ class RLDriver:
         log(f"starting the trainer ({r.trainer.num_gpus} Megatron rank(s)) and {r.rollout.num_engines} "
             f"{r.rollout.engine} engine(s) from {policy}")
         self._start_trainer_and_engines(policy)
+        log(open_express([g for g in (self.trainer, self.reference) if g is not None], self.engines)
+            if r.placement.express_calls else "actor calls: through Ray (placement.express_calls: false)")
         EngineRecovery(self.engines, self._resync_engine, max_restarts=r.rollout.max_engine_restarts,
                        interval_s=r.rollout.health_check_interval_s, health_timeout_s=r.timeouts.health_s, log=log)
         self.collector = RolloutCollector(run, self.engines)

@@ -9,7 +9,9 @@ from dataclasses import dataclass, field
 import ray
 
 from beamrl.cluster.placement import sync_rank_offsets
+from beamrl.loop.actor_calls import DIED, FAILED, abandon, call_result, fetch, wait_all, wait_any
 from beamrl.loop.actors import EngineActor, TrainerActor, TrainerRankSpec
+from beamrl.loop.express import ExpressAddress, ExpressClient
 from beamrl.loop.log import log
 from beamrl.loop.ray_utils import ActorCallError, ray_get
 from beamrl.loop.wire import Wire
@@ -109,6 +111,17 @@ class TrainerGroup:
         self.dp_ranks = [d for d, _ in dp]
         self.dp_size = dp[0][1]
         self.process_ids = self.pids()
+        self.express: list[ExpressClient] | None = None  # set by `open_express` (every actor on this node)
+
+    def express_addresses(self) -> list[ExpressAddress]:
+        """Each rank's express server (opened on first ask)."""
+        return self._gather([a.open_express.remote() for a in self.actors], self.timeout, "trainer.open_express")
+
+    def _call(self, rank: int, method: str, *args, **kwargs):
+        """`method` on rank `rank`: an express call when the run has them, else a Ray call."""
+        if self.express is not None:
+            return self.express[rank].call_async(method, *args, **kwargs)
+        return getattr(self.actors[rank], method).remote(*args, **kwargs)
 
     def _all(self, what: str, timeout: float | None, fn):
         return self._gather([fn(a) for a in self.actors], timeout or self.timeout, f"trainer.{what}")
@@ -121,18 +134,20 @@ class TrainerGroup:
         deadline = time.monotonic() + timeout
         while pending:
             left = deadline - time.monotonic()
-            ready = ray.wait(list(pending), num_returns=1, timeout=max(left, 0.0))[0] if left > 0 else []
+            ready = wait_any(list(pending), max(left, 0.0)) if left > 0 else []
             if not ready:
                 ranks = sorted(pending.values())
+                for ref in pending:
+                    abandon(ref)
                 raise TrainerRankError(f"{what}: trainer rank(s) {', '.join(self._name(r) for r in ranks)} gave no "
                                        f"answer within {timeout:.0f} s", ranks[0], self.labels[ranks[0]])
             for ref in ready:
                 r = pending.pop(ref)
                 try:
-                    out[r] = ray.get(ref, timeout=0)
-                except ray.exceptions.RayActorError as e:
+                    out[r] = fetch(ref)
+                except DIED as e:
                     raise self._rank_error(r, what, e, died=True) from None
-                except ray.exceptions.RayTaskError as e:
+                except FAILED as e:
                     raise self._dead_rank_among(pending, what) or self._rank_error(r, what, e, died=False) from None
         return out
 
@@ -151,11 +166,11 @@ class TrainerGroup:
     def _dead_rank_among(self, pending: dict, what: str) -> ActorCallError | None:
         if not pending:
             return None
-        ready = ray.wait(list(pending), num_returns=len(pending), timeout=RANK_DEATH_GRACE_S)[0]
+        ready = wait_all(list(pending), RANK_DEATH_GRACE_S)
         for ref in ready:
             try:
-                ray.get(ref, timeout=0)
-            except ray.exceptions.RayActorError as e:
+                fetch(ref)
+            except DIED as e:
                 return self._rank_error(pending[ref], what, e, died=True)
             except Exception:  # noqa: BLE001 - another live rank's failure: the first one is reported
                 pass
@@ -174,6 +189,8 @@ class TrainerGroup:
             except Exception:  # noqa: BLE001 - already dead
                 pass
         self.actors = []
+        _close_all(self.express)
+        self.express = None
         self._remove_left_files()
 
     def _remove_left_files(self) -> None:
@@ -204,8 +221,9 @@ class TrainerGroup:
         share (ranks of one model-parallel group get the same share). The loss normaliser inside `loss_fn` is
         the whole step's, so the sum over DP ranks is the full-batch loss."""
         shares = self._shares(micro_batches)
-        return self._gather([a.train_step.remote(Wire((shares[d], loss_fn)), replay=replay, temperature=temperature)
-                             for a, d in zip(self.actors, self.dp_ranks)], self.timeout, "trainer.train_step")[0]
+        return self._gather([self._call(r, "train_step", Wire((shares[d], loss_fn)), replay=replay,
+                                        temperature=temperature)
+                             for r, d in enumerate(self.dp_ranks)], self.timeout, "trainer.train_step")[0]
 
     def train_step_then_sync(self, micro_batches, loss_fn, replay: bool, temperature: float,
                              engines: "EngineGroup", request) -> tuple:
@@ -213,9 +231,10 @@ class TrainerGroup:
         Returns (the step's result, `CarriedSync`): a failed sync does not raise here (the step happened); the
         caller handles `CarriedSync.report()`'s `ActorCallError` as that of a failed `sync_weights`."""
         shares = self._shares(micro_batches)
-        out = self._gather([a.train_step_then_sync.remote(
-            Wire((shares[d], loss_fn)), replay=replay, temperature=temperature, **engines.sync_arguments(request))
-            for a, d in zip(self.actors, self.dp_ranks)], self.timeout + _sync_wait(request),
+        out = self._gather([self._call(
+            r, "train_step_then_sync", Wire((shares[d], loss_fn)), replay=replay, temperature=temperature,
+            **engines.sync_arguments(request))
+            for r, d in enumerate(self.dp_ranks)], self.timeout + _sync_wait(request),
             "trainer.train_step_then_sync")
         failed = next(((r, err) for r, (_, _, err) in enumerate(out) if err is not None), None)
         error = None if failed is None else ActorCallError(
@@ -248,7 +267,7 @@ class TrainerGroup:
     def sync_restarted(self, engines: "EngineGroup", index: int, request) -> dict:
         """Bring restarted engine `index` to `request.version` (a subset sync through the same orchestrator)."""
         return self._all("sync_restarted", _sync_wait(request), lambda a: a.sync_restarted.remote(
-            receivers=engines.leaders, engine_names=engines.names, engine_tp=engines.tp_sizes, index=index,
+            receivers=engines.receivers, engine_names=engines.names, engine_tp=engines.tp_sizes, index=index,
             request=request))[0]
 
     def sleep(self, timeout: float) -> list[dict]:
@@ -263,6 +282,8 @@ class TrainerGroup:
         return self._all("export_hf_checkpoint", None, lambda a: a.export_hf_checkpoint.remote(out_dir=out_dir))[0]
 
     def shutdown(self) -> None:
+        _close_all(self.express)
+        self.express = None
         # together: after a failed step the live ranks may sit in a collective with the failed one (30 s each,
         # one after another, was half an hour at 64 ranks)
         shutdown_actors(self.actors, [f"trainer-{r}" for r in range(len(self.actors))], together=True)
@@ -298,8 +319,8 @@ class EngineHandle:
         return self.group.names[self.index]
 
     def generate(self, requests: list[GenerateRequest], timeout: float) -> list[GenerateResult]:
-        return _opened(ray_get(self.group.nodes[self.index][0].generate.remote(Wire(requests), timeout=timeout),
-                               timeout + 30, f"{self.name}.generate"), f"{self.name}.generate")
+        return _opened(call_result(self.group._generate_call(self.index, requests, timeout), timeout + 30,
+                                   f"{self.name}.generate"), f"{self.name}.generate")
 
     def health(self, timeout: float) -> bool:
         """The group's check of this engine; a check that failed to answer raises its error, so the health
@@ -338,6 +359,9 @@ class EngineGroup:
         self._abandoned: list = []
         self.tp_sizes = [0] * len(engines)  # as each engine reports it once started
         self.health_errors: dict[int, Exception] = {}  # engine -> why its last health check raised
+        # Each running engine leader's express server and the driver's channel to it, once the run has express
+        # calls (`open_express`); the node they must be on (this one).
+        self.express: list[tuple[ExpressAddress, ExpressClient] | None] | None = None
         try:
             self._start(list(range(len(engines))))
         except BaseException:
@@ -367,7 +391,34 @@ class EngineGroup:
         running = self.running
         if len(running) < len(self.nodes):
             request = dataclasses.replace(request, engines=tuple(running))
-        return dict(receivers=self.leaders, engine_names=self.names, engine_tp=self.tp_sizes, request=request)
+        return dict(receivers=self.receivers, engine_names=self.names, engine_tp=self.tp_sizes, request=request)
+
+    @property
+    def receivers(self) -> list:
+        """What a trainer's weight sync reaches engine k through: its leader's express address when the run has
+        express calls (every actor on one node), else the leader's actor handle; None for a stopped engine."""
+        if self.express is None:
+            return self.leaders
+        return [x[0] if x is not None else None for x in self.express]
+
+    def express_address(self, k: int) -> ExpressAddress:
+        """Engine k's leader's express server (opened on first ask)."""
+        return ray_get(self.nodes[k][0].open_express.remote(), self.timeout, f"{self.names[k]}.open_express")
+
+    def connect_express(self, k: int, address: ExpressAddress) -> None:
+        """Call engine k's leader through `address` from now on (the run's express calls)."""
+        self._close_express(k)
+        self.express[k] = (address, ExpressClient(address, self.names[k], timeout=self.timeout))
+
+    def _close_express(self, k: int) -> None:
+        if self.express is not None and self.express[k] is not None:
+            self.express[k][1].close()
+            self.express[k] = None
+
+    def _generate_call(self, e: int, requests: list[GenerateRequest], timeout: float):
+        if self.express is not None:
+            return self.express[e][1].call_async("generate", Wire(requests), timeout=timeout)
+        return self.nodes[e][0].generate.remote(Wire(requests), timeout=timeout)
 
     @property
     def followers(self) -> list[list]:
@@ -396,6 +447,13 @@ class EngineGroup:
             raise EngineError(f"engines report TP sizes {sizes}, the plan has {planned} (rollout.engine_tp)")
         for k, size in zip(indices, sizes):
             self.tp_sizes[k] = size
+        if self.express is not None:  # a restart: the new leader's server, on this node as the run's express needs
+            for k in indices:
+                address = self.express_address(k)
+                if address.node_id != ray.get_runtime_context().get_node_id():
+                    raise EngineError(f"{self.names[k]} restarted on another node than the driver's; this run's "
+                                      f"express calls need every actor on one node")
+                self.connect_express(k, address)
 
     def restart_engine(self, k: int) -> None:
         """Start engine `k` again (all its nodes, through the same two-phase start on the same placement-group
@@ -409,6 +467,7 @@ class EngineGroup:
     def stop_engine(self, k: int) -> None:
         """Shut engine `k` down (leader first, then its followers) and kill its actors; a dead one is skipped."""
         nodes, self.nodes[k] = self.nodes[k], []
+        self._close_express(k)
         if nodes:
             name = self.names[k]
             shutdown_actors(nodes, [name] + [f"{name}/node{j}" for j in range(1, len(nodes))])
@@ -464,8 +523,7 @@ class EngineGroup:
         plan = self.router.assign([pending.requests[p] for p in positions], [pending.keys[p] for p in positions])
         for e, idx in sorted(plan.items()):
             mine = [positions[i] for i in idx]
-            ref = self.nodes[e][0].generate.remote(Wire([pending.requests[p] for p in mine]),
-                                                   timeout=pending.timeout)
+            ref = self._generate_call(e, [pending.requests[p] for p in mine], pending.timeout)
             pending.inflight[ref] = (e, mine, time.monotonic() + pending.timeout + 30)
 
     def collect(self, pending: "PendingGenerate") -> list[list[GenerateResult]]:
@@ -495,12 +553,12 @@ class EngineGroup:
         now = time.monotonic()
         interval = self.recovery.interval_s if self.recovery is not None else float("inf")
         wait_s = max(0.0, min(interval, min(d for _, _, d in pending.inflight.values()) - now))
-        ready = ray.wait(list(pending.inflight), num_returns=1, timeout=wait_s)[0]
+        ready = wait_any(list(pending.inflight), wait_s)
         failed: dict[int, tuple[str, list[int]]] = {}
         for ref in ready:
             e, positions, _ = pending.inflight.pop(ref)
             try:
-                out = ray_get(ref, 30, f"{self.names[e]}.generate")
+                out = call_result(ref, 30, f"{self.names[e]}.generate")
             except ActorCallError as err:
                 failed[e] = (str(err), positions)
                 continue
@@ -515,7 +573,7 @@ class EngineGroup:
         for ref, (e, positions, deadline) in list(pending.inflight.items()):
             if deadline <= now:
                 del pending.inflight[ref]
-                self._abandoned.append(ref)
+                self._hold(ref)
                 failed.setdefault(e, (f"{self.names[e]}.generate: no answer within {pending.timeout + 30:.0f} s",
                                       []))[1].extend(positions)
         if self.recovery is not None:
@@ -526,8 +584,14 @@ class EngineGroup:
         for e, (_, lost) in failed.items():  # everything else in flight on a failed engine is lost with it
             for ref in [r for r, (k, _, _) in pending.inflight.items() if k == e]:
                 lost.extend(pending.inflight.pop(ref)[1])
-                self._abandoned.append(ref)
+                self._hold(ref)
         return failed
+
+    def _hold(self, ref) -> None:
+        """An abandoned call: a Ray ref is held until it ends (`_read_abandoned`); an express call's reply is
+        dropped when it comes."""
+        if not abandon(ref):
+            self._abandoned.append(ref)
 
     def _read_abandoned(self, timeout: float = 0.0) -> None:
         """Read (and discard) the answers of abandoned calls that have ended; the others stay held."""
@@ -575,6 +639,8 @@ class EngineGroup:
 
     def shutdown(self) -> None:
         """Leaders first (a leader's shutdown stops its engine's TP ranks on every node), then the followers."""
+        for k in range(len(self.nodes)):
+            self._close_express(k)
         started = [(n, nodes) for n, nodes in zip(self.names, self.nodes) if nodes]
         shutdown_actors([nodes[0] for _, nodes in started], [n for n, _ in started])
         shutdown_actors([a for _, nodes in started for a in nodes[1:]],
@@ -582,3 +648,28 @@ class EngineGroup:
         self.nodes = [[] for _ in self.nodes]
         self._read_abandoned(timeout=10.0)  # their actors are gone: the calls end with the actors' deaths
         self._abandoned = []
+
+
+def _close_all(clients) -> None:
+    for c in clients or []:
+        c.close()
+
+
+def open_express(trainers: list[TrainerGroup], engines: EngineGroup | None) -> str:
+    """Give the run express calls (`beamrl.loop.express`) when every trainer rank and engine leader runs on this
+    node: the driver's train-step and rollout calls and the weight sync's engine calls then go over sockets.
+    Returns the console line that says which way the calls go."""
+    here = ray.get_runtime_context().get_node_id()
+    per_trainer = [g.express_addresses() for g in trainers]
+    per_engine = [engines.express_address(k) for k in engines.running] if engines is not None else []
+    nodes = {a.node_id for a in [*(a for x in per_trainer for a in x), *per_engine]}
+    if nodes != {here}:
+        where = f"{len(nodes)} node(s)" + ("" if here in nodes else ", none of them the driver's")
+        return f"actor calls: through Ray (express calls need every actor on the driver's node; these run on {where})"
+    for g, addresses in zip(trainers, per_trainer):
+        g.express = [ExpressClient(a, f"trainer rank {r}", timeout=g.timeout) for r, a in enumerate(addresses)]
+    if engines is not None:
+        engines.express = [None] * len(engines.nodes)
+        for k, address in zip(engines.running, per_engine):
+            engines.connect_express(k, address)
+    return "actor calls: express (every actor on this node; Ray places, watches and restarts them)"

@@ -7,6 +7,7 @@ import os
 import time
 
 from beamrl.data.loader import PromptLoader
+from beamrl.loop.groups import open_express
 from beamrl.loop.log import log
 from beamrl.loop.losses import SFTLoss
 from beamrl.loop.rollouts import split_micro_batches
@@ -41,6 +42,8 @@ def sft_warm_start(run: RunContext) -> str:
     loader = sft_loader(run.data.samples, sft.batch, r.run.seed)
     t0 = time.perf_counter()
     try:
+        if r.placement.express_calls:
+            log(f"SFT: {open_express([trainer], None)}")
         for i in range(sft.steps):
             pbs, loss = sft_step_batches(loader.next_batch(sft.batch), run.tokenizer, trainer.dp_size,
                                          r.trainer.micro_batch_size)

@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from beamrl.loop.actor_calls import call_result
+from beamrl.loop.express import ExpressAddress, ExpressClient, ExpressPeerLost
 from beamrl.loop.log import log
 from beamrl.loop.ray_utils import ActorCallError, ray_get
 from beamrl.models.beam.lora_payload import ADAPTER, SCALE_NAME, scale_tensor
@@ -60,6 +62,51 @@ class ActorReceiver(ForwardingReceiver):
 
     def _submit(self, method: str, timeout: float, *args) -> PendingCall:
         return _RayCall(self._handle.call.remote(method, *args, timeout=timeout), f"{self._name}.{method}")
+
+
+class _ExpressCall(PendingCall):
+    def __init__(self, call, what: str) -> None:
+        super().__init__()
+        self._call, self._what = call, what
+
+    def wait(self, timeout: float):
+        try:
+            return call_result(self._call, timeout + _RPC_SLACK_S, self._what)
+        except ActorCallError as e:
+            raise WeightSyncError(str(e)) from None
+
+
+class ExpressReceiver(ForwardingReceiver):
+    """An `ActorReceiver` reached by express calls (`beamrl.loop.express`: the engine actor is on this trainer rank's
+    node): the same calls, in issue order, over a socket instead of Ray."""
+
+    def __init__(self, address: ExpressAddress, name: str, tp_size: int = 1):
+        self._address, self._name, self._tp = address, name, tp_size
+        self._client: ExpressClient | None = None
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def tp_size(self) -> int:
+        return self._tp
+
+    def _submit(self, method: str, timeout: float, *args) -> PendingCall:
+        what = f"{self._name}.{method}"
+        try:
+            if self._client is None:
+                self._client = ExpressClient(self._address, self._name, timeout=_RPC_SLACK_S)
+            return _ExpressCall(self._client.call_async("call", method, *args, timeout=timeout), what)
+        except ExpressPeerLost as e:
+            return PendingCall(error=WeightSyncError(f"{what}: the actor died ({e})"))
+
+
+def engine_receiver(target, name: str, tp_size: int) -> ForwardingReceiver:
+    """The receiver of an engine given as its express address (express calls) or its actor handle (Ray)."""
+    if isinstance(target, ExpressAddress):
+        return ExpressReceiver(target, name, tp_size)
+    return ActorReceiver(target, name, tp_size)
 
 
 class MegatronExportSource(ExportSource):
@@ -210,7 +257,7 @@ def _orchestrator(trainer, rank: int, receivers, engine_names, engine_tp, req: S
         if rank == 0:
             from beamrl.sync.transports import TRANSPORTS
 
-            engines = [ActorReceiver(h, n, tp) for h, n, tp in zip(receivers, engine_names, engine_tp)]
+            engines = [engine_receiver(h, n, tp) for h, n, tp in zip(receivers, engine_names, engine_tp)]
             kwargs = {**_transport_kwargs(req.transport, trainer), **per_rank}
             transport = lambda recs: TRANSPORTS.get(req.transport)(recs, **kwargs)  # noqa: E731
         ws = _SYNCS[key] = WeightSync(transport, engines or [], bucket_bytes=req.bucket_bytes,
@@ -251,7 +298,7 @@ def resync_on_rank(trainer, rank: int, receivers, engine_names, engine_tp, index
     ws = _orchestrator(trainer, rank, receivers, engine_names, engine_tp, req)
     targets = []
     if rank == 0:
-        ws.replace_engine(index, ActorReceiver(receivers[index], engine_names[index], engine_tp[index]))
+        ws.replace_engine(index, engine_receiver(receivers[index], engine_names[index], engine_tp[index]))
         targets = [ws.engines[index]]
     # what every sync of this trainer sends (LoRA: the adapters; the full export left a restarted LoRA engine on W0)
     report = ws.sync(export_source(trainer), engines=targets, version=req.version)

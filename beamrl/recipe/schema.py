@@ -67,6 +67,9 @@ class PlacementSection(Section):
 
     mode: Literal["colocated", "disaggregated"] = "colocated"
     off_policy_steps: Literal[0, 1] = 0
+    express_calls: bool = Field(True, description="when every actor runs on the driver's node, the per-step calls "
+                                "(rollout, train step, the weight sync's engine calls) go over Unix sockets instead "
+                                "of Ray (docs/express-calls.md); false: every call through Ray")
 
 
 class CheckpointSection(Section):

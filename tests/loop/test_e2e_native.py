@@ -60,6 +60,19 @@ def test_killed_run_resumes_to_the_same_metrics(colocated_run, tmp_path):
     assert got == want  # every metric of every step, bit for bit
 
 
+def test_express_calls_change_no_number(colocated_run, tmp_path):
+    """The same run with every call through Ray (`placement.express_calls: false`) gives every metric of every step
+    bit for bit: express calls change how the calls travel, nothing they compute (docs/express-calls.md)."""
+    assert "[beamrl] actor calls: express (every actor on this node" in colocated_run.stdout
+    p = run_train(tmp_path / "ray", *colocated_run.args, "placement.express_calls=false")
+    _ok(p)
+    assert "[beamrl] actor calls: through Ray (placement.express_calls: false)" in p.stdout
+    got, want = [_deterministic(r) for r in metrics(tmp_path / "ray")], [_deterministic(r) for r in
+                                                                          metrics(colocated_run.out)]
+    assert [g["step"] for g in got] == [0, 1, 2, 3] and len(want[0]) > 20
+    assert got == want
+
+
 def test_fresh_run_refuses_to_overwrite_checkpoints(colocated_run, tmp_path):
     out = tmp_path / "run"
     shutil.copytree(colocated_run.out, out)

@@ -93,6 +93,9 @@ def test_tp2_trainer_on_its_own_node_one_step_off(tmp_path):
     _ok(p)
     assert "node 0 slots 0-1: trainer ranks 0-1 (tp 0-1, dp 0, pp 0; ep 0, expert-dp 0-1)" in p.stdout
     assert "node 1 slots 0-1: engine sglang-0 TP ranks 0-1, weight-sync ranks 1-2" in p.stdout
+    # actors on two nodes: every call goes through Ray (docs/express-calls.md)
+    assert ("actor calls: through Ray (express calls need every actor on the driver's node; these run on 2 node(s)"
+            in p.stdout)
     rows = metrics(tmp_path / "run")
     # one step off: step k+1 is generated with version k while step k trains
     _synced_and_verified_every_step(rows, [0, 0, 1])
