@@ -18,7 +18,7 @@ from beamrl.loop.wire import Wire
 
 #: The methods a caller on the same node may send as express calls (`beamrl.loop.express`): the per-step ones.
 TRAINER_EXPRESS = ("train_step", "train_step_then_sync")
-ENGINE_EXPRESS = ("generate", "call", "weight_version")
+ENGINE_EXPRESS = ("generate", "call")
 
 
 def _express_server(actor, methods, name: str) -> ExpressAddress:

@@ -26,6 +26,7 @@ import pickle
 import queue
 import secrets
 import socket
+import struct
 import threading
 import time
 from collections.abc import Iterable
@@ -46,6 +47,13 @@ class ExpressTaskError(RuntimeError):
     def __init__(self, method: str, cause: BaseException):
         super().__init__(f"{method}: {type(cause).__name__}: {cause}")
         self.cause = cause
+
+
+#: How long a caller waits for a new channel's key handshake, and for a send or a started reply to move on (the
+#: other side reads and writes at once unless its process is frozen).
+CONNECT_TIMEOUT_S = 60.0
+#: The longest a waiter holds a client's read lock at a time (other waiters on the client read in between).
+_READ_SLICE_S = 0.05
 
 
 class ExpressTimeout(TimeoutError):
@@ -123,6 +131,9 @@ class ExpressServer:
                 conn = self._listener.accept()
             except OSError:  # closed
                 return
+            if self._closed:
+                conn.close()
+                return
             self._conns.append(conn)
             threading.Thread(target=self._serve, args=(conn,), name=f"beamrl-express-{self.name}-call",
                              daemon=True).start()
@@ -179,16 +190,18 @@ class ExpressServer:
             _hang_up(conn)
 
     def close(self) -> None:
+        """Stop accepting and hang up on every caller (their waits end with `ExpressPeerLost`)."""
         self._closed = True
+        try:  # wake the accept thread (closing the listener does not), which then sees `_closed`
+            Client(self.address.socket, family="AF_UNIX").close()
+        except OSError:
+            pass
         try:
             self._listener.close()
         except OSError:
             pass
         for c in self._conns:
-            try:
-                c.close()
-            except OSError:
-                pass
+            _hang_up(c)
 
 
 class ExpressCall:
@@ -216,8 +229,10 @@ class ExpressCall:
 
 def _connect(address: ExpressAddress, name: str, timeout: float) -> Connection:
     """The socket to `address`, through both key challenges, within `timeout` s. The handshake's reads have no
-    deadline of their own, so it runs on a helper thread that the caller stops waiting for."""
+    deadline of their own, so it runs on a helper thread that the caller stops waiting for (a handshake that ends
+    after that closes its socket)."""
     out: dict = {}
+    gave_up = threading.Event()
 
     def handshake() -> None:
         try:
@@ -225,13 +240,16 @@ def _connect(address: ExpressAddress, name: str, timeout: float) -> Connection:
             answer_challenge(conn, address.authkey)
             deliver_challenge(conn, address.authkey)
             out["conn"] = conn
+            if gave_up.is_set():
+                conn.close()
         except BaseException as exc:  # noqa: BLE001 - reported by the caller
             out["error"] = exc
 
     t = threading.Thread(target=handshake, name=f"beamrl-express-connect-{name}", daemon=True)
     t.start()
     t.join(timeout)
-    if "conn" in out:
+    gave_up.set()
+    if not t.is_alive() and "conn" in out:
         return out["conn"]
     if isinstance(out.get("error"), AuthenticationError):
         raise out["error"]
@@ -240,13 +258,31 @@ def _connect(address: ExpressAddress, name: str, timeout: float) -> Connection:
     raise ExpressPeerLost(f"{name}: cannot open its express channel ({why}): its actor is gone or wedged")
 
 
-class ExpressClient:
-    """A caller's channel to one actor's `ExpressServer` (thread-safe; calls are answered in order)."""
+def _io_deadline(conn: Connection, seconds: float) -> None:
+    """Bound every send and every read of a started message on `conn` (SO_SNDTIMEO, SO_RCVTIMEO): a peer that is
+    frozen, not dead, must not hold a caller forever in a write to a full socket or in the middle of a reply."""
+    tv = struct.pack("ll", int(seconds), int((seconds % 1) * 1e6))
+    sock = socket.socket(fileno=os.dup(conn.fileno()))  # the options belong to the socket, shared with `conn`
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    finally:
+        sock.close()
 
-    def __init__(self, address: ExpressAddress, name: str, timeout: float = 30.0):
+
+class ExpressClient:
+    """A caller's channel to one actor's `ExpressServer` (thread-safe; calls are answered in order).
+
+    Waiting: whoever waits reads the replies for everyone, holding the read lock only for `_READ_SLICE_S` at a time,
+    so every waiter keeps its own deadline. A send or a started reply that stalls for `io_timeout` s (the actor's
+    process frozen) loses the channel: the calls on it fail as if the actor had died."""
+
+    def __init__(self, address: ExpressAddress, name: str, timeout: float = CONNECT_TIMEOUT_S,
+                 io_timeout: float = CONNECT_TIMEOUT_S):
         """Connect and pass the key challenge within `timeout` s, else `ExpressPeerLost`."""
         self.address, self.name = address, name
         self._conn = _connect(address, name, timeout)
+        _io_deadline(self._conn, io_timeout)
         self._send_lock = threading.Lock()
         self._read_lock = threading.Lock()
         self._seq = 0
@@ -255,33 +291,43 @@ class ExpressClient:
         self._lost: str | None = None
 
     def call_async(self, method: str, *args, **kwargs) -> ExpressCall:
-        """Send `method(*args, **kwargs)`; returns at once."""
+        """Send `method(*args, **kwargs)`; returns at once. As a Ray call to a dead actor does, a call on a lost
+        channel is issued all the same and fails when waited for (`ExpressPeerLost`), where callers handle deaths."""
+        blob = pickle.dumps((args, kwargs), protocol=5)
         with self._send_lock:
-            if self._lost is not None:
-                raise ExpressPeerLost(f"{self.name}.{method}: {self._lost}")
             seq, self._seq = self._seq, self._seq + 1
-            try:
-                self._conn.send_bytes(pickle.dumps((seq, method, pickle.dumps((args, kwargs), protocol=5)),
-                                                   protocol=5))
-            except OSError as exc:
-                self._lost = f"the actor's end of the express channel closed ({exc}): its process is gone"
-                raise ExpressPeerLost(f"{self.name}.{method}: {self._lost}") from None
+            if self._lost is None:
+                try:
+                    self._conn.send_bytes(pickle.dumps((seq, method, blob), protocol=5))
+                except OSError as exc:  # a closed peer, or a frozen one that stopped reading (`io_timeout`)
+                    self._lose(f"the actor's end of the express channel is gone ({type(exc).__name__}: {exc})")
         return ExpressCall(self, seq, method)
 
     def call(self, method: str, *args, timeout: float, **kwargs) -> Any:
-        return self.call_async(method, *args, **kwargs).result(timeout)
+        """`call_async(...).result(timeout)`; a call that times out is abandoned."""
+        pending = self.call_async(method, *args, **kwargs)
+        try:
+            return pending.result(timeout)
+        except ExpressTimeout:
+            pending.abandon()
+            raise
 
     @property
     def connection(self) -> Connection:
         """For `multiprocessing.connection.wait` over several clients."""
         return self._conn
 
+    def _lose(self, why: str) -> None:
+        if self._lost is None:
+            self._lost = why
+
     def _read_one(self) -> None:
         """Read one waiting reply into `_replies` (the caller holds `_read_lock` and saw the connection ready)."""
         try:
             blob = self._conn.recv_bytes()
-        except (EOFError, OSError):
-            self._lost = "the actor's end of the express channel closed: its process is gone"
+        except (EOFError, OSError) as exc:
+            self._lose("the actor's end of the express channel closed: its process is gone" if
+                       isinstance(exc, EOFError) else f"reading a reply failed ({type(exc).__name__}: {exc})")
             return
         seq, ok, value = pickle.loads(blob)  # (seq, ok, the pickled result or exception)
         try:
@@ -297,17 +343,19 @@ class ExpressClient:
     def _poll(self, seq: int, timeout: float) -> bool:
         """Whether call `seq` is answered (or the channel lost), reading replies for up to `timeout` s."""
         deadline = time.monotonic() + timeout
-        with self._read_lock:
-            while seq not in self._replies and self._lost is None:
+        while True:
+            with self._read_lock:
+                if seq in self._replies or self._lost is not None:
+                    return True
                 left = deadline - time.monotonic()
-                try:
-                    ready = self._conn.poll(max(left, 0.0))
+                try:  # (a deadline already passed still reads what is waiting)
+                    ready = self._conn.poll(min(max(left, 0.0), _READ_SLICE_S))
                 except (EOFError, OSError):
-                    ready = True  # recv reports the loss
-                if not ready:
+                    ready = True  # the read reports the loss
+                if ready:
+                    self._read_one()
+                elif left <= 0:
                     return False
-                self._read_one()
-            return True
 
     def _result(self, call: ExpressCall, timeout: float) -> Any:
         if not self._poll(call.seq, timeout):

@@ -11,7 +11,7 @@ import ray
 from beamrl.cluster.placement import sync_rank_offsets
 from beamrl.loop.actor_calls import DIED, FAILED, abandon, call_result, fetch, wait_all, wait_any
 from beamrl.loop.actors import EngineActor, TrainerActor, TrainerRankSpec
-from beamrl.loop.express import ExpressAddress, ExpressClient
+from beamrl.loop.express import ExpressAddress, ExpressClient, ExpressPeerLost
 from beamrl.loop.log import log
 from beamrl.loop.ray_utils import ActorCallError, ray_get
 from beamrl.loop.wire import Wire
@@ -137,8 +137,7 @@ class TrainerGroup:
             ready = wait_any(list(pending), max(left, 0.0)) if left > 0 else []
             if not ready:
                 ranks = sorted(pending.values())
-                for ref in pending:
-                    abandon(ref)
+                _abandon_all(pending)
                 raise TrainerRankError(f"{what}: trainer rank(s) {', '.join(self._name(r) for r in ranks)} gave no "
                                        f"answer within {timeout:.0f} s", ranks[0], self.labels[ranks[0]])
             for ref in ready:
@@ -146,9 +145,12 @@ class TrainerGroup:
                 try:
                     out[r] = fetch(ref)
                 except DIED as e:
+                    _abandon_all(pending)
                     raise self._rank_error(r, what, e, died=True) from None
                 except FAILED as e:
-                    raise self._dead_rank_among(pending, what) or self._rank_error(r, what, e, died=False) from None
+                    error = self._dead_rank_among(pending, what) or self._rank_error(r, what, e, died=False)
+                    _abandon_all(pending)
+                    raise error from None
         return out
 
     def _name(self, rank: int) -> str:
@@ -408,7 +410,7 @@ class EngineGroup:
     def connect_express(self, k: int, address: ExpressAddress) -> None:
         """Call engine k's leader through `address` from now on (the run's express calls)."""
         self._close_express(k)
-        self.express[k] = (address, ExpressClient(address, self.names[k], timeout=self.timeout))
+        self.express[k] = (address, ExpressClient(address, self.names[k]))
 
     def _close_express(self, k: int) -> None:
         if self.express is not None and self.express[k] is not None:
@@ -650,6 +652,12 @@ class EngineGroup:
         self._abandoned = []
 
 
+def _abandon_all(calls) -> None:
+    """The calls a failed gather no longer waits for: express replies are dropped when they come."""
+    for ref in calls:
+        abandon(ref)
+
+
 def _close_all(clients) -> None:
     for c in clients or []:
         c.close()
@@ -666,10 +674,21 @@ def open_express(trainers: list[TrainerGroup], engines: EngineGroup | None) -> s
     if nodes != {here}:
         where = f"{len(nodes)} node(s)" + ("" if here in nodes else ", none of them the driver's")
         return f"actor calls: through Ray (express calls need every actor on the driver's node; these run on {where})"
-    for g, addresses in zip(trainers, per_trainer):
-        g.express = [ExpressClient(a, f"trainer rank {r}", timeout=g.timeout) for r, a in enumerate(addresses)]
+    opened: list[ExpressClient] = []
+    try:
+        trainer_clients = [[ExpressClient(a, f"trainer rank {r}") for r, a in enumerate(addresses)]
+                           for addresses in per_trainer]
+        opened += [c for cs in trainer_clients for c in cs]
+        engine_clients = [ExpressClient(a, engines.names[k]) for k, a in zip(engines.running, per_engine)] \
+            if engines is not None else []
+        opened += engine_clients
+    except (ExpressPeerLost, OSError) as exc:  # e.g. actors in another network namespace than the driver
+        _close_all(opened)
+        return f"actor calls: through Ray (an express channel could not be opened: {first_line(exc)})"
+    for g, clients in zip(trainers, trainer_clients):
+        g.express = clients
     if engines is not None:
         engines.express = [None] * len(engines.nodes)
-        for k, address in zip(engines.running, per_engine):
-            engines.connect_express(k, address)
+        for k, address, client in zip(engines.running, per_engine, engine_clients):
+            engines.express[k] = (address, client)
     return "actor calls: express (every actor on this node; Ray places, watches and restarts them)"

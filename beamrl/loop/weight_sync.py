@@ -96,10 +96,23 @@ class ExpressReceiver(ForwardingReceiver):
         what = f"{self._name}.{method}"
         try:
             if self._client is None:
-                self._client = ExpressClient(self._address, self._name, timeout=_RPC_SLACK_S)
+                self._client = ExpressClient(self._address, self._name)
             return _ExpressCall(self._client.call_async("call", method, *args, timeout=timeout), what)
         except ExpressPeerLost as e:
             return PendingCall(error=WeightSyncError(f"{what}: the actor died ({e})"))
+
+    def close(self) -> None:
+        """Close the channel (the engine was replaced or the sync discarded)."""
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+
+def _close_receivers(receivers) -> None:
+    for r in receivers:
+        close = getattr(r, "close", None)
+        if close is not None:
+            close()
 
 
 def engine_receiver(target, name: str, tp_size: int) -> ForwardingReceiver:
@@ -298,7 +311,9 @@ def resync_on_rank(trainer, rank: int, receivers, engine_names, engine_tp, index
     ws = _orchestrator(trainer, rank, receivers, engine_names, engine_tp, req)
     targets = []
     if rank == 0:
+        old = ws.engines[index]
         ws.replace_engine(index, engine_receiver(receivers[index], engine_names[index], engine_tp[index]))
+        _close_receivers([old])
         targets = [ws.engines[index]]
     # what every sync of this trainer sends (LoRA: the adapters; the full export left a restarted LoRA engine on W0)
     report = ws.sync(export_source(trainer), engines=targets, version=req.version)
@@ -323,7 +338,9 @@ def discard_sync_buffers(trainer) -> None:
     only as a fallback (`TrainerGroup`, which says so on the console)."""
     for key in _keys_of(trainer):
         try:
-            _SYNCS.pop(key).discard_buffers()
+            ws = _SYNCS.pop(key)
+            _close_receivers(ws.engines)
+            ws.discard_buffers()
         except Exception as exc:  # noqa: BLE001 - the others' files must still go; shutdown goes on
             log(f"warning: discarding the buffers of weight sync {key[1:]} failed: {type(exc).__name__}: {exc}")
 

@@ -1,6 +1,7 @@
 """What a user can break: recipe fields, data files, reward plugins, engines. Each gives a clear message or a
 counted failure, and nothing is lost."""
 
+import os
 import time
 
 import pytest
@@ -107,10 +108,13 @@ def local_ray(ray_temp_dir):
 
 
 @pytest.mark.slow
-def test_dead_engine_fails_fast_with_its_name(tmp_path, local_ray):
+@pytest.mark.parametrize("express", [False, True], ids=["ray", "express"])
+def test_dead_engine_fails_fast_with_its_name(tmp_path, local_ray, express):
+    """Also with express calls (docs/express-calls.md): a call to an engine that died while idle is issued all the
+    same and fails as a death, as a Ray call does (not with an error of the channel's own)."""
     import torch
 
-    from beamrl.loop.groups import EngineGroup
+    from beamrl.loop.groups import EngineGroup, open_express
     from beamrl.loop.ray_utils import ActorCallError
     from beamrl.models.beam import preset
     from beamrl.models.beam.checkpoint import save_checkpoint
@@ -125,12 +129,22 @@ def test_dead_engine_fails_fast_with_its_name(tmp_path, local_ray):
     launch = EngineLaunch(checkpoint=str(tmp_path / "ckpt"), dtype="float32", device="cpu", seed=0, name="native-0",
                           port=0, start_timeout=120, return_routed_experts=False)
     group = EngineGroup([[engine_factory(rollout, launch)]], 120, [[{"num_cpus": 1}]])
+    if express:
+        assert open_express([], group).startswith("actor calls: express")
     req = [[GenerateRequest([1, 2, 3], SamplingParams(max_new_tokens=2, seed=0))]]
     assert len(group.generate(req, 60)[0]) == 1
+    pid = group.pids(0)[0]
     ray.kill(group.actors[0])
     t0 = time.monotonic()
-    with pytest.raises(ActorCallError, match="native-0.generate"):
-        group.generate(req, 600)
+    while time.monotonic() - t0 < 60:  # the process is gone before the calls below are made
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    for _ in range(2):  # the first call finds the engine dead, the second one a channel already known lost
+        with pytest.raises(ActorCallError, match="native-0.generate"):
+            group.generate(req, 600)
     # Noticed as a death, not by the 600 s deadline (the bound leaves a loaded machine plenty of room)
     assert time.monotonic() - t0 < 300
 
@@ -174,6 +188,54 @@ def test_a_busy_engine_answers_health_checks_and_shuts_down_at_once(local_ray):
         ray_get(actor.shutdown.remote(), 20, "shutdown while generating")
         assert ray_get(busy, 20, "the generate call") == "stopped"
         assert time.monotonic() - t0 < 60  # not the 120 s of the generate call
+    finally:
+        ray.kill(actor)
+
+
+@pytest.mark.slow
+def test_an_engine_busy_with_an_express_call_answers_health_checks_and_shuts_down_at_once(local_ray):
+    """The same with the generate sent as an express call (docs/express-calls.md): the liveness calls stay outside the
+    engine's `serial` lock, and shutting down hangs up on the waiting caller at once."""
+    import threading
+
+    from beamrl.loop.actors import EngineActor
+    from beamrl.loop.express import ExpressClient, ExpressPeerLost
+    from beamrl.loop.ray_utils import ray_get
+
+    class Busy:
+        def __init__(self):
+            self.stopped = threading.Event()
+
+        def generate(self, requests, timeout):
+            return "stopped" if self.stopped.wait(timeout) else "ran out"
+
+        def health(self, timeout):
+            return not self.stopped.is_set()
+
+        def shutdown(self):
+            self.stopped.set()
+
+    class Factory:
+        name = "busy"
+
+        def with_launch(self, **_):
+            return Busy
+
+    actor = EngineActor.options(num_cpus=0).remote(factory=Factory())
+    try:
+        ray_get(actor.start.remote(host="127.0.0.1", port=0, dist_init_addr=None), 60, "start")
+        client = ExpressClient(ray_get(actor.open_express.remote(), 60, "open_express"), "busy")
+        busy = client.call_async("call", "generate", requests=[], timeout=120)
+        time.sleep(1)
+        t0 = time.monotonic()
+        assert ray_get(actor.health.remote(5), 20, "health while generating") is True
+        assert ray_get(actor.pid.remote(), 20, "pid while generating") > 0
+        ray_get(actor.shutdown.remote(), 20, "shutdown while generating")
+        try:
+            assert busy.result(20) == "stopped"
+        except ExpressPeerLost:
+            pass  # hung up on by the shutdown: also an answer at once
+        assert time.monotonic() - t0 < 60
     finally:
         ray.kill(actor)
 
