@@ -113,6 +113,10 @@ class TrainerGroup:
         self.process_ids = self.pids()
         self.express: list[ExpressClient] | None = None  # set by `open_express` (every actor on this node)
 
+    def use_express(self, clients: list[ExpressClient]) -> None:
+        """Send the per-step calls through these channels (one per rank, `open_express`)."""
+        self.express = clients
+
     def express_addresses(self) -> list[ExpressAddress]:
         """Each rank's express server (opened on first ask)."""
         return self._gather([a.open_express.remote() for a in self.actors], self.timeout, "trainer.open_express")
@@ -403,6 +407,11 @@ class EngineGroup:
             return self.leaders
         return [x[0] if x is not None else None for x in self.express]
 
+    def use_express(self, channels: dict[int, tuple[ExpressAddress, ExpressClient]]) -> None:
+        """Send the rollout's calls, and give the trainer's syncs, these channels (engine -> (address, client),
+        `open_express`); restarted engines get theirs as they start."""
+        self.express = [channels.get(k) for k in range(len(self.nodes))]
+
     def express_address(self, k: int) -> ExpressAddress:
         """Engine k's leader's express server (opened on first ask)."""
         return ray_get(self.nodes[k][0].open_express.remote(), self.timeout, f"{self.names[k]}.open_express")
@@ -686,9 +695,7 @@ def open_express(trainers: list[TrainerGroup], engines: EngineGroup | None) -> s
         _close_all(opened)
         return f"actor calls: through Ray (an express channel could not be opened: {first_line(exc)})"
     for g, clients in zip(trainers, trainer_clients):
-        g.express = clients
+        g.use_express(clients)
     if engines is not None:
-        engines.express = [None] * len(engines.nodes)
-        for k, address, client in zip(engines.running, per_engine, engine_clients):
-            engines.express[k] = (address, client)
+        engines.use_express(dict(zip(engines.running, zip(per_engine, engine_clients))))
     return "actor calls: express (every actor on this node; Ray places, watches and restarts them)"

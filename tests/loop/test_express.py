@@ -168,6 +168,7 @@ def test_call_result_says_what_ray_get_says(child):
     with pytest.raises(ActorCallError, match=r"^engine-0\.generate: no answer within 0 s$"):
         call_result(client.call_async("sleep", 0.5, "late"), 0.05, "engine-0.generate")
     assert client.call("add", 5, timeout=10)["sum"] == 5  # the timed-out call's reply was dropped
+    assert client._replies == {} and client._abandoned == set()
     os.kill(child[0].pid, signal.SIGKILL)
     with pytest.raises(ActorCallError, match=r"^engine-0\.generate: the actor died"):
         call_result(client.call_async("sleep", 60, "x"), 30, "engine-0.generate")
@@ -229,3 +230,56 @@ def test_a_message_that_is_not_a_call_closes_the_channel_at_once(child):
     with pytest.raises(ExpressPeerLost):
         client.call_async("add", 1).result(30)
     assert time.monotonic() - t0 < 5
+
+
+def test_closing_the_server_hangs_up_on_its_callers_and_stops_listening():
+    """An actor's shutdown closes its server: a caller waiting on a call still running hears at once (not when the
+    call ends), and the address takes no one any more (its accept thread woken and ended)."""
+    target = Target()
+    server = ExpressServer(target, SERVED, target._serial, "closing", node_id="node")
+    client = ExpressClient(server.address, "closing")
+    call = client.call_async("sleep", 10.0, "too late")
+    time.sleep(0.2)  # the call is running
+    t0 = time.monotonic()
+    server.close()
+    with pytest.raises(ExpressPeerLost):
+        call.result(30)
+    assert time.monotonic() - t0 < 5
+    while any(t.name == "beamrl-express-closing" for t in threading.enumerate()):
+        assert time.monotonic() - t0 < 5, "the accept thread still runs"
+        time.sleep(0.01)
+    with pytest.raises(ExpressPeerLost, match="ConnectionRefusedError"):
+        ExpressClient(server.address, "closing", timeout=5)
+
+
+def test_a_frozen_actor_loses_the_channel_at_the_io_deadline(child):
+    """An actor alive but not reading (stopped) fills the socket: a send gives up after `io_timeout` and the call
+    fails as a death, instead of blocking its caller forever."""
+    proc, address = child
+    client = ExpressClient(address, "child", io_timeout=0.5)
+    os.kill(proc.pid, signal.SIGSTOP)
+    sent = []
+    sender = threading.Thread(target=lambda: sent.append(client.call_async("add", "x" * (8 << 20), "y")),
+                              daemon=True)
+    sender.start()
+    sender.join(10)
+    assert sent, "the send to a frozen actor did not end at its io_timeout"
+    with pytest.raises(ExpressPeerLost, match="is gone"):
+        sent[0].result(1)
+
+
+def test_each_waiter_on_a_client_keeps_its_own_deadline(child):
+    """Waiters on one client read for each other in slices: one waiting long for a slow call does not hold another
+    past its own deadline."""
+    client = ExpressClient(child[1], "child")
+    slow = client.call_async("sleep", 3.0, "slow")
+    behind = client.call_async("add", 1)
+    waiter = threading.Thread(target=slow.result, args=(30,), daemon=True)
+    waiter.start()
+    time.sleep(0.2)  # the waiter is reading
+    t0 = time.monotonic()
+    with pytest.raises(ExpressTimeout):
+        behind.result(0.2)
+    assert time.monotonic() - t0 < 1.5
+    waiter.join(30)
+    assert behind.result(10)["sum"] == 1

@@ -14,6 +14,7 @@ from beamrl.loop.groups import EngineGroup
 def _group(nodes):
     group = EngineGroup.__new__(EngineGroup)
     group.nodes, group.names, group.tp_sizes = nodes, [f"sglang-{k}" for k in range(len(nodes))], [1] * len(nodes)
+    group.express = None
     return group
 
 
@@ -24,6 +25,10 @@ def test_sync_arguments_keep_engine_order_and_name_the_running_engines():
     assert args["request"].engines == (0, 2) and args["request"].version == 7
     every = _group([[a], [c]]).sync_arguments(W.SyncRequest(7, "shm", 1, 60.0))
     assert every["request"].engines is None  # all running: a full sync, as before
+    # with express calls the trainer gets each running engine's address instead, in the same places
+    express = _group([[a], [], [c]])
+    express.use_express({0: ("address-0", None), 2: ("address-2", None)})
+    assert express.sync_arguments(W.SyncRequest(7, "shm", 1, 60.0))["receivers"] == ["address-0", None, "address-2"]
 
 
 class _Recorder:
