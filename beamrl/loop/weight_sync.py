@@ -18,7 +18,7 @@ import torch.distributed as dist
 from beamrl.loop.actor_calls import call_result
 from beamrl.loop.express import ExpressAddress, ExpressClient, ExpressPeerLost
 from beamrl.loop.log import log
-from beamrl.loop.ray_utils import ActorCallError, ray_get
+from beamrl.loop.ray_utils import ActorCallError
 from beamrl.models.beam.lora_payload import ADAPTER, SCALE_NAME, scale_tensor
 from beamrl.protocols.weights import PendingCall, WeightSyncError
 from beamrl.sync.export import ExportSource, TensorSpec
@@ -33,14 +33,16 @@ _ADAPTER_LAYOUTS: dict[int, list[list[TensorSpec]]] = {}  # per trainer object: 
 _RPC_SLACK_S = 10.0
 
 
-class _RayCall(PendingCall):
-    def __init__(self, ref, what: str) -> None:
+class _ActorCall(PendingCall):
+    """A call to an engine actor, made through Ray or as an express call; `wait` raises `WeightSyncError`."""
+
+    def __init__(self, call, what: str) -> None:
         super().__init__()
-        self._ref, self._what = ref, what
+        self._call, self._what = call, what
 
     def wait(self, timeout: float):
         try:
-            return ray_get(self._ref, timeout + _RPC_SLACK_S, self._what)
+            return call_result(self._call, timeout + _RPC_SLACK_S, self._what)
         except ActorCallError as e:
             raise WeightSyncError(str(e)) from None
 
@@ -61,43 +63,24 @@ class ActorReceiver(ForwardingReceiver):
         return self._tp
 
     def _submit(self, method: str, timeout: float, *args) -> PendingCall:
-        return _RayCall(self._handle.call.remote(method, *args, timeout=timeout), f"{self._name}.{method}")
+        return _ActorCall(self._handle.call.remote(method, *args, timeout=timeout), f"{self._name}.{method}")
 
 
-class _ExpressCall(PendingCall):
-    def __init__(self, call, what: str) -> None:
-        super().__init__()
-        self._call, self._what = call, what
-
-    def wait(self, timeout: float):
-        try:
-            return call_result(self._call, timeout + _RPC_SLACK_S, self._what)
-        except ActorCallError as e:
-            raise WeightSyncError(str(e)) from None
-
-
-class ExpressReceiver(ForwardingReceiver):
+class ExpressReceiver(ActorReceiver):
     """An `ActorReceiver` reached by express calls (`beamrl.loop.express`: the engine actor is on this trainer rank's
     node): the same calls, in issue order, over a socket instead of Ray."""
 
     def __init__(self, address: ExpressAddress, name: str, tp_size: int = 1):
-        self._address, self._name, self._tp = address, name, tp_size
+        super().__init__(None, name, tp_size)
+        self._address = address
         self._client: ExpressClient | None = None
-
-    @property
-    def name(self) -> str:
-        return self._name
-
-    @property
-    def tp_size(self) -> int:
-        return self._tp
 
     def _submit(self, method: str, timeout: float, *args) -> PendingCall:
         what = f"{self._name}.{method}"
         try:
             if self._client is None:
                 self._client = ExpressClient(self._address, self._name)
-            return _ExpressCall(self._client.call_async("call", method, *args, timeout=timeout), what)
+            return _ActorCall(self._client.call_async("call", method, *args, timeout=timeout), what)
         except ExpressPeerLost as e:
             return PendingCall(error=WeightSyncError(f"{what}: the actor died ({e})"))
 

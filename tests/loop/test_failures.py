@@ -150,59 +150,20 @@ def test_dead_engine_fails_fast_with_its_name(tmp_path, local_ray, express):
 
 
 @pytest.mark.slow
-def test_a_busy_engine_answers_health_checks_and_shuts_down_at_once(local_ray):
+@pytest.mark.parametrize("express", [False, True], ids=["ray", "express"])
+def test_a_busy_engine_answers_health_checks_and_shuts_down_at_once(local_ray, express):
     """A `generate` that runs for minutes must not make its engine look dead: health checks and process ids are
     answered while it runs (the loop checks engines every `rollout.health_check_interval_s` during a rollout), and
-    shutting a wedged engine down does not queue behind the call it is stuck in (its shutdown ends that call)."""
-    import threading
-
-    from beamrl.loop.actors import EngineActor
-    from beamrl.loop.ray_utils import ray_get
-
-    class Busy:  # an engine whose generation runs until it is shut down (defined here: pickled by value for Ray)
-        def __init__(self):
-            self.stopped = threading.Event()
-
-        def generate(self, requests, timeout):
-            return "stopped" if self.stopped.wait(timeout) else "ran out"
-
-        def health(self, timeout):
-            return not self.stopped.is_set()
-
-        def shutdown(self):
-            self.stopped.set()
-
-    class Factory:
-        def with_launch(self, **_):
-            return Busy
-
-    actor = EngineActor.options(num_cpus=0).remote(factory=Factory())
-    try:
-        ray_get(actor.start.remote(host="127.0.0.1", port=0, dist_init_addr=None), 60, "start")
-        busy = actor.call.remote("generate", requests=[], timeout=120)
-        time.sleep(1)  # generation is under way
-        t0 = time.monotonic()
-        assert ray_get(actor.health.remote(5), 20, "health while generating") is True
-        assert ray_get(actor.pid.remote(), 20, "pid while generating") > 0
-        assert ray_get(actor.process_ids.remote(), 20, "process ids while generating") == []
-        ray_get(actor.shutdown.remote(), 20, "shutdown while generating")
-        assert ray_get(busy, 20, "the generate call") == "stopped"
-        assert time.monotonic() - t0 < 60  # not the 120 s of the generate call
-    finally:
-        ray.kill(actor)
-
-
-@pytest.mark.slow
-def test_an_engine_busy_with_an_express_call_answers_health_checks_and_shuts_down_at_once(local_ray):
-    """The same with the generate sent as an express call (docs/express-calls.md): the liveness calls stay outside the
-    engine's `serial` lock, and shutting down hangs up on the waiting caller at once."""
+    shutting a wedged engine down does not queue behind the call it is stuck in (its shutdown ends that call). Also
+    with the generate sent as an express call (docs/express-calls.md): the liveness calls stay outside the engine's
+    `serial` lock, and the shutdown may hang up on the waiting caller instead of answering it."""
     import threading
 
     from beamrl.loop.actors import EngineActor
     from beamrl.loop.express import ExpressClient, ExpressPeerLost
     from beamrl.loop.ray_utils import ray_get
 
-    class Busy:
+    class Busy:  # an engine whose generation runs until it is shut down (defined here: pickled by value for Ray)
         def __init__(self):
             self.stopped = threading.Event()
 
@@ -224,18 +185,25 @@ def test_an_engine_busy_with_an_express_call_answers_health_checks_and_shuts_dow
     actor = EngineActor.options(num_cpus=0).remote(factory=Factory())
     try:
         ray_get(actor.start.remote(host="127.0.0.1", port=0, dist_init_addr=None), 60, "start")
-        client = ExpressClient(ray_get(actor.open_express.remote(), 60, "open_express"), "busy")
-        busy = client.call_async("call", "generate", requests=[], timeout=120)
-        time.sleep(1)
+        if express:
+            client = ExpressClient(ray_get(actor.open_express.remote(), 60, "open_express"), "busy")
+            busy = client.call_async("call", "generate", requests=[], timeout=120)
+        else:
+            busy = actor.call.remote("generate", requests=[], timeout=120)
+        time.sleep(1)  # generation is under way
         t0 = time.monotonic()
         assert ray_get(actor.health.remote(5), 20, "health while generating") is True
         assert ray_get(actor.pid.remote(), 20, "pid while generating") > 0
+        assert ray_get(actor.process_ids.remote(), 20, "process ids while generating") == []
         ray_get(actor.shutdown.remote(), 20, "shutdown while generating")
-        try:
-            assert busy.result(20) == "stopped"
-        except ExpressPeerLost:
-            pass  # hung up on by the shutdown: also an answer at once
-        assert time.monotonic() - t0 < 60
+        if express:
+            try:
+                assert busy.result(20) == "stopped"
+            except ExpressPeerLost:
+                pass  # hung up on by the shutdown: also an answer at once
+        else:
+            assert ray_get(busy, 20, "the generate call") == "stopped"
+        assert time.monotonic() - t0 < 60  # not the 120 s of the generate call
     finally:
         ray.kill(actor)
 

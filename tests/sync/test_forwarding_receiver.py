@@ -54,11 +54,11 @@ def test_the_engine_calls_a_sync_makes_are_forwarded_too():
     assert rec.calls == [("abort_all", 2.0, ()), ("score", 3.0, ([[1, 2]],)), ("resume_memory", 4.0, (["weights"],))]
 
 
-def test_both_proxies_use_it():
-    from beamrl.loop.weight_sync import ActorReceiver
+def test_every_proxy_uses_it():
+    from beamrl.loop.weight_sync import ActorReceiver, ExpressReceiver
     from beamrl.sync.process_receiver import ProcessReceiver
 
-    assert issubclass(ActorReceiver, ForwardingReceiver) and issubclass(ProcessReceiver, ForwardingReceiver)
+    assert all(issubclass(p, ForwardingReceiver) for p in (ActorReceiver, ExpressReceiver, ProcessReceiver))
 
 
 class _Engine(_Recorder):
