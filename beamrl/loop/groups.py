@@ -365,8 +365,8 @@ class EngineGroup:
         self._abandoned: list = []
         self.tp_sizes = [0] * len(engines)  # as each engine reports it once started
         self.health_errors: dict[int, Exception] = {}  # engine -> why its last health check raised
-        # Each running engine leader's express server and the driver's channel to it, once the run has express
-        # calls (`open_express`); the node they must be on (this one).
+        # Per engine, its leader's express server and the driver's channel to it (None: stopped), once the run has
+        # express calls (`open_express`: every actor on the driver's node); None without them.
         self.express: list[tuple[ExpressAddress, ExpressClient] | None] | None = None
         try:
             self._start(list(range(len(engines))))
