@@ -2,7 +2,7 @@
 
 Ray places, starts, health-checks, restarts and stops the actors, and carries every call between nodes. A Ray actor
 call costs about 0.85 ms back to back and 2.4 ms when the caller had been waiting (on the 2-core CI-class VM,
-`benchmarks/ray_latency.py`), against 0.02 and 0.12 ms for a round trip over a socket between the same processes;
+`benchmarks/ray_latency.py`), against 0.03 and 0.70 ms for the same method called over a socket (an express call);
 a step of the RL loop makes five or six such calls one after another (the rollout, the train step, and the weight
 sync's pause, bucket, commit and version check). So an actor opens an `ExpressServer` once (`open_express`), and a
 caller on the same node sends those calls through an `ExpressClient` instead. They run the actor's own methods, one

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
+from multiprocessing import AuthenticationError
 
 import ray
 
@@ -677,21 +678,28 @@ def open_express(trainers: list[TrainerGroup], engines: EngineGroup | None) -> s
     node: the driver's train-step and rollout calls and the weight sync's engine calls then go over sockets.
     Returns the console line that says which way the calls go."""
     here = ray.get_runtime_context().get_node_id()
-    per_trainer = [g.express_addresses() for g in trainers]
-    per_engine = [engines.express_address(k) for k in engines.running] if engines is not None else []
+    try:
+        per_trainer = [g.express_addresses() for g in trainers]
+        per_engine = [engines.express_address(k) for k in engines.running] if engines is not None else []
+    except ActorCallError as exc:  # an actor could not open its server (a dead one fails its next call, loudly)
+        return f"actor calls: through Ray (an express server could not be opened: {first_line(exc)})"
     nodes = {a.node_id for a in [*(a for x in per_trainer for a in x), *per_engine]}
     if nodes != {here}:
         where = f"{len(nodes)} node(s)" + ("" if here in nodes else ", none of them the driver's")
         return f"actor calls: through Ray (express calls need every actor on the driver's node; these run on {where})"
     opened: list[ExpressClient] = []
+    trainer_clients: list[list[ExpressClient]] = []
     try:
-        trainer_clients = [[ExpressClient(a, f"trainer rank {r}") for r, a in enumerate(addresses)]
-                           for addresses in per_trainer]
-        opened += [c for cs in trainer_clients for c in cs]
-        engine_clients = [ExpressClient(a, engines.names[k]) for k, a in zip(engines.running, per_engine)] \
-            if engines is not None else []
-        opened += engine_clients
-    except (ExpressPeerLost, OSError) as exc:  # e.g. actors in another network namespace than the driver
+        for addresses in per_trainer:
+            trainer_clients.append([])
+            for r, a in enumerate(addresses):
+                trainer_clients[-1].append(ExpressClient(a, f"trainer rank {r}"))
+                opened.append(trainer_clients[-1][-1])
+        engine_clients = []
+        for k, a in zip(engines.running if engines is not None else [], per_engine):
+            engine_clients.append(ExpressClient(a, engines.names[k]))
+            opened.append(engine_clients[-1])
+    except (ExpressPeerLost, AuthenticationError, OSError) as exc:  # e.g. actors in another network namespace
         _close_all(opened)
         return f"actor calls: through Ray (an express channel could not be opened: {first_line(exc)})"
     for g, clients in zip(trainers, trainer_clients):
