@@ -11,7 +11,7 @@ from typing import Any
 import ray
 
 from beamrl.loop.express import ExpressCall, ExpressPeerLost, ExpressTaskError, ExpressTimeout, wait_any as _wait
-from beamrl.loop.ray_utils import ActorCallError, ray_get
+from beamrl.loop.ray_utils import died, failed, no_answer, ray_get
 
 #: What a call that ended with its actor's death raises, either way.
 DIED = (ray.exceptions.RayActorError, ExpressPeerLost)
@@ -49,11 +49,11 @@ def call_result(call, timeout: float, what: str) -> Any:
         return call.result(timeout)
     except ExpressTimeout:
         call.abandon()
-        raise ActorCallError(f"{what}: no answer within {timeout:.0f} s") from None
+        raise no_answer(what, timeout) from None
     except ExpressPeerLost as e:
-        raise ActorCallError(f"{what}: the actor died ({e})") from None
+        raise died(what, e) from None
     except ExpressTaskError as e:
-        raise ActorCallError(f"{what}: {type(e.cause).__name__}: {e.cause}") from e.cause
+        raise failed(what, e.cause) from e.cause
 
 
 def abandon(call) -> bool:

@@ -109,8 +109,8 @@ class RLDriver:
         log(f"starting the trainer ({r.trainer.num_gpus} Megatron rank(s)) and {r.rollout.num_engines} "
             f"{r.rollout.engine} engine(s) from {policy}")
         self._start_trainer_and_engines(policy)
-        log(open_express([g for g in (self.trainer, self.reference) if g is not None], self.engines)
-            if r.placement.express_calls else "actor calls: through Ray (placement.express_calls: false)")
+        log(open_express([g for g in (self.trainer, self.reference) if g is not None], self.engines,
+                         r.placement.express_calls))
         EngineRecovery(self.engines, self._resync_engine, max_restarts=r.rollout.max_engine_restarts,
                        interval_s=r.rollout.health_check_interval_s, health_timeout_s=r.timeouts.health_s, log=log)
         self.collector = RolloutCollector(run, self.engines)

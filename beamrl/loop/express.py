@@ -68,7 +68,6 @@ class ExpressAddress:
     node_id: str
     socket: str
     authkey: bytes
-    pid: int
 
 
 def serial(method):
@@ -100,7 +99,10 @@ def _hang_up(conn: Connection) -> None:
         sock.close()
     except OSError:
         pass
-    conn.close()
+    try:  # (the server's close and a serving thread may both hang up on one connection)
+        conn.close()
+    except OSError:
+        pass
 
 
 def _current_cuda_device() -> int | None:
@@ -119,7 +121,7 @@ class ExpressServer:
         self.authkey = secrets.token_bytes(32)
         name_ = f"\0beamrl-express-{os.getpid()}-{secrets.token_hex(8)}"
         self._listener = Listener(name_, family="AF_UNIX")  # the key is checked per connection (`_serve`)
-        self.address = ExpressAddress(node_id, name_, self.authkey, os.getpid())
+        self.address = ExpressAddress(node_id, name_, self.authkey)
         self._closed = False
         self._conns: list[Connection] = []
         self._device = _current_cuda_device()
@@ -143,7 +145,7 @@ class ExpressServer:
             deliver_challenge(conn, self.authkey)
             answer_challenge(conn, self.authkey)
         except Exception:  # noqa: BLE001 - a caller without the key (or gone): refused
-            conn.close()
+            _hang_up(conn)
             return
         calls: queue.SimpleQueue = queue.SimpleQueue()
         threading.Thread(target=self._run, args=(conn, calls), name=f"beamrl-express-{self.name}-run",

@@ -673,10 +673,12 @@ def _close_all(clients) -> None:
         c.close()
 
 
-def open_express(trainers: list[TrainerGroup], engines: EngineGroup | None) -> str:
-    """Give the run express calls (`beamrl.loop.express`) when every trainer rank and engine leader runs on this
-    node: the driver's train-step and rollout calls and the weight sync's engine calls then go over sockets.
-    Returns the console line that says which way the calls go."""
+def open_express(trainers: list[TrainerGroup], engines: EngineGroup | None, enabled: bool) -> str:
+    """Give the run express calls (`beamrl.loop.express`) when `enabled` (`placement.express_calls`) and every trainer
+    rank and engine leader runs on this node: the driver's train-step and rollout calls and the weight sync's engine
+    calls then go over sockets. Returns the console line that says which way the calls go."""
+    if not enabled:
+        return "actor calls: through Ray (placement.express_calls: false)"
     here = ray.get_runtime_context().get_node_id()
     try:
         per_trainer = [g.express_addresses() for g in trainers]

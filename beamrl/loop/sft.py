@@ -42,8 +42,7 @@ def sft_warm_start(run: RunContext) -> str:
     loader = sft_loader(run.data.samples, sft.batch, r.run.seed)
     t0 = time.perf_counter()
     try:
-        if r.placement.express_calls:
-            log(f"SFT: {open_express([trainer], None)}")
+        log(f"SFT: {open_express([trainer], None, r.placement.express_calls)}")
         for i in range(sft.steps):
             pbs, loss = sft_step_batches(loader.next_batch(sft.batch), run.tokenizer, trainer.dp_size,
                                          r.trainer.micro_batch_size)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from beamrl.loop.actor_calls import call_result
 from beamrl.loop.express import ExpressAddress, ExpressClient, ExpressPeerLost
 from beamrl.loop.log import log
-from beamrl.loop.ray_utils import ActorCallError
+from beamrl.loop.ray_utils import ActorCallError, died
 from beamrl.models.beam.lora_payload import ADAPTER, SCALE_NAME, scale_tensor
 from beamrl.protocols.weights import PendingCall, WeightSyncError
 from beamrl.sync.export import ExportSource, TensorSpec
@@ -82,7 +82,7 @@ class ExpressReceiver(ActorReceiver):
                 self._client = ExpressClient(self._address, self._name)
             return _ActorCall(self._client.call_async("call", method, *args, timeout=timeout), what)
         except ExpressPeerLost as e:
-            return PendingCall(error=WeightSyncError(f"{what}: the actor died ({e})"))
+            return PendingCall(error=WeightSyncError(str(died(what, e))))
 
     def close(self) -> None:
         """Close the channel (the engine was replaced or the sync discarded)."""

@@ -141,7 +141,7 @@ def test_a_dead_actor_ends_the_call_at_once(child):
 
 def test_a_caller_without_the_key_is_refused(child):
     proc, address = child
-    wrong = ExpressAddress(address.node_id, address.socket, b"x" * 32, address.pid)
+    wrong = ExpressAddress(address.node_id, address.socket, b"x" * 32)
     with pytest.raises(AuthenticationError):
         ExpressClient(wrong, "intruder")
     assert ExpressClient(address, "child").call("add", 2, timeout=10)["sum"] == 2  # still serving
@@ -211,7 +211,7 @@ def test_a_server_that_never_answers_the_handshake_is_given_up_on():
     try:
         t0 = time.monotonic()
         with pytest.raises(ExpressPeerLost, match="no handshake within 0.3 s"):
-            ExpressClient(ExpressAddress("node", "\0beamrl-express-test-mute", b"k" * 32, 0), "mute", timeout=0.3)
+            ExpressClient(ExpressAddress("node", "\0beamrl-express-test-mute", b"k" * 32), "mute", timeout=0.3)
         assert time.monotonic() - t0 < 5
     finally:
         mute.close()

@@ -130,7 +130,7 @@ def test_dead_engine_fails_fast_with_its_name(tmp_path, local_ray, express):
                           port=0, start_timeout=120, return_routed_experts=False)
     group = EngineGroup([[engine_factory(rollout, launch)]], 120, [[{"num_cpus": 1}]])
     if express:
-        assert open_express([], group).startswith("actor calls: express")
+        assert open_express([], group, True).startswith("actor calls: express")
     req = [[GenerateRequest([1, 2, 3], SamplingParams(max_new_tokens=2, seed=0))]]
     assert len(group.generate(req, 60)[0]) == 1
     pid = group.pids(0)[0]
